@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create/refresh .venv.  The venv sees system site-packages, so a torch you already
+# have (a GPU build) is kept; only when no torch is importable is the CPU build pinned.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= test
+
+.PHONY: venv test demo check mutants docs clean
+venv: $(VENV)/.stamp-$(EXTRAS)
+
+$(VENV)/.stamp-$(EXTRAS): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+test: venv
+	$(PY) -m pytest -n 2 -q tests
+
+demo: venv
+	$(PY) -m refspec demo
+
+check: venv
+	$(PY) -m refspec check
+
+mutants: venv
+	$(PY) -m refspec mutants
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis site

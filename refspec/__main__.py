@@ -1,0 +1,3 @@
+from refspec.cli import main
+
+raise SystemExit(main())

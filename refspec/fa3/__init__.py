@@ -1,0 +1,1 @@
+"""The production wing: SGLang's FA3 backend rules over the FA3 kernel contract."""

@@ -1,0 +1,88 @@
+"""SGLang's FA3 attention backend, top-k = 1: store-then-attend over the paged pool.
+
+``forward`` first writes this forward's K/V at ``out_cache_loc`` (PA-009), then calls the FA3
+kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens (spec
+§1.1, refspec decision 1).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
+capture/replay hooks from :mod:`refspec.fa3.graph_metadata`.  Validation
+(:mod:`refspec.fa3.validate`) runs after every metadata build unless ``validate=False``.
+"""
+
+from __future__ import annotations
+
+from refspec.batch import ForwardBatch
+from refspec.fa3 import kernel
+from refspec.fa3.graph_metadata import GraphMetadataMixin
+from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
+from refspec.fa3.validate import validate_metadata
+from refspec.graphs import launch
+from refspec.kv_cache import KVCache, KVPool
+from refspec.layer import AttentionLayer
+
+
+def _store_kv(pool: KVPool, layer_id: int, loc, k, v):
+    pool.set_kv_buffer(layer_id, loc, k, v)
+
+
+class FlashAttentionBackend(GraphMetadataMixin):
+    """The production backend of one model (target or draft).
+
+    Args:
+        pool: this model's KV pool ``[NP, P, Hkv, D]`` per layer.
+        kv: shared ``req_to_token`` (int32 ``[max_reqs, ctx + extra]``) and allocator.
+        speculative_step_id: s for the draft-decode backend of step s (K = L + s + 1), else None.
+        max_context_len: the model's context length (only the ``page-table-width-from-context``
+            bug variant uses it; buffers are sized from ``req_to_token.shape[1]``, CG-008).
+        validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
+        provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one.
+    """
+
+    name = "fa3"
+
+    def __init__(self, pool: KVPool, kv: KVCache, speculative_step_id: int | None = None,
+                 max_context_len: int | None = None, validate: bool = True, provider: str | None = None):
+        self.pool, self.kv = pool, kv
+        self.page_size = kv.page_size
+        self.speculative_step_id = speculative_step_id
+        self.max_context_len = max_context_len or kv.req_to_token.shape[1]
+        self.validate = validate
+        self.provider = provider
+        self.forward_metadata: FlashAttentionMetadata | None = None
+        self.graph_state = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> FlashAttentionMetadata:
+        """Eager metadata (spec §3.3), validated against ``fb`` and ``req_to_token``."""
+        md = init_forward_metadata(fb, self.kv.req_to_token, self.page_size, self.speculative_step_id)
+        if self.validate:
+            validate_metadata(md, fb, self.kv.req_to_token, self.page_size)
+        self.forward_metadata = md
+        return md
+
+    def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
+        """Store-then-attend.  ``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store)
+        -> ``[T, H, D]``.  Graph-safe: no host syncs here (validation ran at metadata time)."""
+        if k is not None:
+            launch(_store_kv, live=dict(k=k, v=v),
+                   static=dict(pool=self.pool, loc=fb.out_cache_loc), scalars=dict(layer_id=layer.layer_id))
+        md = self.forward_metadata
+        k_cache, v_cache = self.pool.get_kv_buffer(layer.layer_id)
+        window = (layer.sliding_window_size, 0) if layer.sliding_window_size >= 0 else (-1, -1)
+        return launch(
+            kernel.flash_attn_with_kvcache,
+            live=dict(q=q),
+            static=dict(k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32,
+                        page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q),
+            scalars=dict(max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale, causal=True,
+                         window_size=window, softcap=layer.logit_cap, provider=self.provider),
+        )
+
+
+class FlashAttentionMultiStepBackend:
+    """The Sd - 1 draft-decode backends, one per step s = 0..Sd-2 (SGLang, spec §3.6).
+
+    Each owns its metadata and graph buffers; step s's K is L + s + 1.  With Sd = 1 there is no
+    draft-decode forward and ``backends`` is empty.
+    """
+
+    def __init__(self, pool: KVPool, kv: KVCache, speculative_num_steps: int, **kw):
+        self.backends = [FlashAttentionBackend(pool, kv, speculative_step_id=s, **kw)
+                         for s in range(speculative_num_steps - 1)]

@@ -1,0 +1,108 @@
+"""A pure-PyTorch emulator of the FA3 paged-KV kernel contract (``flash_attn_with_kvcache``).
+
+It computes the way the kernel does, not the way the oracle does: keys are read *through the
+page table*, in tiles, with an online (running max / running sum) softmax, and GQA is handled by
+packing the query heads of one KV head together (FA3's pack-GQA), so its code shares nothing
+with ``refspec.oracle`` beyond the rule it must reproduce.
+
+What it reads (PA-007): for request b only page-table columns ``< ceil(K_b / P)`` and only keys
+``< K_b``.  What it refuses (the real kernel's result is undefined there, so the emulator raises
+an :class:`~refspec.invariants.InvariantError` naming the contract rule):
+
+* a request with more query rows than ``max_seqlen_q`` (PA-010);
+* a page table narrower than ``ceil(K_b / P)`` (PA-003);
+* wrong dtypes/shapes, a read page id outside ``[0, NP)``, ``cu_seqlens_q`` not starting at 0 /
+  decreasing / past ``T`` (PA-011).
+
+Output rows not covered by ``cu_seqlens_q`` are NaN: the kernel never writes them, so they hold
+whatever the output buffer held ("garbage"); NaN makes any use of them visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.invariants import require
+
+TILE = 128  #: keys per tile of the online softmax (the kernel's n-block)
+
+
+def _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q):
+    T, H, D = q.shape
+    NP, P, Hkv, Dk = k_cache.shape
+    require(Dk == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
+        require(t.dtype == torch.int32, "PA-011", f"{name} must be int32, got {t.dtype}")
+    B = cache_seqlens.shape[0]
+    require(page_table.dim() == 2 and page_table.shape[0] == B and cu_seqlens_q.shape[0] == B + 1, "PA-011",
+            f"B={B}: page_table {tuple(page_table.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}")
+    require(isinstance(max_seqlen_q, int), "PA-011", "max_seqlen_q must be a Python int")
+    cu = cu_seqlens_q.tolist()
+    require(cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T, "PA-011",
+            f"cu_seqlens_q {cu} must start at 0, not decrease and end <= T={T}")
+    return cu, cache_seqlens.tolist(), P, NP
+
+
+def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
+                                    max_seqlen_q, softmax_scale=None, causal=True, window_size=(-1, -1),
+                                    softcap=0.0, return_softmax_lse=False):
+    """Emulate ``flash_attn_interface.flash_attn_with_kvcache`` as SGLang calls it (no new k/v).
+
+    Shapes: q ``[T, H, D]``; k_cache, v_cache ``[NP, P, Hkv, D]``; cache_seqlens int32 ``[B]``
+    (K_b, tokens); page_table int32 ``[B, W]`` (pages); cu_seqlens_q int32 ``[B+1]`` (rows);
+    max_seqlen_q a Python int (frozen under CUDA graphs).  Returns ``[T, H, D]`` in q.dtype, and
+    the LSE ``[H, T]`` (fp32) if ``return_softmax_lse``.
+    Raises: InvariantError PA-003, PA-010, PA-011 (see module doc).
+    """
+    cu, K_list, P, NP = _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q)
+    T, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = H // Hkv
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    left = window_size[0]
+    out = torch.full((T, H, D), float("nan"), dtype=torch.float32, device=q.device)
+    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device=q.device)
+    for b, K in enumerate(K_list):
+        Q = cu[b + 1] - cu[b]
+        if Q == 0:
+            continue
+        require(Q <= max_seqlen_q, "PA-010", f"request {b} has {Q} query rows, max_seqlen_q={max_seqlen_q}")
+        n_pages = -(-K // P)
+        require(n_pages <= page_table.shape[1], "PA-003",
+                f"request {b}: K={K} needs {n_pages} pages of {P}, page_table has {page_table.shape[1]} columns")
+        pages = page_table[b, :n_pages].long()  # only the columns the kernel dereferences
+        if n_pages:
+            require(bool(((pages >= 0) & (pages < NP)).all()), "PA-011",
+                    f"request {b}: page id outside [0, {NP}) in {pages.tolist()}")
+        qb = q[cu[b]:cu[b + 1]].float().reshape(Q, Hkv, G, D)  # pack GQA: rows x (kv head, group)
+        m = torch.full((Q, Hkv, G), float("-inf"), device=q.device)
+        l = torch.zeros((Q, Hkv, G), device=q.device)
+        acc = torch.zeros((Q, Hkv, G, D), device=q.device)
+        row = torch.arange(Q, device=q.device)[:, None]
+        for start in range(0, K, TILE):
+            stop = min(K, start + TILE)
+            p = torch.arange(start, stop, device=q.device)
+            kt = k_cache[pages[p // P], p % P].float()  # [n, Hkv, D], through the page table
+            vt = v_cache[pages[p // P], p % P].float()
+            s = torch.einsum("qkgd,nkd->qkgn", qb, kt) * scale
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            vis = torch.ones((Q, stop - start), dtype=torch.bool, device=q.device)
+            if causal:
+                vis = p[None, :] <= row + K - Q
+                if left >= 0:
+                    vis &= p[None, :] >= row + K - Q - left
+            s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            w = torch.exp(s - safe[..., None])
+            corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - safe))
+            l = l * corr + w.sum(-1)
+            acc = acc * corr[..., None] + torch.einsum("qkgn,nkd->qkgd", w, vt)
+            m = m_new
+        o = torch.where(l[..., None] > 0, acc / l.clamp(min=1e-30)[..., None], torch.zeros_like(acc))
+        out[cu[b]:cu[b + 1]] = o.reshape(Q, H, D)
+        lse[:, cu[b]:cu[b + 1]] = torch.where(l > 0, m + torch.log(l.clamp(min=1e-30)),
+                                              torch.full_like(l, float("-inf"))).reshape(Q, H).T
+    out = out.to(q.dtype)
+    return (out, lse) if return_softmax_lse else out

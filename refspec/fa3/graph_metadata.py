@@ -1,0 +1,163 @@
+"""FA3 metadata under CUDA graphs: preallocated buffers, capture, in-place replay (spec §4.2-§4.4).
+
+What each graphed mode keeps static and what replay rewrites *in place* (never rebinding, CG-001):
+
+===================  ==========================  ====================================================
+mode                 static (frozen at capture)  rewritten at every replay (bs_g rows, padded)
+===================  ==========================  ====================================================
+DECODE               cu_seqlens_q = arange,      cache_seqlens <- seq_lens; cu_seqlens_k;
+                     max_seqlen_q = 1, width W   page_table[:, :m] <- R[r, strided[:m]] // P
+draft decode step s  same (own buffers per s)    cache_seqlens <- seq_lens + s + 1; cu_k; page_table
+TARGET_VERIFY        cu_seqlens_q = arange(0,    cache_seqlens <- seq_lens + N; cu_k; page_table
+                     bs*N+1, N), max_q = N
+DRAFT_EXTEND (v1)    max_seqlen_q = W = Sd + 1   cache_seqlens <- seq_lens (L + a); cu_k; page_table;
+                                                 **cu_seqlens_q[1:] <- cumsum(num_accept_tokens)**
+DRAFT_EXTEND_V2      max_seqlen_q = W = Sd + 1   cache_seqlens <- seq_lens (L + N); cu_k; page_table;
+                                                 **cu_seqlens_q[1:] <- cumsum(extend_seq_lens)**
+                                                 (= [0, W, 2W, ...], uniform)
+===================  ==========================  ====================================================
+
+m = ceil(max K / P) from the CPU mirror; columns >= m keep stale values, which is harmless
+because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width W is
+``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
+and replay raises CG-008 when m > W instead of letting the kernel run past it.
+Capture for DRAFT_EXTEND and DRAFT_EXTEND_V2 is shared (``is_draft_extend(include_v2=True)``,
+A4 ``160a06cab``); only replay differs (spec §4.6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from refspec import bugs
+from refspec.batch import ForwardBatch
+from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, mode_delta
+from refspec.fa3.validate import validate_metadata
+from refspec.invariants import InvariantError, require
+
+_TENSORS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table")
+
+
+@dataclass
+class GraphState:
+    """Buffers of ``init_cuda_graph_state`` (one set per backend): int32 on the pool's device.
+
+    ``cache_seqlens`` [max_bs], ``cu_seqlens_k`` [max_bs+1], ``page_table`` [max_bs, W] (pages),
+    ``cu_seqlens_q`` [max_num_tokens+1] (row offsets), ``strided_indices`` [W] (token columns).
+    ``captured[(mode, bs)]`` holds the bound metadata and its tensors' addresses.
+    """
+
+    max_bs: int
+    width: int
+    cache_seqlens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    page_table: torch.Tensor
+    strided_indices: torch.Tensor
+    captured: dict = field(default_factory=dict)
+
+
+def _mode_key(fb: ForwardBatch) -> str:
+    m = fb.forward_mode
+    return "draft_extend" if m.is_draft_extend(include_v2=True) else m.name.lower()
+
+
+class GraphMetadataMixin:
+    """Graph hooks of :class:`~refspec.fa3.backend.FlashAttentionBackend`."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Preallocate the graph buffers; the page-table width W comes from ``req_to_token``."""
+        P, R = self.page_size, self.kv.req_to_token
+        cols = self.max_context_len if bugs.is_on("page-table-width-from-context") else R.shape[1]
+        W = -(-cols // P)
+        i32 = dict(dtype=torch.int32, device=R.device)
+        self.graph_state = GraphState(
+            max_bs=max_bs, width=W,
+            cache_seqlens=torch.zeros(max_bs, **i32),
+            cu_seqlens_q=torch.zeros(max_num_tokens + 1, **i32),
+            cu_seqlens_k=torch.zeros(max_bs + 1, **i32),
+            page_table=torch.zeros((max_bs, W), **i32),
+            strided_indices=torch.arange(0, W * P, P, device=R.device).clamp(max=R.shape[1] - 1),
+        )
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, fb: ForwardBatch):
+        """Bind this (mode, bs)'s metadata to buffer slices and freeze its scalars (spec §4.3).
+
+        ``fb`` is the runner's static batch (dummy values).  Capture-time outputs are discarded.
+        """
+        gs, m = self.graph_state, fb.forward_mode
+        if m.is_decode():
+            tokens_per_req = 1  # one query row per step, whatever the runner's token layout
+        elif m.is_target_verify():
+            tokens_per_req = fb.num_draft_tokens
+        else:
+            tokens_per_req = num_tokens // bs  # draft extend: W = Sd + 1
+        cu_q = gs.cu_seqlens_q[: bs + 1]
+        cu_q.copy_(torch.arange(0, bs * tokens_per_req + 1, tokens_per_req, dtype=torch.int32))
+        if m.is_decode():
+            max_q = 1
+        elif m.is_target_verify():
+            max_q = fb.num_draft_tokens
+        elif m.is_draft_extend(include_v2=True):
+            max_q = 1 if bugs.is_on("capture-max-seqlen-q-small") else tokens_per_req
+        else:
+            raise ValueError(f"{m.name} is not a graphed mode")
+        md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], max_q, 0,
+                                    gs.page_table[:bs, :])
+        self._update_lengths(md, fb, bs)
+        gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
+        self.forward_metadata = md
+        return md
+
+    def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: ForwardBatch, num_real: int):
+        """Rewrite the captured (mode, bs) metadata in place for the padded batch ``fb``.
+
+        ``fb`` holds ``bs`` rows (``num_real`` real, then padding) with CPU mirrors.
+        Raises: CG-008 (pages do not fit), CG-001 (a captured tensor was rebound), and, with
+        ``validate``, every check of :mod:`refspec.fa3.validate` on the real rows.
+        """
+        md, bound = self.graph_state.captured[(_mode_key(fb), bs)]
+        self._update_lengths(md, fb, bs)
+        for name, t in bound.items():
+            now = getattr(md, name)
+            if self.validate and (now is not t or now.data_ptr() != t.data_ptr()):
+                raise InvariantError("CG-001", f"{name} was rebound at replay (captured tensor at "
+                                     f"{t.data_ptr():#x}, now {now.data_ptr():#x})")
+        if self.validate:
+            validate_metadata(md, fb, self.kv.req_to_token, self.page_size, num_real=num_real,
+                              max_seqlen_q=md.max_seq_len_q)
+        self.forward_metadata = md
+        return md
+
+    def _update_lengths(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
+        """The in-place writes shared by capture (dummy values) and replay."""
+        gs, m, P, R = self.graph_state, fb.forward_mode, self.page_size, self.kv.req_to_token
+        delta = mode_delta(fb, self.speculative_step_id)
+        K = (fb.seq_lens[:bs] + delta).to(torch.int32)
+        if bugs.is_on("replay-rebind-cache-seqlens"):
+            md.cache_seqlens_int32 = K.clone()
+        else:
+            md.cache_seqlens_int32.copy_(K)
+        md.cu_seqlens_k[1:].copy_(torch.cumsum(K, 0, dtype=torch.int32))
+        if m.is_draft_extend():  # v1: packed, a = n + 1 rows per request (CG-003)
+            rows = fb.num_accept_tokens[:bs]
+            if bugs.is_on("de-v1-accept-off-by-one"):
+                rows = rows - 1
+            if bugs.is_on("de-v1-uniform-cu-q"):
+                rows = torch.full_like(rows, md.max_seq_len_q)  # v2's uniform W
+            md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
+        elif m.is_draft_extend_v2():  # v2: uniform W rows per request (CG-004)
+            rows = fb.num_accept_tokens[:bs] if bugs.is_on("de-v2-packed-cu-q") else fb.extend_seq_lens[:bs]
+            md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
+        max_k = int(fb.seq_lens_cpu[:bs].max()) + delta
+        m_pages = -(-max_k // P)
+        require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
+        r = fb.req_pool_indices[:bs]
+        if bugs.is_on("seed-page-table") and P > 1 and (m.is_target_verify() or self.speculative_step_id is not None):
+            md.page_table[:, :max_k].copy_(R[r, :max_k])  # A0: token slots used as page ids
+        elif bugs.is_on("replay-rebind-page-table"):
+            md.page_table = (R[r][:, gs.strided_indices] // P).to(torch.int32)
+        else:
+            md.page_table[:, :m_pages].copy_(R[r][:, gs.strided_indices[:m_pages]] // P)

@@ -1,0 +1,125 @@
+"""Eager FA3 attention metadata per forward mode (SGLang ``init_forward_metadata``, top-k = 1).
+
+Mirrors ``flashattention_backend.py`` @A3 ``0bfe1d145`` (lines 365-648), spec §3.3.  For request
+b with ``seq_lens`` L_b (its meaning per mode is in :mod:`refspec.batch`):
+
+==================  =====  =====================  ==============================  =============
+mode                q_b    ``cache_seqlens`` K_b  ``cu_seqlens_q``                ``max_seq_len_q``
+==================  =====  =====================  ==============================  =============
+DECODE              1      L                      arange(0..B)                    1
+draft decode s      1      L + s + 1              arange(0..B)                    1
+EXTEND, no prefix   e      L (= e)                = cu_seqlens_k                  max_seq_len_k
+EXTEND, prefix      e      L                      [0, cumsum e]                   max e
+TARGET_VERIFY       N      L + N                  arange(0, B*N + 1, N)           N
+DRAFT_EXTEND (v1)   a      L (= L_old + a)        [0, cumsum a] (packed)          max a
+DRAFT_EXTEND_V2     N      L (= L_old + N)        [0, cumsum extend] (uniform N)  max extend
+IDLE                -      []                     [0]                             1
+==================  =====  =====================  ==============================  =============
+
+Every mode: ``cu_seqlens_k = [0, cumsum K]`` (bookkeeping; the paged kernel never reads it,
+spec §1.2), ``max_seq_len_k = max K`` from the CPU mirror (no device sync, MD-006), and
+``page_table = req_to_token[r, 0:max_seq_len_k:P] // P`` (MD-007; plain slots when P = 1).
+
+Worked example (P = 4, N = 4): two requests with committed L = [5, 9] in TARGET_VERIFY give
+K = [9, 13], cu_seqlens_q = [0, 4, 8], max_seq_len_k = 13, page_table width ceil(13/4) = 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refspec import bugs
+from refspec.batch import ForwardBatch
+
+
+@dataclass
+class FlashAttentionMetadata:
+    """What ``flash_attn_with_kvcache`` is fed (SGLang ``FlashAttentionMetadata``).
+
+    Shapes (B requests, or Bg padded graph rows): ``cache_seqlens_int32`` int32 [B] (K_b,
+    tokens); ``cu_seqlens_q`` int32 [B+1] (rows); ``cu_seqlens_k`` int32 [B+1] (tokens);
+    ``page_table`` int32 [B, W] (pages); ``max_seq_len_q`` / ``max_seq_len_k`` Python ints.
+    """
+
+    cache_seqlens_int32: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seq_len_q: int
+    max_seq_len_k: int
+    page_table: torch.Tensor
+
+
+def cumsum0(x: torch.Tensor) -> torch.Tensor:
+    """``[0, x0, x0+x1, ...]`` as int32 (``torch.nn.functional.pad(cumsum(x), (1, 0))``)."""
+    return torch.nn.functional.pad(torch.cumsum(x, dim=0, dtype=torch.int32), (1, 0))
+
+
+def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_size: int) -> torch.Tensor:
+    """``req_to_token[r, 0:max_seq_len_k:P] // P``: int32 ``[B, ceil(max_seq_len_k / P)]`` (pages).
+
+    Spec §2.1: the first slot of each page, divided by P, is the page id.  Lossless only if
+    every row is page-contiguous (INV-PAGE, PA-001), which the paged allocator guarantees.
+    With P = 1 slots are page ids and this is the token-level table itself.
+    """
+    rows = req_to_token[req_pool_indices, :max_seq_len_k]
+    if page_size == 1:
+        return rows.contiguous()
+    return (rows[:, ::page_size] // page_size).contiguous()
+
+
+def mode_delta(fb: ForwardBatch, speculative_step_id: int | None) -> int:
+    """K_b - seq_lens_b for the modes whose K is ``seq_lens + delta`` (spec §3.3).
+
+    TARGET_VERIFY: N.  Draft decode step s: s + 1.  All other modes: 0.
+    """
+    m = fb.forward_mode
+    if m.is_target_verify():
+        return fb.num_draft_tokens
+    if m.is_decode() and speculative_step_id is not None:
+        return speculative_step_id + 1
+    if m.is_draft_extend_v2() and bugs.is_on("de-v2-k-double-count"):
+        return fb.num_draft_tokens  # the #26512 bug: seq_lens already counts the N tokens
+    return 0
+
+
+def init_forward_metadata(fb: ForwardBatch, req_to_token: torch.Tensor, page_size: int,
+                          speculative_step_id: int | None = None) -> FlashAttentionMetadata:
+    """Eager metadata for ``fb`` (see the module table).
+
+    Args: ``speculative_step_id`` is s for the draft-decode backend of step s, else None.
+    Raises: nothing itself; ``refspec.fa3.validate`` checks the result against the batch.
+    """
+    m, dev, B = fb.forward_mode, req_to_token.device, fb.batch_size
+    i32 = dict(dtype=torch.int32, device=dev)
+    if m.is_idle() or B == 0:
+        z = torch.zeros(0, **i32)
+        return FlashAttentionMetadata(z, torch.zeros(1, **i32), torch.zeros(1, **i32), 1, 0,
+                                      torch.zeros((0, 1), **i32))
+    delta = mode_delta(fb, speculative_step_id)
+    cache_seqlens = (fb.seq_lens + delta).to(torch.int32)
+    max_k = int(fb.seq_lens_cpu.max()) + delta
+    cu_k = cumsum0(cache_seqlens)
+    if m.is_decode():
+        cu_q, max_q = torch.arange(B + 1, **i32), 1
+    elif m.is_target_verify():
+        N = fb.num_draft_tokens
+        cu_q, max_q = torch.arange(0, B * N + 1, N, **i32), N
+    elif m.is_draft_extend():  # v1: packed by num_accept_tokens (a = n + 1)
+        a = fb.num_accept_tokens
+        if bugs.is_on("de-v1-attend-rejected"):
+            cache_seqlens = (fb.seq_lens - a + fb.num_draft_tokens).to(torch.int32)
+            max_k = int((fb.seq_lens_cpu - torch.tensor(fb.num_accept_tokens_cpu)).max()) + fb.num_draft_tokens
+            cu_k = cumsum0(cache_seqlens)
+        cu_q, max_q = cumsum0(a), max(fb.num_accept_tokens_cpu)
+    else:  # EXTEND, DRAFT_EXTEND_V2: [0, cumsum extend_seq_lens]
+        ext_cpu = fb.extend_seq_lens_cpu
+        has_prefix = m.is_draft_extend_v2() or any(
+            L != e for L, e in zip(fb.seq_lens_cpu.tolist(), ext_cpu))
+        if has_prefix:
+            cu_q, max_q = cumsum0(fb.extend_seq_lens), max(ext_cpu)
+        else:
+            cu_q, max_q = cu_k, max_k
+    page_table = strided_page_table(req_to_token, fb.req_pool_indices, max_k, page_size)
+    return FlashAttentionMetadata(cache_seqlens, cu_q, cu_k, max_q, max_k, page_table)

@@ -1,0 +1,67 @@
+"""Checks run before every FA3 kernel call (on by default; ``validate=False`` for benchmarks).
+
+Each failure raises :class:`~refspec.invariants.InvariantError` naming the rule:
+
+* MD-001: every metadata tensor is int32 and contiguous;
+* MD-002: ``cu_seqlens_q`` starts at 0, does not decrease, and gives the mode's q_b;
+* MD-004: K_b >= q_b for real rows;
+* MD-005: INV-TAIL, ``out_cache_loc[cu_q[b] + i] == req_to_token[r_b, K_b - q_b + i]``: the
+  query tokens are the last q_b keys, so a wrong K (off by one, double counted) or a wrong
+  ``cu_seqlens_q`` shows here;
+* MD-006: ``cu_seqlens_k = [0, cumsum K]``;
+* PA-001 / PA-002: the page table reproduces ``req_to_token`` for every visible position
+  (which also catches a non-page-contiguous row, and a table in the wrong unit);
+* PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request.
+
+Only the first ``num_real`` rows are checked (padded graph rows are ignored, CG-005 checks
+them).  Cost: O(sum K) integer work on the host per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.batch import ForwardBatch
+from refspec.fa3.metadata import FlashAttentionMetadata
+from refspec.invariants import InvariantError, require
+
+
+def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token: torch.Tensor,
+                      page_size: int, num_real: int | None = None, max_seqlen_q: int | None = None) -> None:
+    """Check ``md`` against ``fb`` (see module doc).  ``max_seqlen_q``: the frozen value in force."""
+    B = fb.batch_size if num_real is None else num_real
+    for name in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table"):
+        t = getattr(md, name)
+        require(t.dtype == torch.int32 and t.is_contiguous(), "MD-001", f"{name}: {t.dtype}, contiguous={t.is_contiguous()}")
+    if B == 0:
+        return
+    P = page_size
+    K = md.cache_seqlens_int32[:B].tolist()
+    cu = md.cu_seqlens_q.tolist()
+    require(cu[0] == 0 and all(x <= y for x, y in zip(cu, cu[1:])), "MD-002", f"cu_seqlens_q = {cu}")
+    q_expected = fb.q_lens_cpu()[:B]
+    q = [cu[b + 1] - cu[b] for b in range(B)]
+    require(q == q_expected, "MD-002", f"{fb.forward_mode.name}: q lens {q}, the mode requires {q_expected}")
+    cuk = md.cu_seqlens_k.tolist()
+    require(cuk[0] == 0 and all(cuk[b + 1] - cuk[b] == K[b] for b in range(B)), "MD-006",
+            f"cu_seqlens_k {cuk[:B + 1]} vs K {K}")
+    max_q = md.max_seq_len_q if max_seqlen_q is None else max_seqlen_q
+    require(max(q) <= max_q, "PA-010", f"q lens {q}, max_seqlen_q {max_q}")
+    loc = fb.out_cache_loc.tolist()
+    pt = md.page_table
+    for b in range(B):
+        r, Kb, qb = int(fb.req_pool_indices[b]), K[b], q[b]
+        require(Kb >= qb, "MD-004", f"request {b}: K={Kb} < q={qb}")
+        require(-(-Kb // P) <= pt.shape[1], "PA-003", f"request {b}: K={Kb} needs {-(-Kb // P)} pages, width {pt.shape[1]}")
+        row = req_to_token[r, :Kb].long()
+        tail = row[Kb - qb:].tolist()
+        mine = loc[cu[b]:cu[b + 1]]
+        require(tail == mine, "MD-005", lambda: f"request {b} (K={Kb}, q={qb}): out_cache_loc {mine} "
+                f"!= req_to_token[{r}, {Kb - qb}:{Kb}] {tail}")
+        p = torch.arange(Kb, device=row.device)
+        via_table = pt[b, p // P].long() * P + p % P
+        if not torch.equal(via_table, row):
+            bad = int((via_table != row).nonzero()[0])
+            ids = "PA-001" if int(row[bad]) % P != bad % P else "PA-002"
+            raise InvariantError(ids, f"request {b} position {bad}: page_table gives slot {int(via_table[bad])}, "
+                                 f"req_to_token[{r}] holds {int(row[bad])} (P={P})")

@@ -1,0 +1,106 @@
+"""CUDA graphs, real and emulated, and the graph runner that pads batches (spec §1.5, §4.1).
+
+**What a graph freezes.**  A captured CUDA graph replays the recorded kernel launches with the
+*addresses* of every buffer that existed before capture and the *values* of every host scalar
+(``max_seqlen_q``, page-table width, ``causal``) of that moment.  Replay re-reads only device
+memory.  So replay-time metadata must be *written into* the capture-time buffers; a rebound
+Python attribute is invisible to the graph (CG-001), and a bigger live query than the frozen
+``max_seqlen_q`` is undefined (CG-006).
+
+**The emulated graph (CPU).**  :class:`EmulatedGraph` gives the same contract without a GPU.
+Every launch that takes metadata goes through :func:`launch`, which names its arguments:
+``static`` tensors (pre-existing buffers: KV pools, metadata, runner inputs) are recorded *by
+identity* at capture and reused at replay whatever the live code passes; ``scalars`` are
+recorded *by value*; ``live`` tensors are activations computed inside the graph and are taken
+from the current run (a real graph recomputes them into the same internal buffers).  Hence, on
+CPU exactly as on a GPU: rebinding a buffer instead of writing into it silently replays the stale
+buffer, and the emulator kernel raises if a live query outgrows the frozen ``max_seqlen_q``.
+On CUDA, :func:`launch` is a plain call and ``torch.cuda.CUDAGraph`` does the freezing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class EmulatedGraph:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` with the same freezing rules (module doc)."""
+
+    _current: "EmulatedGraph | None" = None
+
+    def __init__(self):
+        self._tape: list[tuple] = []
+        self._fn = None
+        self._replaying = False
+        self._cursor = 0
+
+    def capture(self, fn):
+        """Run ``fn()`` once, recording its launches; returns its output (garbage by design)."""
+        EmulatedGraph._current, self._replaying, self._tape = self, False, []
+        try:
+            out = fn()
+        finally:
+            EmulatedGraph._current = None
+        self._fn = fn
+        return out
+
+    def replay(self):
+        """Re-run the captured callable with every launch's static args and scalars frozen."""
+        EmulatedGraph._current, self._replaying, self._cursor = self, True, 0
+        try:
+            out = self._fn()
+            if self._cursor != len(self._tape):
+                raise RuntimeError(f"replay made {self._cursor} launches, capture made {len(self._tape)}")
+        finally:
+            EmulatedGraph._current = None
+        return out
+
+
+def launch(kernel, *, live: dict | None = None, static: dict | None = None, scalars: dict | None = None):
+    """Call ``kernel(**live, **static, **scalars)`` as a graph-recordable launch (module doc)."""
+    live, static, scalars = live or {}, static or {}, scalars or {}
+    g = EmulatedGraph._current
+    if g is None:
+        return kernel(**live, **static, **scalars)
+    if not g._replaying:
+        g._tape.append((kernel, static, scalars))
+        return kernel(**live, **static, **scalars)
+    kernel0, static0, scalars0 = g._tape[g._cursor]
+    g._cursor += 1
+    if kernel0 is not kernel:
+        raise RuntimeError(f"replay launch {g._cursor - 1}: {kernel.__name__} where capture had {kernel0.__name__}")
+    return kernel0(**live, **static0, **scalars0)
+
+
+class CudaGraph:
+    """``torch.cuda.CUDAGraph`` behind the :class:`EmulatedGraph` interface.
+
+    Capture follows the usual recipe: two warm-up runs on a side stream, then capture into a
+    memory pool shared by all graphs of one runner.
+    """
+
+    def __init__(self, pool=None):
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+        self.output = None
+
+    def capture(self, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.output = fn()
+        return self.output
+
+    def replay(self):
+        self.graph.replay()
+        return self.output
+
+
+def make_graph(device: torch.device, pool=None):
+    """A real CUDA graph on CUDA devices, an emulated one elsewhere."""
+    return CudaGraph(pool) if torch.device(device).type == "cuda" else EmulatedGraph()

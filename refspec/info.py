@@ -1,0 +1,24 @@
+"""``python -m refspec info``: the active FA3 provider and why."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from refspec.fa3.kernel import hopper_reason, provider_status, select_provider
+
+
+def main(argv=None) -> int:
+    argparse.ArgumentParser(prog="python -m refspec info", description=__doc__).parse_args(argv)
+    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+    if torch.cuda.is_available():
+        print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
+    for name, status in provider_status().items():
+        print(f"  {name:<11} {status}")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    chosen = select_provider(dev)
+    why = "a real FA3 kernel on a Hopper GPU" if chosen != "emulator" else (
+        f"no real kernel usable here ({hopper_reason() or 'no FA3 module'})")
+    print(f"active provider on {dev.type}: {chosen} ({why})")
+    return 0

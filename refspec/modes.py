@@ -1,0 +1,68 @@
+"""Forward modes and their predicates, as SGLang's ``ForwardMode`` (spec §3.1).
+
+Draft decode is not a mode of its own: it is ``DECODE`` run by the draft model with a draft step
+index ``s`` (``ForwardBatch.draft_step``), exactly as SGLang tells them apart by
+``forward_batch.spec_info is not None``.
+
+Mirrors ``model_executor/forward_batch_info.py`` (the ``include_v2`` helpers of #11398
+``20a6c0a63``, simplified in #11874 ``0bfe1d145``).  Only the modes of top-k = 1 EAGLE are here;
+MIXED / SPLIT_PREFILL are out of scope.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, auto
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  #: prefill (with or without a cached prefix)
+    DECODE = auto()  #: one token per request (target decode, or draft decode step s)
+    TARGET_VERIFY = auto()  #: N = Sd + 1 chained draft tokens per request, target model
+    DRAFT_EXTEND = auto()  #: v1: the a = n + 1 accepted tokens per request, packed, draft model
+    DRAFT_EXTEND_V2 = auto()  #: v2: all N verify rows per request (uniform), draft model
+    IDLE = auto()  #: empty batch (data-parallel filler)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        """DECODE or IDLE: normal decode *and* draft decode (spec §3.1)."""
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self, include_v2: bool = False) -> bool:
+        """DRAFT_EXTEND; DRAFT_EXTEND_V2 too only when ``include_v2`` (default False, as upstream).
+
+        The default matters: the v1 replay branch ``elif is_draft_extend():`` must not match V2
+        (spec §4.6, item 3).
+        """
+        if include_v2:
+            return self in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2)
+        return self == ForwardMode.DRAFT_EXTEND
+
+    def is_draft_extend_v2(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_extend(self) -> bool:
+        """EXTEND, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2: every multi-token mode.
+
+        Upstream ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND (spec §3.1 note).
+        """
+        return self in (
+            ForwardMode.EXTEND,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+    def is_extend_or_draft_extend_or_mixed(self, include_draft_extend_v2: bool = False) -> bool:
+        return self == ForwardMode.EXTEND or self.is_draft_extend(include_v2=include_draft_extend_v2)
+
+    def is_cuda_graph(self) -> bool:
+        """Modes the *target* runner captures (DECODE, TARGET_VERIFY, IDLE); draft runners are separate."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)

@@ -1,0 +1,65 @@
+"""Reference paged attention: gather each request's keys *by slot* through ``req_to_token``.
+
+The oracle never reads a page table (refspec decision 2): key ``p`` of request ``b`` is the
+flat slot ``req_to_token[r_b, p]``, so the FA3 wing's page table is checked independently.
+
+The rule it implements (spec §1.3, FA docstring "aligned bottom-right"):
+
+* request b owns query rows ``cu_q[b] .. cu_q[b+1]-1`` (q_b rows) and keys ``p = 0 .. K_b-1``;
+* row i sees key p iff ``p <= i + K_b - q_b`` (PA-004), and, with a left window w,
+  ``p >= i + K_b - q_b - w``;
+* a row that sees no key outputs exactly 0 (PA-005);
+* query head h reads KV head ``h // (H / Hkv)`` (PA-006);
+* scores ``s = scale * q.k``, softcap ``c * tanh(s / c)`` when ``c > 0``, softmax, weighted V.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import einsum, repeat
+
+
+def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
+                      *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True):
+    """Attention for a batch of requests over a paged pool, keys gathered by slot.
+
+    Shapes:
+        q: ``[T, H, D]``; k_flat, v_flat: ``[NP*P, Hkv, D]`` (the pool's slot view);
+        req_to_token: ``[max_reqs, ctx]`` int32 (tokens -> slots).
+        req_pool_indices, cache_seqlens (K_b, tokens): length-B sequences of ints;
+        cu_seqlens_q: length B+1 ints (rows).
+        returns ``[T, H, D]`` in ``q.dtype``; rows outside ``cu_seqlens_q`` are 0.
+    Args:
+        softmax_scale: default ``D ** -0.5``.  window_left: w (tokens) or -1.
+        softcap: c, 0 disables.
+        upcast: compute in fp32 (the truth).  ``False`` computes in ``q.dtype``: the error that
+            this low-precision run makes is the budget unit of tolerance tier T1 (TOL-002).
+    """
+    T, H, D = q.shape
+    Hkv = k_flat.shape[1]
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    cdt = torch.float32 if upcast else q.dtype
+    out = torch.zeros((T, H, D), dtype=cdt, device=q.device)
+    cu = [int(x) for x in cu_seqlens_q]
+    for b, (r, K) in enumerate(zip(req_pool_indices, cache_seqlens)):
+        r, K, Q = int(r), int(K), cu[b + 1] - cu[b]
+        if Q == 0 or K == 0:
+            continue
+        slots = req_to_token[r, :K].long()  # exactly the request's keys, by slot
+        k = repeat(k_flat[slots].to(cdt), "k hkv d -> k (hkv g) d", g=H // Hkv)
+        v = repeat(v_flat[slots].to(cdt), "k hkv d -> k (hkv g) d", g=H // Hkv)
+        qb = q[cu[b]:cu[b + 1]].to(cdt)
+        s = einsum(qb, k, "i h d, p h d -> h i p") * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(Q, device=q.device)[:, None]
+        p = torch.arange(K, device=q.device)[None, :]
+        last = i + K - Q  # bottom-right alignment: the last key row i may see
+        visible = p <= last
+        if window_left >= 0:
+            visible &= p >= last - window_left
+        s = s.masked_fill(~visible, float("-inf"))
+        prob = torch.softmax(s, dim=-1)
+        prob = torch.where(visible, prob, torch.zeros((), dtype=cdt, device=q.device))  # empty rows -> 0
+        out[cu[b]:cu[b + 1]] = einsum(prob, v, "h i p, p h d -> i h d")
+    return out.to(q.dtype)
