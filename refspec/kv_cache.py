@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refspec import bugs
 from refspec.invariants import InvariantError, require
 
 
@@ -213,6 +214,8 @@ class KVCache:
         the last committed token stay allocated (freeing them would free committed tokens' page),
         and are reused next round (KV-004).
         """
+        if bugs.is_on("free-last-committed-page"):
+            keep_len = (keep_len - 1) // self.page_size * self.page_size  # frees the committed page too
         if alloc_len > keep_len:
             self.allocator.free_pages(self.row_pages(r, alloc_len, start=keep_len))
 
