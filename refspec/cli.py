@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "info": ("refspec.info", "which FA3 provider is active and why"),
     "check": ("refspec.check", "oracle vs FA3 matrix: modes x page sizes x providers (+ graphs, loops)"),
+    "bench": ("refspec.bench", "benchmarks: kernel vs copy bandwidth, metadata cost, spec rounds"),
 }
 
 

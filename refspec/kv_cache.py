@@ -163,6 +163,8 @@ class KVCache:
         """Pages of row ``r`` covering positions ``[start, length)``; ``start`` rounds up to a page."""
         P = self.page_size
         first = -(-start // P)
+        if first * P >= length:  # [start, length) lies inside start's page: no whole page
+            return []
         cols = torch.arange(first * P, length, P, device=self.device)
         return (self.req_to_token[r, cols].long() // P).tolist()
 

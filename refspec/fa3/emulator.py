@@ -33,6 +33,8 @@ def _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_
     require(Dk == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)}")
     for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
         require(t.dtype == torch.int32, "PA-011", f"{name} must be int32, got {t.dtype}")
+    require(page_table.numel() == 0 or page_table.stride(-1) == 1, "PA-011",
+            f"page_table must have a contiguous last dimension, strides {page_table.stride()}")
     B = cache_seqlens.shape[0]
     require(page_table.dim() == 2 and page_table.shape[0] == B and cu_seqlens_q.shape[0] == B + 1, "PA-011",
             f"B={B}: page_table {tuple(page_table.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}")

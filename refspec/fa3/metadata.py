@@ -64,9 +64,10 @@ def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_
     With P = 1 slots are page ids and this is the token-level table itself.
     """
     rows = req_to_token[req_pool_indices, :max_seq_len_k]
-    if page_size == 1:
-        return rows.contiguous()
-    return (rows[:, ::page_size] // page_size).contiguous()
+    table = rows if page_size == 1 else rows[:, ::page_size] // page_size
+    # a fresh row-major copy: FA3 requires stride(-1) == 1, which .contiguous() does not
+    # guarantee for a width-1 table (size-1 dims keep any stride)
+    return torch.empty(table.shape, dtype=torch.int32, device=table.device).copy_(table)
 
 
 def mode_delta(fb: ForwardBatch, speculative_step_id: int | None) -> int:

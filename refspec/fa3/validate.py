@@ -32,7 +32,8 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
     B = fb.batch_size if num_real is None else num_real
     for name in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table"):
         t = getattr(md, name)
-        require(t.dtype == torch.int32 and t.is_contiguous(), "MD-001", f"{name}: {t.dtype}, contiguous={t.is_contiguous()}")
+        ok = t.dtype == torch.int32 and t.is_contiguous() and (t.numel() == 0 or t.stride(-1) == 1)
+        require(ok, "MD-001", f"{name}: {t.dtype}, contiguous={t.is_contiguous()}, strides {t.stride()}")
     if B == 0:
         return
     P = page_size
