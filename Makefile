@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= test
+EXTRAS ?= test,real
 
 .PHONY: venv test demo check mutants docs clean
 venv: $(VENV)/.stamp-$(EXTRAS)
@@ -14,6 +14,7 @@ $(VENV)/.stamp-$(EXTRAS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	case ",$(EXTRAS)," in *,real,*) $(PY) -m refspec.real.install ;; esac
 	touch $@
 
 test: venv
