@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from refspec import bugs
 from refspec.kv_cache import KVCache
 from refspec.modes import ForwardMode
 
@@ -182,5 +183,8 @@ def draft_step_view(fb: ForwardBatch, step: int, num_steps: int) -> ForwardBatch
     """Step ``s`` of a :func:`draft_decode_steps_batch` batch: views, no copies (graph-safe)."""
     S1 = num_steps - 1
     B = fb.batch_size
-    return fb.replace(out_cache_loc=fb.out_cache_loc.view(B, S1)[:, step],
+    loc = fb.out_cache_loc.view(B, S1)[:, step]
+    if bugs.is_on("draft-loc-step-major"):
+        loc = fb.out_cache_loc.view(S1, B)[step]  # B20 variant: step-major cut of a request-major layout
+    return fb.replace(out_cache_loc=loc,
                       positions=fb.positions.view(B, S1)[:, step], draft_step=step)

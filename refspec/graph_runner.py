@@ -108,6 +108,8 @@ class GraphRunner:
             if live is not None and getattr(live, name) is not None and n:
                 buf[:n].copy_(getattr(live, name))
             value = {"seq_lens": fill, "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
+            if name == "req_pool_indices" and B and bugs.is_on("pad-rows-live-page"):
+                value = int(live.req_pool_indices[0])  # B18 variant: a live row, not the dummy row 0
             buf[pad_from[1] if per_token else pad_from[0]:(bs * W if per_token else bs)].fill_(value)
         for name, buf in self.inputs.items():
             if live is not None and T:
@@ -120,13 +122,21 @@ class GraphRunner:
         fb.num_accept_tokens_cpu = cpu("num_accept_tokens_cpu", W)
         fb.extend_seq_lens_cpu = cpu("extend_seq_lens_cpu", W)
 
-    def _check_padding(self, fb: ForwardBatch, B: int, bs: int) -> None:
-        """CG-005 / CG-010 on the padded rows of the static batch."""
-        if not all(getattr(b, "validate", True) for b in self.backends) or bs == B:
+    def _checking(self, B: int, bs: int) -> bool:
+        return bs > B and all(getattr(b, "validate", True) for b in self.backends)
+
+    def _check_fills(self, fb: ForwardBatch, B: int, bs: int) -> None:
+        """CG-005 on the padded rows of the static batch, before any metadata is built from it."""
+        if not self._checking(B, bs):
             return
         require(bool((fb.req_pool_indices[B:] == 0).all()) and bool((fb.seq_lens[B:] == self.seq_lens_fill()).all()),
                 "CG-005", lambda: f"padded rows {B}..{bs - 1}: req_pool_indices {fb.req_pool_indices[B:].tolist()}, "
                 f"seq_lens {fb.seq_lens[B:].tolist()}")
+
+    def _check_padding(self, fb: ForwardBatch, B: int, bs: int) -> None:
+        """CG-010 on the padded rows' metadata (after the capture / replay hooks)."""
+        if not self._checking(B, bs):
+            return
         for sub, backend in zip(self.split(fb), self.backends):
             md = backend.forward_metadata
             q = (md.cu_seqlens_q[1:bs + 1] - md.cu_seqlens_q[:bs])[B:]
@@ -137,6 +147,7 @@ class GraphRunner:
     def _capture(self, bs: int, pool) -> None:
         fb = self._static_batch(bs)
         self._fill(fb, None, bs, None)
+        self._check_fills(fb, 0, bs)
         for sub, backend in zip(self.split(fb), self.backends):
             backend.init_forward_metadata_capture_cuda_graph(bs, bs * self.W, sub)
         self._check_padding(fb, 0, bs)
@@ -161,6 +172,7 @@ class GraphRunner:
         bs = self.graph_bs(B)
         fb = self.static[bs]
         self._fill(fb, live, bs, inputs)
+        self._check_fills(fb, B, bs)
         for sub, backend in zip(self.split(fb), self.backends):
             backend.init_forward_metadata_replay_cuda_graph(bs, sub, num_real=B)
         self._check_padding(fb, B, bs)

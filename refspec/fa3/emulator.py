@@ -102,9 +102,10 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
             l = l * corr + w.sum(-1)
             acc = acc * corr[..., None] + torch.einsum("qkgn,nkd->qkgd", w, vt)
             m = m_new
-        o = torch.where(l[..., None] > 0, acc / l.clamp(min=1e-30)[..., None], torch.zeros_like(acc))
+        # l == 0 only for rows with no visible key (PA-005); a NaN read keeps l NaN and shows
+        o = torch.where(l[..., None] == 0, torch.zeros_like(acc), acc / l[..., None])
         out[cu[b]:cu[b + 1]] = o.reshape(Q, H, D)
-        lse[:, cu[b]:cu[b + 1]] = torch.where(l > 0, m + torch.log(l.clamp(min=1e-30)),
+        lse[:, cu[b]:cu[b + 1]] = torch.where(l != 0, m + torch.log(l),
                                               torch.full_like(l, float("-inf"))).reshape(Q, H).T
     out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out

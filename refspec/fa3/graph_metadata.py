@@ -64,6 +64,19 @@ def _mode_key(fb: ForwardBatch) -> str:
     return "draft_extend" if m.is_draft_extend(include_v2=True) else m.name.lower()
 
 
+def _check_draft_extend_cu_q(md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
+    """CG-003 / CG-004 (spec §4.6, §7 item 9): replayed draft-extend ``cu_seqlens_q`` over all
+    ``bs`` rows, padding included, equals the token layout the runner filled (CPU mirrors):
+    v1 ``[0, cumsum(num_accept_tokens)]``, v2 ``[0, cumsum(extend_seq_lens)]`` = ``[0, W, 2W, ...]``."""
+    m = fb.forward_mode
+    if not m.is_draft_extend(include_v2=True):
+        return
+    inv, rows = ("CG-003", fb.num_accept_tokens_cpu) if m.is_draft_extend() else ("CG-004", fb.extend_seq_lens_cpu)
+    want = cumsum0(torch.tensor(rows[:bs])).tolist()
+    got = md.cu_seqlens_q[: bs + 1].tolist()
+    require(got == want, inv, lambda: f"{m.name} replay: cu_seqlens_q {got}, the token layout is {want}")
+
+
 class GraphMetadataMixin:
     """Graph hooks of :class:`~refspec.fa3.backend.FlashAttentionBackend`."""
 
@@ -107,6 +120,8 @@ class GraphMetadataMixin:
         md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], max_q, 0,
                                     gs.page_table[:bs, :])
         self._update_lengths(md, fb, bs)
+        if m.is_draft_extend(include_v2=True) and bugs.is_on("capture-max-seqlen-q-small"):
+            cu_q.copy_(torch.arange(bs + 1, dtype=torch.int32))  # the bug's dummy batch: q lens 1 (case B08)
         gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
         self.forward_metadata = md
         return md
@@ -116,7 +131,8 @@ class GraphMetadataMixin:
 
         ``fb`` holds ``bs`` rows (``num_real`` real, then padding) with CPU mirrors.
         Raises: CG-008 (pages do not fit), CG-001 (a captured tensor was rebound), and, with
-        ``validate``, every check of :mod:`refspec.fa3.validate` on the real rows.
+        ``validate``, CG-003 / CG-004 (draft-extend layout over all ``bs`` rows) and every check
+        of :mod:`refspec.fa3.validate` on the real rows.
         """
         md, bound = self.graph_state.captured[(_mode_key(fb), bs)]
         self._update_lengths(md, fb, bs)
@@ -126,6 +142,7 @@ class GraphMetadataMixin:
                 raise InvariantError("CG-001", f"{name} was rebound at replay (captured tensor at "
                                      f"{t.data_ptr():#x}, now {now.data_ptr():#x})")
         if self.validate:
+            _check_draft_extend_cu_q(md, fb, bs)
             validate_metadata(md, fb, self.kv.req_to_token, self.page_size, num_real=num_real,
                               max_seqlen_q=md.max_seq_len_q)
         self.forward_metadata = md

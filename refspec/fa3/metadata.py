@@ -102,7 +102,7 @@ def init_forward_metadata(fb: ForwardBatch, req_to_token: torch.Tensor, page_siz
     cache_seqlens = (fb.seq_lens + delta).to(torch.int32)
     max_k = int(fb.seq_lens_cpu.max()) + delta
     cu_k = cumsum0(cache_seqlens)
-    if m.is_decode():
+    if m.is_decode() or (m.is_target_verify() and bugs.is_on("verify-as-decode")):  # B14 variant
         cu_q, max_q = torch.arange(B + 1, **i32), 1
     elif m.is_target_verify():
         N = fb.num_draft_tokens

@@ -11,7 +11,9 @@ Each failure raises :class:`~refspec.invariants.InvariantError` naming the rule:
 * MD-006: ``cu_seqlens_k = [0, cumsum K]``;
 * PA-001 / PA-002: the page table reproduces ``req_to_token`` for every visible position
   (which also catches a non-page-contiguous row, and a table in the wrong unit);
-* PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request.
+* PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request;
+* PA-008: no real request uses row 0 or has a key in the reserved page 0 (an unreserved
+  position, case B01: its ``req_to_token`` entry is still 0, and every check above agrees with it).
 
 Only the first ``num_real`` rows are checked (padded graph rows are ignored, CG-005 checks
 them).  Cost: O(sum K) integer work on the host per call.
@@ -66,3 +68,6 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
             ids = "PA-001" if int(row[bad]) % P != bad % P else "PA-002"
             raise InvariantError(ids, f"request {b} position {bad}: page_table gives slot {int(via_table[bad])}, "
                                  f"req_to_token[{r}] holds {int(row[bad])} (P={P})")
+        # an unreserved position still reads 0 in req_to_token: it would write / read the dummy page 0
+        require(r != 0 and not bool((row < P).any()), "PA-008", lambda: f"request {b} (row {r}): position(s) "
+                f"{(row < P).nonzero().flatten().tolist()} map to the reserved page 0 (no slot reserved, case B01)")
