@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= test,real
+EXTRAS ?= test,real,docs,notebooks
 
 .PHONY: venv test demo check mutants docs clean
 venv: $(VENV)/.stamp-$(EXTRAS)
@@ -28,6 +28,9 @@ check: venv
 
 mutants: venv
 	$(PY) -m refspec mutants
+
+docs: venv
+	$(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site

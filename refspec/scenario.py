@@ -138,8 +138,9 @@ class Built:
     extra: dict = field(default_factory=dict)
 
     def run_oracle(self, upcast: bool = True) -> torch.Tensor:
-        """The oracle (fp32 unless ``upcast=False``) on this batch: ``[T, H, D]``."""
-        be = OracleBackend(self.pool, self.kv, upcast=upcast)
+        """The oracle on this batch: ``[T, H, D]``; fp32 (unrounded) by default, in the
+        scenario's dtype with ``upcast=False`` (the T1 budget run)."""
+        be = OracleBackend(self.pool, self.kv, upcast=upcast, out_dtype=torch.float32 if upcast else None)
         be.init_forward_metadata(self.fb)
         return be.forward(self.q, self.k, self.v, self.layer, self.fb)
 

@@ -20,7 +20,7 @@ from einops import einsum, repeat
 
 
 def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
-                      *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True):
+                      *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True, out_dtype=None):
     """Attention for a batch of requests over a paged pool, keys gathered by slot.
 
     Shapes:
@@ -28,7 +28,8 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
         req_to_token: ``[max_reqs, ctx]`` int32 (tokens -> slots).
         req_pool_indices, cache_seqlens (K_b, tokens): length-B sequences of ints;
         cu_seqlens_q: length B+1 ints (rows).
-        returns ``[T, H, D]`` in ``q.dtype``; rows outside ``cu_seqlens_q`` are 0.
+        returns ``[T, H, D]`` in ``out_dtype`` (default ``q.dtype``; pass ``torch.float32``
+        to keep the unrounded truth); rows outside ``cu_seqlens_q`` are 0.
     Args:
         softmax_scale: default ``D ** -0.5``.  window_left: w (tokens) or -1.
         softcap: c, 0 disables.
@@ -62,4 +63,4 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
         prob = torch.softmax(s, dim=-1)
         prob = torch.where(visible, prob, torch.zeros((), dtype=cdt, device=q.device))  # empty rows -> 0
         out[cu[b]:cu[b + 1]] = einsum(prob, v, "h i p, p h d -> i h d")
-    return out.to(q.dtype)
+    return out.to(out_dtype or q.dtype)

@@ -48,12 +48,14 @@ class OracleBackend:
     Args:
         pool: this model's KV pool; kv: the shared ``req_to_token`` / allocator.
         upcast: False computes in the input dtype (the T1 budget run, TOL-002).
+        out_dtype: dtype of the output (default: the query's; ``torch.float32`` keeps the
+            fp32 truth unrounded for T1 comparisons).
     """
 
     name = "oracle"
 
-    def __init__(self, pool: KVPool, kv: KVCache, upcast: bool = True):
-        self.pool, self.kv, self.upcast = pool, kv, upcast
+    def __init__(self, pool: KVPool, kv: KVCache, upcast: bool = True, out_dtype=None):
+        self.pool, self.kv, self.upcast, self.out_dtype = pool, kv, upcast, out_dtype
         self.forward_metadata: OracleMetadata | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> OracleMetadata:
@@ -69,4 +71,4 @@ class OracleBackend:
         return attention_by_slot(q, kf, vf, self.kv.req_to_token, md.req_pool_indices, md.cache_seqlens,
                                  md.cu_seqlens_q, softmax_scale=layer.softmax_scale,
                                  window_left=layer.sliding_window_size, softcap=layer.logit_cap,
-                                 upcast=self.upcast)
+                                 upcast=self.upcast, out_dtype=self.out_dtype)

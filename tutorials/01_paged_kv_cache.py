@@ -1,0 +1,212 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · The paged KV cache
+#
+# A serving engine keeps every request's keys and values in one big **pool**, cut into **pages**
+# of `P` slots. This notebook builds one with refspec and looks at the three units that every
+# attention bug in this area mixes up:
+#
+# * **tokens** (positions inside a request: 0, 1, 2, ...),
+# * **slots** (flat indices into the pool),
+# * **pages** (`slot // P`).
+#
+# `req_to_token[r, p]` maps position `p` of the request in row `r` to its slot. The FA3 kernel
+# does not take `req_to_token`; it takes a **page table** with one page id per page. We will build
+# that table, see why it is only correct because rows are *page-contiguous*, and why that needs
+# top-k = 1. Runs on CPU in a few seconds.
+
+# %%
+import matplotlib
+
+if "inline" not in matplotlib.get_backend():
+    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
+import matplotlib.pyplot as plt
+import torch
+
+from refspec import viz
+from refspec.fa3.metadata import strided_page_table
+from refspec.invariants import InvariantError
+from refspec.kv_cache import KVCache
+
+
+def show(fig):
+    """Display in Jupyter; headless runs only build the figure."""
+    if "inline" in matplotlib.get_backend():
+        plt.show()
+    plt.close(fig)
+
+
+# %% [markdown]
+# ## A pool, three requests
+#
+# Page size `P = 4`, 14 pages. Page 0 is a reserved dummy (padded CUDA-graph rows write there,
+# invariant PA-008), so 13 pages can be handed out. `seed=0` shuffles the free list, so requests
+# get scattered physical pages, as in a server that has been running for a while.
+
+# %%
+P, NUM_PAGES = 4, 14
+kv = KVCache(max_reqs=8, max_context=32, num_pages=NUM_PAGES, page_size=P, seed=0)
+print("free pages at start:", kv.allocator.num_free_pages)
+
+lens = [5, 8, 12]                       # committed tokens per request
+rows = [kv.alloc_req() for _ in lens]   # req_to_token rows (never row 0)
+out_cache_loc = kv.alloc_extend(rows, [0, 0, 0], lens)
+print("req_to_token rows:", rows)
+for b, (r, n) in enumerate(zip(rows, lens)):
+    slots = kv.req_to_token[r, :n].tolist()
+    print(f"request {b}: slots {slots}")
+    print(f"           pages {[s // P for s in slots]}  offsets {[s % P for s in slots]}")
+print("free pages now:", kv.allocator.num_free_pages)
+
+# %% [markdown]
+# Each request got `ceil(len / P)` pages: 2, 2 and 3. Inside a page the offsets run
+# 0, 1, 2, 3 in position order; across pages the page ids jump around. That shape — *in order
+# inside each page, anywhere across pages* — is **INV-PAGE** (invariant PA-001):
+#
+# `req_to_token[r, p] % P == p % P` and the slot minus its offset is the slot of the page's
+# first position.
+
+# %%
+for r, n in zip(rows, lens):
+    kv.check_page_contiguous(r, n)  # raises InvariantError [PA-001] if not
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), width_ratios=[1, 2.2])
+viz.draw_pool(axes[0], kv.req_to_token, rows, lens, NUM_PAGES, P, "pool: pages x slots (r<b>:<position>)")
+vals = [kv.req_to_token[r, :n].tolist() for r, n in zip(rows, lens)]
+viz.draw_int_table(axes[1], vals, [f"request {b}" for b in range(3)], "req_to_token: position -> slot",
+                   [[viz.req_color(b) + "55"] * len(v) for b, v in enumerate(vals)])
+fig.tight_layout()
+show(fig)
+
+# %% [markdown]
+# ## The strided page table
+#
+# Because each page is filled in order, a page is fully described by its first slot. The page
+# table keeps every `P`-th column of the row and divides by `P` (SGLang's "strided format",
+# invariant MD-007):
+#
+# `page_table[b, j] = req_to_token[r_b, j * P] // P`
+#
+# and the kernel recovers the slot of position `p` as `page_table[b, p // P] * P + p % P`
+# (invariant PA-002). Let us build it by hand and with refspec's function, and check the
+# identity for every position.
+
+# %%
+max_len = max(lens)
+by_hand = torch.stack([kv.req_to_token[r, 0:max_len:P] // P for r in rows])
+page_table = strided_page_table(kv.req_to_token, torch.tensor(rows), max_len, P)
+print(page_table)
+assert torch.equal(by_hand, page_table)
+
+for b, (r, n) in enumerate(zip(rows, lens)):
+    p = torch.arange(n)
+    via_table = page_table[b, p // P] * P + p % P
+    assert torch.equal(via_table, kv.req_to_token[r, :n]), b
+print("page_table[b, p // P] * P + p % P == req_to_token[r_b, p] for every position: OK")
+
+# %% [markdown]
+# Entries past a request's last page are zeros here (request 0 has 2 pages, the table has 3
+# columns). The kernel never reads a column `>= ceil(K_b / P)` (PA-007), so whatever sits there
+# is harmless — CUDA-graph replay even leaves stale values there on purpose.
+#
+# A classic bug (SGLang's draft-decode and verify replay before `188f0955f`, PR #5318) copied
+# the *token-level* row into the page table. With `P = 1` the two tables are identical, so tests at
+# page size 1 pass; with `P = 4` the kernel reads slot ids as page ids:
+
+# %%
+seed_bug_table = kv.req_to_token[rows[0], :lens[0]]  # slots where page ids belong
+p = 4
+wrong_slot = int(seed_bug_table[p // P]) * P + p % P
+right_slot = int(kv.req_to_token[rows[0], p])
+print(f"position {p} of request 0: the right slot is {right_slot}, the seed bug reads slot {wrong_slot}")
+owned = {int(s) // P for s in kv.req_to_token[rows[0], :lens[0]]}
+print(f"slot {wrong_slot} lies in page {wrong_slot // P}; request 0 owns pages {sorted(owned)}")
+
+# %% [markdown]
+# ## Growing a request keeps it page-contiguous
+#
+# Verify writes `N = 4` more tokens for request 0 (positions 5..8). The allocator continues the
+# last partial page — positions 5..7 go into the free slots of request 0's second page — and
+# takes a new page only when position 8 crosses a page boundary (invariant KV-001).
+
+# %%
+free_before = kv.allocator.num_free_pages
+new_slots = kv.alloc_extend([rows[0]], [5], [9])
+print("new slots:", new_slots.tolist(), "pages:", (new_slots // P).tolist())
+print("pages taken:", free_before - kv.allocator.num_free_pages)
+kv.check_page_contiguous(rows[0], 9)
+last_page_before = int(kv.req_to_token[rows[0], 4]) // P
+assert [int(s) // P for s in new_slots[:3]] == [last_page_before] * 3
+assert free_before - kv.allocator.num_free_pages == 1
+
+# %% [markdown]
+# ## Why top-k = 1
+#
+# With top-k = 1 every position has exactly one slot, so one `req_to_token` row describes the
+# request. With top-k = 2 the draft tree has two candidates for position 5, two for position 6,
+# ...: each branch needs its *own* slots for the *same* positions. Put branch B's slots into the
+# row and it is no longer page-contiguous — and the strided page table, which only remembers the
+# first slot of each page, silently points at the wrong slots.
+#
+# Here branch B gets a page of its own starting at offset 0, while position 5 sits at offset 1.
+
+# %%
+branch_b_page = kv.allocator.alloc_pages(1)[0]
+mixed = kv.req_to_token[rows[0]].clone()
+mixed[5:8] = torch.arange(branch_b_page * P, branch_b_page * P + 3, dtype=torch.int32)
+kv.req_to_token[7] = mixed  # a scratch row
+try:
+    kv.check_page_contiguous(7, 9)
+    raised = None
+except InvariantError as e:
+    raised = e
+print(raised)
+pt = strided_page_table(kv.req_to_token, torch.tensor([7]), 9, P)[0]
+p = 6
+print(f"position {p}: row says slot {int(mixed[p])}, the page table reads slot {int(pt[p // P]) * P + p % P}")
+kv.req_to_token[7] = 0
+kv.allocator.free_pages([branch_b_page])
+
+# %% [markdown]
+# That is why SGLang first forced top-k = 1 for `P > 1`, and later refused top-k > 1 on paged
+# backends other than FlashInfer (`a23c30205`, #9784); FA3 got a separate two-pass scheme with KV
+# copies for trees. refspec is top-k = 1 only.
+#
+# ## Freeing: whole pages only
+#
+# Freeing is page-granular (KV-002): you cannot give back one slot of a page. After a v1 verify
+# that accepted `n = 1` of 3 drafts, request 0 commits `L' = 5 + 2 = 7` positions; positions 7 and
+# 8 were rejected. Position 7 shares a page with committed position 6, so that page stays;
+# only the page of position 8 is freed (KV-004, SGLang's `align_evict_mask_to_page_size`).
+
+# %%
+free_before = kv.allocator.num_free_pages
+kv.free_tail(rows[0], keep_len=7, alloc_len=9)
+print("pages freed:", kv.allocator.num_free_pages - free_before)
+assert kv.allocator.num_free_pages - free_before == 1
+
+for r, n in zip(rows, [7, 8, 12]):
+    kv.free_req(r, n)
+print("free pages after every request finished:", kv.allocator.num_free_pages)
+
+# %% [markdown]
+# ## Checks
+
+# %%
+assert kv.allocator.num_free_pages == NUM_PAGES - 1          # KV-006: back to the start
+assert not kv.allocator.is_in_use(0)                          # page 0 never handed out (PA-008)
+assert 0 not in rows                                          # row 0 never handed out (PA-008)
+assert raised is not None and raised.inv_id == "PA-001"       # a mixed-branch row is caught
+assert wrong_slot // P not in owned                           # the seed bug reads a page request 0 does not own
+print("all checks passed")
