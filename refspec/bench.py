@@ -20,6 +20,7 @@ and ``bench.png`` in DIR.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
@@ -152,8 +153,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="smallest configuration (CPU smoke)")
     ap.add_argument("--sections", nargs="*", default=list(SECTIONS))
-    ap.add_argument("--out", type=Path, help="write bench.md (+ bench.png) here")
+    ap.add_argument("--out", type=Path, help="write bench.md, bench.json (+ bench.png) here")
+    ap.add_argument("--plot", type=Path, metavar="BENCH_JSON",
+                    help="only draw bench.png next to an earlier run's bench.json (e.g. from a GPU machine "
+                         "without matplotlib)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(args.plot.read_text())["rows"], args.plot.with_suffix(".png"))
+        return 0
     device = torch.device(args.device)
     rows = []
     for name in args.sections:
@@ -165,6 +172,10 @@ def main(argv=None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.md").write_text(md)
+        (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
         if any(r["section"] == "kernel" and "pct_bw" in r for r in rows):
-            plot(rows, args.out / "bench.png")
+            try:
+                plot(rows, args.out / "bench.png")
+            except ImportError:
+                print("matplotlib missing: draw later with --plot bench.json")
     return 0
