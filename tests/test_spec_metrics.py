@@ -1,0 +1,174 @@
+"""Acceptance (SD-001), accept length (SD-003), host syncs per round (v1 vs v2), and the
+scripted-accept hook (record / replay)."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from refspec.model import LlamaModel, init_random_, tiny_config
+from refspec.spec import generate, greedy_reference
+from refspec.spec.accept import ScriptedAccept, committed_candidates, num_correct_drafts
+
+torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
+
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(128) for _ in range(n)] for n in (4, 11, 7)]
+SD, N = 3, 4
+BUDGETS = [1 + 3 * N, 1 + 2 * N, 10]  # requests 0 and 1: whole rounds of N tokens after the prefill token
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return init_random_(LlamaModel(tiny_config()), seed=0)
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+    return greedy_reference(target(), PROMPTS, [b + 8 for b in BUDGETS])  # + N: last-round drafts
+
+
+def run(**kw):
+    kw.setdefault("draft", "eagle")
+    return generate(target(), PROMPTS, num_steps=SD, max_new_tokens=BUDGETS, reference=reference(), **kw)
+
+
+@pytest.mark.spec("SD-001")
+def test_greedy_accept_rule_by_hand():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 6, 7]])
+    predict = torch.tensor([[5, 6, 9, 1], [5, 6, 7, 8], [4, 6, 7, 8], [5, 6, 7, 8]])
+    n = num_correct_drafts(drafts, predict)
+    assert n.tolist() == [2, 3, 0, 0]  # a mismatch stops the prefix even if later drafts match
+    c = committed_candidates(drafts, predict, n)
+    assert c.tolist() == [[5, 6, 9, 1], [5, 6, 7, 8], [4, 6, 7, 8], [5, 6, 7, 8]]
+    forced = committed_candidates(drafts, predict, torch.tensor([0, 0, 2, 3]))  # scripted n
+    assert forced.tolist() == [[5, 6, 9, 1], [5, 6, 7, 8], [5, 6, 7, 8], [1, 6, 7, 8]]  # d_1..d_n, then p
+
+
+@pytest.mark.spec("SD-003")
+@pytest.mark.parametrize("backend", ["oracle", "fa3"])
+def test_perfect_drafter_accepts_everything(backend):
+    res = run(backend=backend, drafter="perfect", page_size=4)
+    assert all(a == N for r in res.requests for a in r.accepts)
+    # requests 0, 1: 1 + k*N tokens -> k full rounds of N (hand-computed), accept length exactly N
+    assert [r.verify_rounds for r in res.requests[:2]] == [3, 2]
+    assert [r.accept_length for r in res.requests[:2]] == [4.0, 4.0]
+    # request 2: 10 tokens = 1 + 4 + 4 + 1: the last round is truncated at the budget
+    assert res.requests[2].emitted == [4, 4, 1] and res.requests[2].accept_length == 3.0
+    assert res.accept_length == (12 + 8 + 9) / (3 + 2 + 3)
+    assert res.send_one_accept_length == (13 + 9 + 10) / (3 + 2 + 3)  # SGLang's counts the prefill token
+
+
+@pytest.mark.spec("SD-003")
+@pytest.mark.parametrize("backend", ["oracle", "fa3"])
+def test_adversarial_drafter_accepts_nothing(backend):
+    res = run(backend=backend, drafter="adversarial", page_size=4, version="v2")
+    assert all(a == 1 for r in res.requests for a in r.accepts)
+    assert [r.verify_rounds for r in res.requests] == [b - 1 for b in BUDGETS]
+    assert res.accept_length == 1.0
+
+
+@pytest.mark.spec("SD-003")
+def test_random_drafter_accept_length_in_range():
+    res = run(drafter="random", page_size=2)
+    lens = [r.accept_length for r in res.requests]
+    assert all(1.0 <= x <= N for x in lens) and len(set(lens)) > 1
+    assert res.tokens == [reference()[i][len(p):len(p) + BUDGETS[i]] for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.spec("KV-005")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_host_syncs_per_round_v1_one_v2_zero(graphs):
+    for version, per_round in (("v1", 1), ("v2", 0)):
+        res = run(drafter="random", page_size=4, version=version, graphs=graphs)
+        assert [t.host_syncs for t in res.trace] == [per_round] * len(res.trace)
+        assert res.host_syncs.get("in_round", 0) == per_round * len(res.trace)
+        assert res.host_syncs.get("post_round", 0) == (len(res.trace) if version == "v2" else 0)
+
+
+@pytest.mark.spec("KV-005")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_v2_round_metadata_is_cpu_known_before_the_round(version):
+    """Same batch, first-round a = 1 vs a = N (scripted): every forward's CPU-side metadata in
+    that round is identical for v2 (it depends on L only), while v1's draft extend differs."""
+    seen = {}
+
+    def recorder(key):
+        def obs(event, eng, **info):
+            if event in ("draft_decode", "verify", "draft_extend") and len(eng.trace) == 0:
+                fb = info["fb"]
+                seen.setdefault(key, []).append((event, fb.seq_lens_cpu.tolist(), fb.q_lens_cpu()))
+        return obs
+    for key, a in (("low", 1), ("high", N)):
+        run(version=version, page_size=4, accept={i: [a] for i in range(3)}, observer=recorder(key))
+    same = seen["low"] == seen["high"]
+    assert same if version == "v2" else not same
+
+
+@pytest.mark.spec("SD-002", "SD-003")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_record_and_replay_a_schedule(version):
+    """Record a run's accept counts, replay them with a scripted accept + the perfect drafter:
+    the same schedule (batches, lengths, a per round) and still the greedy tokens."""
+    rec = run(drafter="random", page_size=4, version=version, max_batch=2, arrivals=[0, 1, 1])
+    rep = run(drafter="perfect", page_size=4, version=version, max_batch=2, arrivals=[0, 1, 1],
+              accept=rec.accept_table())
+    assert rep.accepts == rec.accepts and rep.tokens == rec.tokens
+    assert [(t.rids, t.seq_lens, t.num_accept_tokens) for t in rep.trace] == \
+           [(t.rids, t.seq_lens, t.num_accept_tokens) for t in rec.trace]
+    ora = run(backend="oracle", drafter="perfect", version=version, accept=rec.accept_table())
+    assert ora.accepts == rec.accepts and ora.tokens == rec.tokens
+    assert ScriptedAccept.from_trace(rec.trace).table == rec.accept_table()
+
+
+@pytest.mark.spec("SD-001")
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_forced_accept_teacher_forces_the_drafts(version):
+    """Forcing a = N with wrong drafts commits the drafts (the KV verify computed): the text
+    leaves greedy, but the oracle loop and the production loop still agree token for token."""
+    script = {i: [N] * 20 for i in range(3)}
+    prod = run(drafter="adversarial", page_size=4, version=version, accept=script, graphs=True)
+    ora = run(backend="oracle", drafter="adversarial", version=version, accept=script)
+    assert prod.tokens == ora.tokens and prod.drafts == ora.drafts
+    assert prod.tokens != [reference()[i][len(p):len(p) + BUDGETS[i]] for i, p in enumerate(PROMPTS)]
+    assert all(a == N for r in prod.requests for a in r.accepts)
+
+
+@pytest.mark.spec("SD-007", "SD-004", "SD-005")
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_positions_are_kv_indices_in_every_forward(version, graphs):
+    """SD-007: in every forward each token's RoPE position is the KV index its slot holds
+    (``req_to_token[r, position] == out_cache_loc``), consecutive per request, starting at 0
+    (prefill), L (draft decode: no SGLang +1), L (verify) and L (draft extend: a rows in v1,
+    N rows in v2), where L is the round's committed length."""
+    starts, events = {}, []
+
+    def obs(event, eng, **info):
+        if event == "round_end":
+            return
+        fb, reqs = info["fb"], info["reqs"]
+        per_req = fb.q_lens_cpu() if event != "draft_decode" else [eng.Sd - 1] * len(reqs)
+        offs = [sum(per_req[:b]) for b in range(len(reqs))]
+        for b, r in enumerate(reqs):
+            p = fb.positions[offs[b]:offs[b] + per_req[b]]
+            loc = fb.out_cache_loc[offs[b]:offs[b] + per_req[b]]
+            assert torch.equal(eng.kv.req_to_token[r.row, p].long(), loc)
+            assert p.tolist() == list(range(int(p[0]), int(p[0]) + len(p)))
+            if event == "prefill":
+                assert int(p[0]) == 0 and len(p) == len(r.prompt)
+            elif event == "draft_decode":
+                starts[r.rid] = r.seq_len
+                assert int(p[0]) == r.seq_len
+            elif event == "verify":
+                assert int(p[0]) == starts.setdefault(r.rid, r.seq_len) == r.seq_len and len(p) == eng.N
+            else:  # draft extend: v1 a rows (seq_len is already L + a), v2 N rows
+                assert int(p[0]) == starts.pop(r.rid)
+                assert len(p) == (r.seq_len - int(p[0]) if version == "v1" else eng.N)
+        events.append(event)
+
+    run(drafter="random", page_size=4, version=version, graphs=graphs, observer=obs)
+    assert {"prefill", "draft_decode", "verify", "draft_extend"} <= set(events)
