@@ -13,6 +13,7 @@ COMMANDS = {
     "info": ("refspec.info", "which FA3 provider is active and why"),
     "check": ("refspec.check", "oracle vs FA3 matrix: modes x page sizes x providers (+ graphs, loops)"),
     "bench": ("refspec.bench", "benchmarks: kernel vs copy bandwidth, metadata cost, spec rounds"),
+    "mutants": ("refspec.mutants", "the bug zoo: every wrong variant of refspec.bugs is caught (--device cpu|cuda)"),
 }
 
 

@@ -1,0 +1,224 @@
+"""The bug zoo is caught: every variant of ``refspec.bugs.BUGS`` is detected on CPU, by the ID
+its docs name, while the same probe with no variant on passes (``python -m refspec mutants``).
+
+One module-scoped run of all probes (a few seconds) feeds the per-variant tests, so a failure
+names the variant; the harness itself is tested on variants it must *not* call caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refspec import bugs, mutants
+from refspec.mutants.checks import Symptom
+from refspec.mutants.probes import PROBES, Probe
+
+#: IDs of ``caught_by`` that only a real kernel can show (the emulator refuses the input first)
+DEVICE_ONLY_IDS = {"capture-max-seqlen-q-small": {"CG-006"}}
+
+
+@pytest.fixture(scope="module")
+def report() -> mutants.Report:
+    return mutants.run("cpu")
+
+
+def results(report, name) -> list[mutants.ProbeResult]:
+    return report.variants()[name]
+
+
+def assert_caught(report, name, validated_ids, symptom_ids):
+    """Every probe of ``name``: baselines pass, the validated run names one of ``validated_ids``,
+    the validation-off run shows every ID of ``symptom_ids``."""
+    for r in results(report, name):
+        why = "\n".join(mutants.format_report(mutants.Report("cpu", [r]), verbose=True).splitlines()[2:])
+        assert r.baseline_ok, f"{name} / {r.probe.label}: the probe fails with no variant on\n{why}"
+        assert r.caught_by.first_id in validated_ids, f"{name} / {r.probe.label}\n{why}"
+        assert set(symptom_ids) <= set(r.symptom.ids), f"{name} / {r.probe.label}\n{why}"
+
+
+def test_every_variant_is_caught_on_cpu_and_every_baseline_passes(report):
+    assert report.total == len(bugs.BUGS) and set(PROBES) == set(bugs.BUGS)
+    text = mutants.format_report(report, verbose=True)
+    assert all(r.baseline_ok for r in report.results), text
+    assert sorted(report.caught) == sorted(bugs.BUGS), text
+    assert report.silent == [], text
+    assert text.splitlines()[-1] == f"caught {len(bugs.BUGS)}/{len(bugs.BUGS)}"
+
+
+@pytest.mark.parametrize("name", sorted(bugs.BUGS))
+def test_variant_docs_name_what_catches_it(report, name):
+    """``Bug.caught_by`` is accurate (the validated run's ID is listed) and complete (every listed
+    ID is seen by some run on CPU, save the device-only ones)."""
+    bug = bugs.BUGS[name]
+    seen = report.observed_ids(name)
+    for r in results(report, name):
+        assert r.caught, mutants.format_report(mutants.Report("cpu", [r]), verbose=True)
+        assert r.symptom.detected, f"{name} / {r.probe.label}: no symptom with validation off"
+    assert set(bug.caught_by) - DEVICE_ONLY_IDS.get(name, set()) <= seen, (bug.caught_by, seen)
+    assert bug.changes and bug.source and bug.symptom and bug.hook
+
+
+# ---- one test per family: a failure names the variant and the rule -------------------------
+
+@pytest.mark.spec("PA-002", "CG-002")
+def test_section_2_3_seed_page_table_reads_wrong_pages_not_a_crash(report):
+    assert_caught(report, "seed-page-table", {"PA-002"}, {"CG-002", "PA-002"})
+    for r in results(report, "seed-page-table"):  # finite garbage (spec §2.3), no error
+        worst = max(s.err for s in r.symptom.symptoms if s.kind == "mismatch")
+        assert r.symptom.error is None and 0 < worst < float("inf")
+
+
+@pytest.mark.spec("CG-003", "CG-004", "CG-002")
+@pytest.mark.parametrize("name,inv", [("de-v1-uniform-cu-q", "CG-003"), ("de-v1-accept-off-by-one", "CG-003"),
+                                      ("de-v2-packed-cu-q", "CG-004")])
+def test_section_4_6_draft_extend_cu_seqlens_q_variants(report, name, inv):
+    assert_caught(report, name, {inv}, {"CG-002", inv})
+
+
+@pytest.mark.spec("MD-005", "MD-008")
+def test_case_B05_v2_double_counted_k_eager_and_replay(report):
+    assert_caught(report, "de-v2-k-double-count", {"MD-005"}, {"MD-008", "TOL-002"})
+
+
+@pytest.mark.spec("CG-001", "CG-002")
+@pytest.mark.parametrize("name", ["replay-rebind-page-table", "replay-rebind-cache-seqlens"])
+def test_case_B11_rebound_buffers_are_caught_by_address_stability(report, name):
+    assert_caught(report, name, {"CG-001"}, {"CG-001", "CG-002"})
+
+
+@pytest.mark.spec("CG-005")
+def test_case_B04_stale_padded_rows_overwrite_kv_outside_the_batch(report):
+    assert_caught(report, "stale-padded-rows", {"CG-005"}, {"CG-005"})
+    (r,) = results(report, "stale-padded-rows")
+    assert any(s.kind == "mismatch" for s in r.symptom.symptoms)  # a KV value really changed
+
+
+@pytest.mark.spec("CG-010", "CG-005")
+def test_cases_B03_B10_padded_seq_lens_zero_give_an_empty_causal_span(report):
+    assert_caught(report, "pad-seq-lens-zero", {"CG-010"}, {"CG-010", "CG-005"})
+
+
+@pytest.mark.spec("CG-005")
+def test_case_B18_padded_rows_must_read_the_dummy_page(report):
+    assert_caught(report, "pad-rows-live-page", {"CG-005"}, {"CG-005"})
+
+
+@pytest.mark.spec("PA-010")
+def test_case_B08_frozen_max_seqlen_q_too_small(report):
+    assert_caught(report, "capture-max-seqlen-q-small", {"PA-010"}, {"PA-010"})
+
+
+@pytest.mark.spec("CG-008")
+def test_case_B07_page_table_width_at_the_context_wall(report):
+    assert_caught(report, "page-table-width-from-context", {"CG-008"}, {"CG-008"})
+
+
+@pytest.mark.spec("KV-004", "KV-003")
+def test_free_last_committed_page_lets_another_request_overwrite_committed_kv(report):
+    assert_caught(report, "free-last-committed-page", {"KV-004"}, {"KV-004", "KV-003"})
+
+
+@pytest.mark.spec("MD-005", "MD-003")
+def test_v1_draft_extend_attending_rejected_drafts(report):
+    assert_caught(report, "de-v1-attend-rejected", {"MD-005"}, {"MD-003", "TOL-002"})
+
+
+@pytest.mark.spec("MD-002", "PA-004")
+def test_case_B14_verify_as_decode_fails_the_horizon_probe(report):
+    assert_caught(report, "verify-as-decode", {"MD-002"}, {"PA-004", "MD-002"})
+
+
+@pytest.mark.spec("MD-005")
+def test_case_B20_step_major_draft_locations(report):
+    assert_caught(report, "draft-loc-step-major", {"MD-005"}, {"MD-005", "TOL-002"})
+
+
+def test_case_B20_step_major_is_invisible_at_batch_size_1():
+    """Why B20 showed only at bs=2: with one request both cuts are the same slots."""
+    from refspec.batch import draft_decode_steps_batch, draft_step_view
+    from refspec.modes import ForwardMode
+    from refspec.scenario import Scenario
+    b = Scenario(ForwardMode.DECODE, page_size=4, lens=[9], draft_step=1).build()
+    fb = draft_decode_steps_batch(b.kv, b.fb.req_pool_indices.tolist(), [9], 3)
+    right = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
+    with bugs.enabled("draft-loc-step-major"):
+        wrong = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
+    assert right == wrong == [[int(b.kv.req_to_token[1, 9])], [int(b.kv.req_to_token[1, 10])]]
+
+
+# ---- the harness itself -------------------------------------------------------------------
+
+def _fake_variant(monkeypatch, name, probe):
+    monkeypatch.setitem(bugs.BUGS, name, bugs.Bug(name, "nothing", "test", "nothing", ("CG-002",), "nowhere"))
+    monkeypatch.setitem(PROBES, name, [probe])
+
+
+def test_a_variant_that_changes_nothing_survives_and_main_fails(monkeypatch, capsys):
+    _fake_variant(monkeypatch, "no-op", PROBES["verify-as-decode"][0])
+    rep = mutants.run("cpu", ["no-op"])
+    assert rep.caught == [] and rep.silent == ["no-op"]
+    assert "MISSED" in mutants.format_report(rep)
+    assert mutants.main(["--only", "no-op"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "caught 0/1"
+
+
+def test_a_probe_that_fires_without_the_variant_is_not_a_catch(monkeypatch):
+    def always(env, found, validate):
+        found.append(Symptom("check", "CG-002", "fires whatever the code does"))
+    _fake_variant(monkeypatch, "always", Probe("always fires", always))
+    rep = mutants.run("cpu", ["always"])
+    assert rep.caught == [] and not rep.results[0].baseline_ok
+    assert "BASELINE FAILS" in mutants.format_report(rep)
+
+
+def test_cli_prints_the_table_and_the_final_line(capsys):
+    from refspec.cli import main
+    assert main(["mutants", "--only", "verify-as-decode", "free-last-committed-page"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["variant", "probe"] and out[-1] == "caught 2/2"
+    assert any(line.startswith("verify-as-decode") and "MD-002" in line for line in out)
+
+
+def test_cli_rejects_an_unknown_variant_and_a_variant_already_on():
+    with pytest.raises(SystemExit):
+        mutants.main(["--only", "no-such-variant"])
+    with bugs.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
+        mutants.run("cpu", ["seed-page-table"])
+    with bugs.enabled("seed-page-table"):
+        with bugs.disabled():
+            assert bugs.active() == set()
+        assert bugs.active() == {"seed-page-table"}
+
+
+@pytest.mark.spec("TOL-002")
+def test_every_variant_is_caught_in_bf16_through_the_t1_budget():
+    """The GPU comparison path (bf16, budget from the oracle's own bf16 error) on the emulator."""
+    rep = mutants.run("cpu", low_precision=True)
+    assert sorted(rep.caught) == sorted(bugs.BUGS) and rep.silent == [], mutants.format_report(rep, True)
+
+
+@pytest.mark.spec("SD-004", "MD-005")
+def test_engine_level_v1_draft_extend_attending_rejected_drafts_changes_accepts_not_text():
+    """The token-level view of ``de-v1-attend-rejected`` (the optional ``--engine`` probe): the
+    production loop stays lossless but its drafts, hence accept counts, leave the oracle loop's."""
+    rep = mutants.run("cpu", ["de-v1-attend-rejected"], engine=True)
+    (r,) = [r for r in rep.results if r.probe.label.startswith("engine")]
+    text = mutants.format_report(rep, verbose=True)
+    assert r.caught and r.caught_by.first_id == "MD-005", text
+    assert [s.kind for s in r.symptom.symptoms] == ["accepts"] and r.symptom.ids == ["SD-004"], text
+
+
+def test_engine_probes_say_why_they_do_not_run_in_bf16():
+    rep = mutants.run("cpu", ["verify-as-decode"], low_precision=True, engine=True)
+    engine = [r for r in rep.results if r.probe.label.startswith("engine")]
+    assert engine and all(r.skipped and "fp32" in r.skipped for r in engine)
+    assert rep.caught == ["verify-as-decode"]  # the attention-level probe ran and caught it
+    assert "not run" in mutants.format_report(rep)
+
+
+@pytest.mark.gpu
+def test_every_variant_is_caught_on_cuda_with_real_fa3_and_cuda_graphs():
+    rep = mutants.run("cuda")
+    text = mutants.format_report(rep, verbose=True)
+    assert all(r.baseline_ok for r in rep.results), text
+    assert sorted(rep.caught) == sorted(bugs.BUGS), text
