@@ -57,6 +57,16 @@ class Scenario:
     device: str = "cpu"
     extra_pages: int = 3
 
+    def __post_init__(self):
+        """Argument checks: ValueError naming the missing or inconsistent field."""
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        per_req = {ForwardMode.EXTEND: "extend_lens", ForwardMode.DRAFT_EXTEND: "num_accept_tokens"}
+        name = per_req.get(self.mode)
+        if name and (getattr(self, name) is None or len(getattr(self, name)) != len(self.lens)):
+            raise ValueError(f"{self.mode.name} needs {name} with one entry per request of lens {self.lens}, "
+                             f"got {getattr(self, name)}")
+
     def kv_and_q_lens(self) -> tuple[list[int], list[int]]:
         """(K_b, q_b) per request, from the mode's meaning of ``lens``."""
         m, N, L = self.mode, self.num_draft_tokens, self.lens
@@ -73,8 +83,8 @@ class Scenario:
         return [], []
 
     def build(self) -> "Built":
-        g = torch.Generator().manual_seed(self.seed)
         P, dev = self.page_size, torch.device(self.device)
+        g = torch.Generator(device=dev).manual_seed(self.seed)  # values made where they are used
         K, q = self.kv_and_q_lens()
         pages_needed = sum(-(-k // P) for k in K)
         num_pages = pages_needed + self.extra_pages + 1
@@ -86,7 +96,7 @@ class Scenario:
         rows = [kv.alloc_req() for _ in K]
         kv.alloc_extend(rows, [0] * len(K), K)
         kf, vf = pool.get_flat_kv(0)
-        rnd = lambda *s: torch.randn(*s, generator=g).to(self.dtype).to(dev)
+        rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(self.dtype)
         for r, k_b, q_b in zip(rows, K, q):
             used = kv.req_to_token[r, :k_b].long()
             if self.poison:  # whole used pages get the sentinel first, then the real prefix

@@ -61,18 +61,23 @@ def test_real_fa3_gqa(label, P, heads):
 @pytest.mark.spec("PA-007")
 @pytest.mark.parametrize("P", [1, 3, 16, 256], ids=lambda P: f"P{P}")
 def test_real_fa3_never_reads_slack_columns(P):
-    """Widen the eager table by 3 columns and fill every column >= ceil(K_b / P) with 2e9:
-    the real kernel does not fault and its output is bitwise unchanged."""
+    """Widen the eager table by 3 columns; fill every column >= ceil(K_b / P) once with the
+    valid page 0 and once with 2e9: the real kernel does not fault and the two outputs are
+    bitwise equal.  (Both calls use the same width: the width sets the kernel's static key
+    extent, so a wider table may pick another split-KV and differ in the last bit, measured
+    on the H200: 2e-3 in bf16.)"""
     built = mode_scenarios(P, dtype=torch.bfloat16, head_dim=64, device="cuda")["TARGET_VERIFY"].build()
     be = built.fa3_backend(provider="fa3")
     md = be.init_forward_metadata(built.fb)
-    base = be.forward(built.q, built.k, built.v, built.layer, built.fb)
     wide = torch.cat([md.page_table, torch.zeros((md.page_table.shape[0], 3), dtype=torch.int32,
                                                   device=md.page_table.device)], dim=1)
-    for b, K in enumerate(built.K):
-        wide[b, -(-K // P):] = 2_000_000_000
-    md.page_table = wide.contiguous()
-    out = be.forward(built.q, built.k, built.v, built.layer, built.fb)
+    outs = []
+    for fill in (0, 2_000_000_000):
+        for b, K in enumerate(built.K):
+            wide[b, -(-K // P):] = fill
+        md.page_table = wide.contiguous()
+        outs.append(be.forward(built.q, built.k, built.v, built.layer, built.fb))
+    base, out = outs
     torch.cuda.synchronize()
     assert t0(out, base).ok
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/results/*.md.  Usage (repo root, FA3 importable, OUT set):
+#   bash benchmarks/gpu_run.sh tests      # GPU test suite + bug zoo on CUDA
+#   bash benchmarks/gpu_run.sh check      # python -m refspec check --device cuda
+#   bash benchmarks/gpu_run.sh bench      # python -m refspec bench (full grid)
+#   bash benchmarks/gpu_run.sh trace      # replay the committed MT-Bench trace on CUDA
+#   bash benchmarks/gpu_run.sh sanitizer  # graph tests under compute-sanitizer memcheck
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 - > "$OUT/env.txt" 2>&1 <<'PY'
+import importlib.metadata as md, torch
+print("gpu:", torch.cuda.get_device_name(), "sm_%d%d" % torch.cuda.get_device_capability())
+print("torch:", torch.__version__, "cuda:", torch.version.cuda)
+for name in ("tokenspeed-fa3",):
+    try:
+        print(name + ":", md.version(name))
+    except md.PackageNotFoundError:
+        print(name + ": not found")
+PY
+for what in "$@"; do
+  case "$what" in
+    tests)
+      timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu_*.py tests/test_mutants.py \
+        2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+      timeout 150 python3 -m refspec mutants --device cuda > "$OUT/mutants-cuda.txt" 2>&1
+      echo "mutants rc=$?"; tail -3 "$OUT/mutants-cuda.txt" ;;
+    check)
+      timeout 400 python3 -m refspec check --device cuda > "$OUT/check-cuda.txt" 2>&1
+      echo "check rc=$?"; tail -3 "$OUT/check-cuda.txt" ;;
+    bench)
+      timeout 400 python3 -m refspec bench --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?"; tail -5 "$OUT/bench.log" ;;
+    trace)
+      timeout 300 python3 -m refspec replay benchmarks/traces/mtbench_smollm2.json --device cuda \
+        --out "$OUT/trace-replay.md" > "$OUT/trace-replay.log" 2>&1
+      echo "replay rc=$?"; tail -5 "$OUT/trace-replay.log" ;;
+    sanitizer)
+      timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
+        -p no:cacheprovider tests/test_gpu_graphs.py -k "${SANITIZER_K:-}" > "$OUT/sanitizer.log" 2>&1
+      echo "sanitizer rc=$?"; tail -5 "$OUT/sanitizer.log" ;;
+  esac
+done
