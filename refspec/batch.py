@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from refspec import bugs
+from refspec.invariants import require
 from refspec.kv_cache import KVCache
 from refspec.modes import ForwardMode
 
@@ -79,12 +80,67 @@ class ForwardBatch:
         return replace(self, **kw)
 
 
+def check_batch_shapes(fb: "ForwardBatch") -> None:
+    """Shape agreement of ``fb``'s per-request and per-token fields (shapes only: no host sync).
+
+    Run by the consumers (FA3 validation, the oracle twin, graph replay), not on construction,
+    so that a half-built batch can still be passed around.
+    Raises: ValueError naming the field whose length disagrees with ``req_pool_indices``
+    (B) or ``out_cache_loc`` (T), or an index field that is not an integer tensor.
+    """
+    B = fb.req_pool_indices.shape[0] if fb.req_pool_indices.dim() == 1 else None
+    if B is None:
+        raise ValueError(f"req_pool_indices must be 1-D [B], got shape {tuple(fb.req_pool_indices.shape)}")
+    per_req = dict(seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, extend_seq_lens=fb.extend_seq_lens,
+                   extend_seq_lens_cpu=fb.extend_seq_lens_cpu, num_accept_tokens=fb.num_accept_tokens,
+                   num_accept_tokens_cpu=fb.num_accept_tokens_cpu)
+    for name, x in per_req.items():
+        if x is not None and len(x) != B:
+            raise ValueError(f"ForwardBatch.{name} has {len(x)} entries, req_pool_indices has B = {B}")
+    for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions"):
+        t = getattr(fb, name)
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"ForwardBatch.{name} must be an integer tensor, got {t.dtype}")
+    if fb.positions.shape != fb.out_cache_loc.shape or fb.out_cache_loc.dim() != 1:
+        raise ValueError(f"ForwardBatch.out_cache_loc {tuple(fb.out_cache_loc.shape)} and positions "
+                         f"{tuple(fb.positions.shape)} must both be [T]")
+
+
 def _i32(x, device):
     return torch.as_tensor(list(x), dtype=torch.int32, device=device)
 
 
+def _check_rows(kv: KVCache, req_pool_indices, seq_lens) -> None:
+    """Rows are real (not the dummy row 0, PA-008), in range and distinct (MD-012); B agrees."""
+    if len(req_pool_indices) != len(seq_lens):
+        raise ValueError(f"req_pool_indices has {len(req_pool_indices)} entries, seq_lens {len(seq_lens)}")
+    R = kv.req_to_token.shape[0]
+    for r in req_pool_indices:
+        require(r != 0, "PA-008", "req_pool_indices holds the reserved dummy row 0")
+        if not 0 < r < R:
+            raise ValueError(f"req_pool_index {r} outside req_to_token rows [1, {R})")
+    require(len(set(req_pool_indices)) == len(req_pool_indices), "MD-012",
+            f"req_pool_indices {list(req_pool_indices)} repeat a row")
+
+
 def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix, **fields):
-    """Common part: out_cache_loc / positions = the last q_b KV indices of each request."""
+    """Common part: out_cache_loc / positions = the last q_b KV indices of each request.
+
+    Raises: InvariantError PA-008 (row 0), MD-012 (a repeated row), MD-004 (a query token
+    before position 0, i.e. K_b < q_b); ValueError (a row out of range, q_b < 1, a position
+    past the ``req_to_token`` width, per-request lists of different lengths).
+    """
+    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    _check_rows(kv, req_pool_indices, seq_lens)
+    W = kv.req_to_token.shape[1]
+    for b, (q, p0) in enumerate(zip(q_lens, written_prefix)):
+        if q < 1:
+            raise ValueError(f"{mode.name} request {b}: {q} query tokens, need >= 1")
+        require(p0 >= 0, "MD-004", f"{mode.name} request {b} (seq_len {seq_lens[b]}): its {q} query tokens "
+                f"would start at position {p0} < 0")
+        if p0 + q > W:
+            raise ValueError(f"{mode.name} request {b} (seq_len {seq_lens[b]}): positions up to {p0 + q - 1} "
+                             f"past the req_to_token width {W}")
     dev = kv.device
     locs, pos = [], []
     for r, q, p0 in zip(req_pool_indices, q_lens, written_prefix):
@@ -103,6 +159,11 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
     )
 
 
+def _count(name: str, n: int, least: int = 1) -> None:
+    if not isinstance(n, int) or n < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
+
+
 def decode_batch(kv, req_pool_indices, seq_lens):
     """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
@@ -111,6 +172,7 @@ def decode_batch(kv, req_pool_indices, seq_lens):
 
 def draft_decode_batch(kv, req_pool_indices, seq_lens, step):
     """Draft decode step ``s``: ``seq_lens`` L is committed; the draft token goes to L + s."""
+    _count("step", step, 0)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L + step for L in seq_lens], draft_step=step)
 
@@ -126,6 +188,7 @@ def extend_batch(kv, req_pool_indices, prefix_lens, extend_lens):
 def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
     """TARGET_VERIFY: ``seq_lens`` L is committed; N tokens at L .. L + N - 1."""
     N = num_draft_tokens
+    _count("num_draft_tokens", N)
     return _build(ForwardMode.TARGET_VERIFY, kv, req_pool_indices, seq_lens, [N] * len(seq_lens),
                   list(seq_lens), num_draft_tokens=N)
 
@@ -133,9 +196,16 @@ def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
 def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_draft_tokens=None):
     """DRAFT_EXTEND (v1): ``seq_lens`` L' = L + a (post-accept); a packed tokens at L .. L' - 1.
 
-    ``num_draft_tokens`` (N, optional) is informational: v1 metadata never reads it.
+    ``num_draft_tokens`` (N, optional) is informational: v1 metadata never reads it, but when
+    given each a_b must lie in ``[1, N]``.
+    Raises: InvariantError MD-009 (an a_b outside ``[1, N]``), and those of ``_build``.
     """
-    a = list(num_accept_tokens)
+    a = [int(x) for x in num_accept_tokens]
+    if len(a) != len(seq_lens):
+        raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {len(seq_lens)}")
+    top = num_draft_tokens if num_draft_tokens is not None else float("inf")
+    require(all(1 <= x <= top for x in a), "MD-009",
+            f"num_accept_tokens {a}: each a = n + 1 must lie in [1, N = {num_draft_tokens}]")
     dev = kv.device
     return _build(ForwardMode.DRAFT_EXTEND, kv, req_pool_indices, seq_lens, a,
                   [Lp - ai for Lp, ai in zip(seq_lens, a)],
@@ -150,7 +220,10 @@ def draft_extend_v2_batch(kv, req_pool_indices, seq_lens, num_draft_tokens, num_
     afterwards (SD-005); the attention metadata never reads it.
     """
     N, B, dev = num_draft_tokens, len(seq_lens), kv.device
+    _count("num_draft_tokens", N)
     a = None if num_accept_tokens is None else list(num_accept_tokens)
+    if a is not None and len(a) != B:
+        raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {B}")
     return _build(ForwardMode.DRAFT_EXTEND_V2, kv, req_pool_indices, seq_lens, [N] * B,
                   [L - N for L in seq_lens], num_draft_tokens=N,
                   extend_seq_lens=_i32([N] * B, dev), extend_seq_lens_cpu=[N] * B,
@@ -169,7 +242,14 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (case B20: the layout is
     request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
     """
-    S1, dev = num_steps - 1, kv.device
+    _count("num_steps", num_steps)
+    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    _check_rows(kv, req_pool_indices, seq_lens)
+    S1, dev, W = num_steps - 1, kv.device, kv.req_to_token.shape[1]
+    for b, L in enumerate(seq_lens):
+        if L < 0 or L + S1 > W:
+            raise ValueError(f"draft decode request {b}: seq_len {L} with {S1} steps needs positions "
+                             f"{L}..{L + S1 - 1} inside the req_to_token width {W}")
     idx = [L + s for L in seq_lens for s in range(S1)]
     rows = [r for r in req_pool_indices for _ in range(S1)]
     fb = _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [], [])
@@ -180,8 +260,13 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
 
 
 def draft_step_view(fb: ForwardBatch, step: int, num_steps: int) -> ForwardBatch:
-    """Step ``s`` of a :func:`draft_decode_steps_batch` batch: views, no copies (graph-safe)."""
+    """Step ``s`` of a :func:`draft_decode_steps_batch` batch: views, no copies (graph-safe).
+
+    Raises: ValueError unless ``0 <= step < num_steps - 1`` (Python ints only: no host sync).
+    """
     S1 = num_steps - 1
+    if not 0 <= step < S1:
+        raise ValueError(f"draft step {step} outside [0, {S1}) for num_steps = {num_steps}")
     B = fb.batch_size
     loc = fb.out_cache_loc.view(B, S1)[:, step]
     if bugs.is_on("draft-loc-step-major"):

@@ -33,7 +33,7 @@ import bisect
 import torch
 
 from refspec import bugs
-from refspec.batch import ForwardBatch
+from refspec.batch import ForwardBatch, check_batch_shapes
 from refspec.graphs import make_graph
 from refspec.invariants import require
 from refspec.modes import ForwardMode
@@ -56,7 +56,12 @@ class GraphRunner:
     def __init__(self, mode: ForwardMode, backends, forward_fn, *, kv, capture_bs, tokens_per_req,
                  inputs=None, num_draft_tokens=None, split=None, rows="tokens", draft_step=None):
         self.mode, self.backends, self.forward_fn, self.kv = mode, list(backends), forward_fn, kv
-        self.capture_bs = sorted(capture_bs)
+        capture_bs = list(capture_bs)
+        if not capture_bs or not all(isinstance(c, int) and c >= 1 for c in capture_bs):
+            raise ValueError(f"capture_bs must be a non-empty list of batch sizes >= 1, got {capture_bs}")
+        if not isinstance(tokens_per_req, int) or tokens_per_req < 1:
+            raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
+        self.capture_bs = sorted(set(capture_bs))
         self.W, self.N, self.rows = tokens_per_req, num_draft_tokens, rows
         self.split = split or (lambda fb: [fb] * len(self.backends))
         self.draft_step = draft_step
@@ -116,7 +121,7 @@ class GraphRunner:
                 buf[:T].copy_(inputs[name])
             buf[T:bs * W].zero_()
         def cpu(field, default):
-            real = [] if live is None or getattr(live, field) is None else list(getattr(live, field))
+            real = [default] * B if live is None or getattr(live, field) is None else list(getattr(live, field))
             return [int(x) for x in real] + [default] * (bs - B)
         fb.seq_lens_cpu = torch.tensor(cpu("seq_lens_cpu", fill), dtype=torch.long)
         fb.num_accept_tokens_cpu = cpu("num_accept_tokens_cpu", W)
@@ -164,10 +169,37 @@ class GraphRunner:
         """The smallest captured batch size >= B (CG-007)."""
         return self.capture_bs[bisect.bisect_left(self.capture_bs, B)]
 
-    def replay(self, live: ForwardBatch, inputs: dict | None = None):
-        """Pad ``live`` to its graph's size, rewrite metadata in place, replay, slice real rows."""
+    def _check_live(self, live: ForwardBatch, inputs: dict | None) -> None:
+        """What the captured graph can take: its mode's layout, W rows per request, the inputs."""
+        check_batch_shapes(live)
         require(self.can_run(live), "CG-007", f"batch of {live.batch_size} ({live.forward_mode.name}); "
                 f"captured {self.capture_bs} for {self.mode.name}")
+        m = live.forward_mode
+        if (m.is_target_verify() or m.is_draft_extend_v2()) and live.num_draft_tokens != self.N:
+            raise ValueError(f"{m.name} batch with num_draft_tokens={live.num_draft_tokens}, "
+                             f"the graph was captured for N={self.N}")
+        q = [] if m.is_decode() else live.q_lens_cpu()
+        require(all(x <= self.W for x in q) and live.num_tokens <= live.batch_size * self.W, "CG-006",
+                lambda: f"{m.name}: query lens {q}, {live.num_tokens} tokens; the graph froze "
+                f"max_seqlen_q / rows per request W = {self.W}")
+        want = sorted(self.inputs)
+        got = sorted(inputs or {})
+        if got != want:
+            raise ValueError(f"replay inputs {got}, the graph was captured with {want}")
+        for name, buf in self.inputs.items():
+            x = inputs[name]
+            if tuple(x.shape) != (live.num_tokens, *buf.shape[1:]):
+                raise ValueError(f"replay input {name!r} has shape {tuple(x.shape)}, expected "
+                                 f"{(live.num_tokens, *buf.shape[1:])} (live tokens, captured trailing shape)")
+
+    def replay(self, live: ForwardBatch, inputs: dict | None = None):
+        """Pad ``live`` to its graph's size, rewrite metadata in place, replay, slice real rows.
+
+        Raises: CG-007 (wrong mode, empty or too large a batch), CG-006 (a request with more
+        query rows than the captured W), ValueError (another N, or ``inputs`` whose names /
+        shapes do not match the capture), and the backends' replay checks.
+        """
+        self._check_live(live, inputs)
         B = live.batch_size
         bs = self.graph_bs(B)
         fb = self.static[bs]

@@ -46,6 +46,8 @@ class EmulatedGraph:
 
     def replay(self):
         """Re-run the captured callable with every launch's static args and scalars frozen."""
+        if self._fn is None:
+            raise RuntimeError("EmulatedGraph.replay before capture")
         EmulatedGraph._current, self._replaying, self._cursor = self, True, 0
         try:
             out = self._fn()

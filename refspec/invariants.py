@@ -48,6 +48,7 @@ INVARIANTS: dict[str, str] = {
     "MD-009": "DRAFT_EXTEND (v1): q_b = num_accept_tokens = n + 1, packed",
     "MD-010": "draft decode step s: q_b = 1, K_b = L_b + s + 1",
     "MD-011": "TARGET_VERIFY: q_b = N, K_b = L_b + N",
+    "MD-012": "the real requests of a batch have distinct req_to_token rows and write distinct slots",
     # --- CUDA graphs (spec §1.5, §4, §7 items 7-11) ---
     "CG-001": "replay writes captured buffers in place and never rebinds them (address stability)",
     "CG-002": "replay equals eager on real rows",

@@ -25,6 +25,13 @@ from refspec import bugs
 from refspec.invariants import InvariantError, require
 
 
+def _positive(**sizes) -> None:
+    """ValueError naming the first size that is not a positive int."""
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
 class KVPool:
     """Per-layer K and V buffers shaped ``[NP, P, Hkv, D]`` (one pool per model: target, draft).
 
@@ -39,13 +46,19 @@ class KVPool:
 
     def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim,
                  dtype=torch.float32, device="cpu", fill: float = 0.0):
+        _positive(num_layers=num_layers, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
         self.k_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads."""
+        """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads.
+
+        Raises: ValueError if ``layer_id`` is not in ``[0, num_layers)``."""
+        if not 0 <= layer_id < len(self.k_buffer):
+            raise ValueError(f"layer_id {layer_id} outside the pool's {len(self.k_buffer)} layers")
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def get_flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +67,16 @@ class KVPool:
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [T, Hkv, D]`` at flat slots ``loc [T]`` (int64), in place."""
+        """Write ``k, v [T, Hkv, D]`` at flat slots ``loc [T]`` (int64), in place.
+
+        Raises: InvariantError PA-009 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
+        would broadcast a single row or head over all of them).  Shapes only: no host sync.
+        """
         fk, fv = self.get_flat_kv(layer_id)
+        want = (loc.shape[0], *fk.shape[1:]) if loc.dim() == 1 else None
+        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
+                lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                f"the pool wants [T, Hkv, D] = {want}")
         fk[loc] = k.to(fk.dtype)
         fv[loc] = v.to(fv.dtype)
 
@@ -79,6 +100,7 @@ class PagedAllocator:
     def __init__(self, num_pages: int, page_size: int, seed: int | None = None):
         if num_pages < 2:
             raise ValueError("need at least 2 pages (page 0 is reserved)")
+        _positive(page_size=page_size)
         self.num_pages, self.page_size = num_pages, page_size
         pages = list(range(1, num_pages))
         if seed is not None:
@@ -93,6 +115,8 @@ class PagedAllocator:
 
     def alloc_pages(self, n: int) -> list[int]:
         """Take ``n`` pages; raises KV-003 on exhaustion (nothing is taken then)."""
+        if n < 0:
+            raise ValueError(f"alloc_pages: n must be >= 0, got {n}")
         require(n <= len(self._free), "KV-003", lambda: f"need {n} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
         self._in_use[pages] = True
@@ -140,6 +164,9 @@ class KVCache:
     """
 
     def __init__(self, max_reqs, max_context, num_pages, page_size, extra=0, device="cpu", seed=None):
+        if max_reqs < 2:
+            raise ValueError(f"max_reqs must be >= 2 (row 0 is reserved), got {max_reqs}")
+        _positive(max_context_plus_extra=max_context + extra)
         self.page_size = page_size
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32, device=device)
@@ -152,8 +179,25 @@ class KVCache:
         require(len(self._free_rows) > 0, "KV-003", "no free req_to_token row")
         return self._free_rows.popleft()
 
+    def _check_row(self, r: int) -> None:
+        """``r`` is a row handed out by :meth:`alloc_req` and not freed since (PA-008, KV-003)."""
+        require(r != 0, "PA-008", "req_to_token row 0 is the reserved dummy row")
+        if not 0 < r < self.req_to_token.shape[0]:
+            raise ValueError(f"req_pool_index {r} outside req_to_token rows [1, {self.req_to_token.shape[0]})")
+        require(r not in self._free_rows, "KV-003", f"req_to_token row {r} is free (never allocated, or freed)")
+
+    def _check_len(self, name: str, n: int) -> None:
+        if not 0 <= n <= self.req_to_token.shape[1]:
+            raise ValueError(f"{name} = {n} outside [0, {self.req_to_token.shape[1]}] (req_to_token width)")
+
     def free_req(self, r: int, alloc_len: int) -> None:
-        """Free every page of row ``r``'s first ``alloc_len`` positions, and the row itself."""
+        """Free every page of row ``r``'s first ``alloc_len`` positions, and the row itself.
+
+        Raises: InvariantError KV-003 (row already free: a double free would hand the row to two
+        requests), PA-008 (row 0); ValueError (``alloc_len`` outside the row).
+        """
+        self._check_row(r)
+        self._check_len("alloc_len", alloc_len)
         if alloc_len > 0:
             self.allocator.free_pages(self.row_pages(r, alloc_len))
         self._free_rows.append(r)
@@ -179,9 +223,23 @@ class KVCache:
         holding slots), ``seq_lens`` (tokens after the call).
         Returns: ``out_cache_loc`` int64 ``[sum(seq - prefix)]`` (slots), request-major.
         Raises: InvariantError KV-001 (the row's last slot is not at the expected offset),
-        KV-003 (exhaustion).
+        KV-003 (exhaustion: pages, or ``seq_b`` past the row's width; or a free row), PA-008
+        (row 0); ValueError (lists of different lengths, a repeated row, ``seq_b < prefix_b``).
+        All checks run before anything is taken.
         """
         P = self.page_size
+        req_pool_indices, prefix_lens, seq_lens = list(req_pool_indices), list(prefix_lens), list(seq_lens)
+        if not len(req_pool_indices) == len(prefix_lens) == len(seq_lens):
+            raise ValueError(f"alloc_extend: req_pool_indices, prefix_lens, seq_lens have lengths "
+                             f"{len(req_pool_indices)}, {len(prefix_lens)}, {len(seq_lens)}")
+        if len(set(req_pool_indices)) != len(req_pool_indices):
+            raise ValueError(f"alloc_extend: req_pool_indices {req_pool_indices} repeat a row")
+        W = self.req_to_token.shape[1]
+        for r, p, s in zip(req_pool_indices, prefix_lens, seq_lens):
+            self._check_row(r)
+            if not 0 <= p <= s:
+                raise ValueError(f"alloc_extend row {r}: need 0 <= prefix_len <= seq_len, got {p}, {s}")
+            require(s <= W, "KV-003", f"row {r}: seq_len {s} past the req_to_token width {W}")
         need = [-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens)]
         require(sum(need) <= self.allocator.num_free_pages, "KV-003",
                 lambda: f"need {sum(need)} pages, {self.allocator.num_free_pages} free")
@@ -215,7 +273,11 @@ class KVCache:
         Spec §5.1 step 3 (``align_evict_mask_to_page_size``): rejected slots inside the page of
         the last committed token stay allocated (freeing them would free committed tokens' page),
         and are reused next round (KV-004).
+        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row), KV-003 (row not allocated).
         """
+        self._check_row(r)
+        self._check_len("keep_len", keep_len)
+        self._check_len("alloc_len", alloc_len)
         if bugs.is_on("free-last-committed-page"):
             keep_len = (keep_len - 1) // self.page_size * self.page_size  # frees the committed page too
         if alloc_len > keep_len:
@@ -223,6 +285,7 @@ class KVCache:
 
     def check_page_contiguous(self, r: int, length: int) -> None:
         """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``."""
+        self._check_len("length", length)
         P = self.page_size
         row = self.req_to_token[r, :length].long()
         pos = torch.arange(length, device=row.device)

@@ -13,8 +13,9 @@ from refspec.batch import ForwardBatch
 from refspec.fa3 import kernel
 from refspec.fa3.graph_metadata import GraphMetadataMixin
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
-from refspec.fa3.validate import validate_metadata
+from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.graphs import launch
+from refspec.invariants import require
 from refspec.kv_cache import KVCache, KVPool
 from refspec.layer import AttentionLayer
 
@@ -50,7 +51,13 @@ class FlashAttentionBackend(GraphMetadataMixin):
         self.graph_state = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> FlashAttentionMetadata:
-        """Eager metadata (spec §3.3), validated against ``fb`` and ``req_to_token``."""
+        """Eager metadata (spec §3.3), validated against ``fb`` and ``req_to_token``.
+
+        Raises (with ``validate``): see :func:`refspec.fa3.validate.validate_batch` (before the
+        build) and :func:`refspec.fa3.validate.validate_metadata` (after it).
+        """
+        if self.validate:
+            validate_batch(fb, self.kv.req_to_token)
         md = init_forward_metadata(fb, self.kv.req_to_token, self.page_size, self.speculative_step_id)
         if self.validate:
             validate_metadata(md, fb, self.kv.req_to_token, self.page_size)
@@ -59,7 +66,16 @@ class FlashAttentionBackend(GraphMetadataMixin):
 
     def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
         """Store-then-attend.  ``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store)
-        -> ``[T, H, D]``.  Graph-safe: no host syncs here (validation ran at metadata time)."""
+        -> ``[T, H, D]``.  Graph-safe: no host syncs here (validation ran at metadata time).
+
+        Raises: RuntimeError if no metadata was built yet; InvariantError PA-009 (k / v do not
+        match ``out_cache_loc`` and the pool), PA-011 (the kernel's argument checks).
+        """
+        if self.forward_metadata is None:
+            raise RuntimeError("FlashAttentionBackend.forward before init_forward_metadata(fb) "
+                               "(or a graph capture hook): there is no metadata to run on")
+        require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
+                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D = {layer.head_dim}]")
         if k is not None:
             launch(_store_kv, live=dict(k=k, v=v),
                    static=dict(pool=self.pool, loc=fb.out_cache_loc), scalars=dict(layer_id=layer.layer_id))

@@ -11,7 +11,8 @@ an :class:`~refspec.invariants.InvariantError` naming the contract rule):
 
 * a request with more query rows than ``max_seqlen_q`` (PA-010);
 * a page table narrower than ``ceil(K_b / P)`` (PA-003);
-* wrong dtypes/shapes, a read page id outside ``[0, NP)``, ``cu_seqlens_q`` not starting at 0 /
+* wrong dtypes/shapes (q / k_cache / v_cache of different dtypes or shapes too), a negative
+  ``cache_seqlens``, a read page id outside ``[0, NP)``, ``cu_seqlens_q`` not starting at 0 /
   decreasing / past ``T`` (PA-011).
 
 Output rows not covered by ``cu_seqlens_q`` are NaN: the kernel never writes them, so they hold
@@ -27,10 +28,19 @@ from refspec.invariants import require
 TILE = 128  #: keys per tile of the online softmax (the kernel's n-block)
 
 
-def _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q):
+def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q):
+    require(q.dim() == 3 and k_cache.dim() == 4 and tuple(v_cache.shape) == tuple(k_cache.shape), "PA-011",
+            lambda: f"q {tuple(q.shape)} must be [T, H, D], k_cache {tuple(k_cache.shape)} and v_cache "
+            f"{tuple(v_cache.shape)} the same [NP, P, Hkv, D]")
+    require(all(t.stride(-1) == 1 for t in (q, k_cache, v_cache)), "PA-011",
+            f"q, k_cache, v_cache need a contiguous last dimension (FA3), strides {q.stride()}, "
+            f"{k_cache.stride()}, {v_cache.stride()}")
+    require(q.is_floating_point() and q.dtype == k_cache.dtype == v_cache.dtype, "PA-011",
+            f"q, k_cache, v_cache must share one floating dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     T, H, D = q.shape
     NP, P, Hkv, Dk = k_cache.shape
     require(Dk == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)}")
+    require(cache_seqlens.dim() == 1, "PA-011", f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")
     for name, t in (("cache_seqlens", cache_seqlens), ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
         require(t.dtype == torch.int32, "PA-011", f"{name} must be int32, got {t.dtype}")
     require(page_table.numel() == 0 or page_table.stride(-1) == 1, "PA-011",
@@ -42,7 +52,9 @@ def _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_
     cu = cu_seqlens_q.tolist()
     require(cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T, "PA-011",
             f"cu_seqlens_q {cu} must start at 0, not decrease and end <= T={T}")
-    return cu, cache_seqlens.tolist(), P, NP
+    K = cache_seqlens.tolist()
+    require(all(k >= 0 for k in K), "PA-011", f"cache_seqlens {K} must be >= 0")
+    return cu, K, P, NP
 
 
 def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
@@ -56,7 +68,7 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     the LSE ``[H, T]`` (fp32) if ``return_softmax_lse``.
     Raises: InvariantError PA-003, PA-010, PA-011 (see module doc).
     """
-    cu, K_list, P, NP = _check_args(q, k_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q)
+    cu, K_list, P, NP = _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q)
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv

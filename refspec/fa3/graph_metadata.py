@@ -34,7 +34,7 @@ import torch
 from refspec import bugs
 from refspec.batch import ForwardBatch
 from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, mode_delta
-from refspec.fa3.validate import validate_metadata
+from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.invariants import InvariantError, require
 
 _TENSORS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table")
@@ -130,11 +130,18 @@ class GraphMetadataMixin:
         """Rewrite the captured (mode, bs) metadata in place for the padded batch ``fb``.
 
         ``fb`` holds ``bs`` rows (``num_real`` real, then padding) with CPU mirrors.
-        Raises: CG-008 (pages do not fit), CG-001 (a captured tensor was rebound), and, with
-        ``validate``, CG-003 / CG-004 (draft-extend layout over all ``bs`` rows) and every check
+        Raises: ValueError (nothing captured for this mode and ``bs``), CG-008 (pages do not
+        fit), CG-001 (a captured tensor was rebound), and, with ``validate``, the checks of
+        :func:`refspec.fa3.validate.validate_batch` on the real rows, CG-003 / CG-004 (draft-extend layout over all ``bs`` rows) and every check
         of :mod:`refspec.fa3.validate` on the real rows.
         """
-        md, bound = self.graph_state.captured[(_mode_key(fb), bs)]
+        key = (_mode_key(fb), bs)
+        if self.graph_state is None or key not in self.graph_state.captured:
+            raise ValueError(f"no graph metadata captured for {key} (init_cuda_graph_state and the capture hook "
+                             f"come first)")
+        md, bound = self.graph_state.captured[key]
+        if self.validate:
+            validate_batch(fb, self.kv.req_to_token, num_real=num_real)
         self._update_lengths(md, fb, bs)
         for name, t in bound.items():
             now = getattr(md, name)

@@ -29,8 +29,13 @@ from refspec.fa3.emulator import emulate_flash_attn_with_kvcache
 
 @functools.lru_cache(maxsize=None)
 def _real_kernel(name: str):
-    """The real kernel function for provider ``name``, or the reason it is unavailable (str)."""
-    module = {"fa3": "flash_attn_interface", "sgl_kernel": "sgl_kernel.flash_attn"}[name]
+    """The real kernel function for provider ``name``, or the reason it is unavailable (str).
+
+    Raises: ValueError for a name that is no provider at all."""
+    modules = {"fa3": "flash_attn_interface", "sgl_kernel": "sgl_kernel.flash_attn"}
+    if name not in modules:
+        raise ValueError(f"unknown FA3 provider {name!r}: one of 'emulator', {', '.join(map(repr, modules))}")
+    module = modules[name]
     try:
         return getattr(importlib.import_module(module), "flash_attn_with_kvcache")
     except Exception as e:  # ImportError, or a broken binary (OSError, RuntimeError)

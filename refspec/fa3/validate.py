@@ -13,7 +13,13 @@ Each failure raises :class:`~refspec.invariants.InvariantError` naming the rule:
   (which also catches a non-page-contiguous row, and a table in the wrong unit);
 * PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request;
 * PA-008: no real request uses row 0 or has a key in the reserved page 0 (an unreserved
-  position, case B01: its ``req_to_token`` entry is still 0, and every check above agrees with it).
+  position, case B01: its ``req_to_token`` entry is still 0, and every check above agrees with it);
+* MD-012: the real requests have distinct rows and write distinct slots (checked after the
+  per-request rules above, so that each of them keeps naming its own violations).
+
+:func:`validate_batch` runs *before* the metadata is built: ``req_pool_indices`` inside
+``req_to_token`` and fields of one batch size (ValueError), the CPU mirror ``seq_lens_cpu == seq_lens`` (MD-006; the
+metadata's ``max_seqlen_k`` and page-table width come from it) and distinct rows (MD-012).
 
 Only the first ``num_real`` rows are checked (padded graph rows are ignored, CG-005 checks
 them).  Cost: O(sum K) integer work on the host per call.
@@ -23,9 +29,30 @@ from __future__ import annotations
 
 import torch
 
-from refspec.batch import ForwardBatch
+from refspec.batch import ForwardBatch, check_batch_shapes
 from refspec.fa3.metadata import FlashAttentionMetadata
 from refspec.invariants import InvariantError, require
+
+
+def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int | None = None) -> None:
+    """Check the first ``num_real`` (default all) requests of ``fb`` before metadata is built.
+
+    Raises: ValueError (a row outside ``req_to_token``), InvariantError MD-006 (``seq_lens_cpu``
+    disagrees with ``seq_lens``), MD-012 (a repeated row); ValueError from
+    :func:`refspec.batch.check_batch_shapes` (fields of different batch sizes).
+    """
+    check_batch_shapes(fb)
+    B = fb.batch_size if num_real is None else num_real
+    if B == 0:
+        return
+    rows = fb.req_pool_indices[:B].tolist()
+    R = req_to_token.shape[0]
+    bad = [r for r in rows if not 0 <= r < R]
+    if bad:
+        raise ValueError(f"req_pool_indices {bad} outside req_to_token rows [0, {R})")
+    dev, cpu = fb.seq_lens[:B].tolist(), fb.seq_lens_cpu[:B].tolist()
+    require(dev == cpu, "MD-006", f"seq_lens_cpu {cpu} is not a mirror of seq_lens {dev}")
+    require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
 
 
 def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token: torch.Tensor,
@@ -71,3 +98,7 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
         # an unreserved position still reads 0 in req_to_token: it would write / read the dummy page 0
         require(r != 0 and not bool((row < P).any()), "PA-008", lambda: f"request {b} (row {r}): position(s) "
                 f"{(row < P).nonzero().flatten().tolist()} map to the reserved page 0 (no slot reserved, case B01)")
+    rows = fb.req_pool_indices[:B].tolist()
+    require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
+    real = loc[:cu[B]]
+    require(len(set(real)) == len(real), "MD-012", lambda: f"out_cache_loc {real} writes a slot twice")

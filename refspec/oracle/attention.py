@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from einops import einsum, repeat
 
+from refspec.invariants import require
+
 
 def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
                       *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True, out_dtype=None):
@@ -35,15 +37,31 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
         softcap: c, 0 disables.
         upcast: compute in fp32 (the truth).  ``False`` computes in ``q.dtype``: the error that
             this low-precision run makes is the budget unit of tolerance tier T1 (TOL-002).
+    Raises: InvariantError PA-011 (the same argument contract as the kernel's: shapes, GQA
+    ratio, ``cu_seqlens_q`` of length B+1 from 0 non-decreasing to ``<= T``, ``0 <= K_b <=``
+    the ``req_to_token`` width, rows inside ``req_to_token``).
     """
+    require(q.dim() == 3 and k_flat.dim() == 3 and tuple(v_flat.shape) == tuple(k_flat.shape), "PA-011",
+            lambda: f"q {tuple(q.shape)} must be [T, H, D], k_flat {tuple(k_flat.shape)} and v_flat "
+            f"{tuple(v_flat.shape)} the same [NS, Hkv, D]")
     T, H, D = q.shape
     Hkv = k_flat.shape[1]
+    require(k_flat.shape[2] == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: "
+            "head dims differ or H is not a multiple of Hkv")
+    cu = [int(x) for x in cu_seqlens_q]
+    rows, K_all = [int(r) for r in req_pool_indices], [int(k) for k in cache_seqlens]
+    require(len(rows) == len(K_all) and len(cu) == len(rows) + 1 and cu[0] == 0
+            and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T, "PA-011",
+            f"B = {len(rows)} rows, {len(K_all)} lengths, cu_seqlens_q {cu} (need B+1 entries from 0, "
+            f"non-decreasing, ending <= T = {T})")
+    R, W = req_to_token.shape
+    require(all(0 <= r < R for r in rows) and all(0 <= k <= W for k in K_all), "PA-011",
+            f"rows {rows} must lie in [0, {R}) and cache_seqlens {K_all} in [0, {W}]")
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     cdt = torch.float32 if upcast else q.dtype
     out = torch.zeros((T, H, D), dtype=cdt, device=q.device)
-    cu = [int(x) for x in cu_seqlens_q]
-    for b, (r, K) in enumerate(zip(req_pool_indices, cache_seqlens)):
-        r, K, Q = int(r), int(K), cu[b + 1] - cu[b]
+    for b, (r, K) in enumerate(zip(rows, K_all)):
+        Q = cu[b + 1] - cu[b]
         if Q == 0 or K == 0:
             continue
         slots = req_to_token[r, :K].long()  # exactly the request's keys, by slot

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from refspec.batch import ForwardBatch
+from refspec.batch import ForwardBatch, check_batch_shapes
+from refspec.invariants import require
 from refspec.kv_cache import KVCache, KVPool
 from refspec.layer import AttentionLayer
 from refspec.oracle.attention import attention_by_slot
@@ -34,12 +35,19 @@ class OracleMetadata:
 
 
 def oracle_metadata(fb: ForwardBatch) -> OracleMetadata:
-    """The oracle twin of ``init_forward_metadata`` (see module doc)."""
+    """The oracle twin of ``init_forward_metadata`` (see module doc).
+
+    Raises: InvariantError MD-012 if two requests name the same ``req_to_token`` row;
+    ValueError from :func:`refspec.batch.check_batch_shapes`.
+    """
+    check_batch_shapes(fb)
+    rows = fb.req_pool_indices.tolist()
+    require(len(set(rows)) == len(rows), "MD-012", f"req_pool_indices {rows} repeat a row")
     q = fb.q_lens_cpu()
     cu = [0, *accumulate(q)]
     pos = fb.positions.tolist()
     K = [int(pos[cu[b + 1] - 1]) + 1 if q[b] else 0 for b in range(len(q))]
-    return OracleMetadata(q, K, cu, fb.req_pool_indices.tolist())
+    return OracleMetadata(q, K, cu, rows)
 
 
 class OracleBackend:
@@ -63,7 +71,14 @@ class OracleBackend:
         return self.forward_metadata
 
     def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
-        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (or None: nothing new to store) -> ``[T, H, D]``."""
+        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (or None: nothing new to store) -> ``[T, H, D]``.
+
+        Raises: RuntimeError if no metadata was built yet; InvariantError PA-009 / PA-011 (shapes).
+        """
+        if self.forward_metadata is None:
+            raise RuntimeError("OracleBackend.forward before init_forward_metadata(fb): there is no metadata")
+        require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
+                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D = {layer.head_dim}]")
         if k is not None:
             self.pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         md = self.forward_metadata

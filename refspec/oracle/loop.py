@@ -65,7 +65,9 @@ def _ids(tokens, device) -> torch.Tensor:
 @torch.no_grad()
 def greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> GreedyResult:
     """Plain greedy decoding of ``model`` (the lossless baseline, SD-002): prefill, then one
-    token per forward.  Stops after ``max_new_tokens`` or right after emitting ``eos``."""
+    token per forward.  Stops after ``max_new_tokens`` or right after emitting ``eos``.
+    Raises: ValueError for an empty prompt or ``max_new_tokens < 1``."""
+    _check_request(prompt, max_new_tokens)
     dev = next(model.parameters()).device
     be = _target_backend(model, len(prompt) + max_new_tokens)
     logits, _ = model(_ids(prompt, dev), DenseBatch.span(0, len(prompt), dev), be)
@@ -79,6 +81,12 @@ def greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None
             return GreedyResult(out, margins)
         logits, _ = model(_ids(out[-1:], dev), DenseBatch.span(L, 1, dev), be)
         last, L = logits[-1], L + 1
+
+
+def _check_request(prompt, max_new_tokens) -> None:
+    if not prompt or max_new_tokens < 1:
+        raise ValueError(f"a request needs a non-empty prompt and max_new_tokens >= 1, got "
+                         f"{len(prompt)} prompt tokens and max_new_tokens={max_new_tokens}")
 
 
 def _emit(out: list[int], new: list[int], max_new_tokens: int, eos) -> tuple[int, bool]:
@@ -106,6 +114,9 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     """
     if version not in ("v1", "v2"):
         raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
+    if num_steps < 1:
+        raise ValueError(f"num_steps (Sd) must be >= 1, got {num_steps}")
+    _check_request(prompt, max_new_tokens)
     Sd, N = num_steps, num_steps + 1
     dev = next(target.parameters()).device
     max_len = len(prompt) + max_new_tokens + N

@@ -9,6 +9,8 @@ so that "oracle loop == production loop" and "speculative == plain greedy" are o
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 
 from refspec.oracle.loop import greedy, speculative_greedy
@@ -23,16 +25,41 @@ BACKENDS = ("oracle", "fa3", "paged-oracle")
 
 def greedy_reference(model, prompts, max_new_tokens, eos=None) -> dict[int, list[int]]:
     """``rid -> prompt + plain greedy output`` (the reference the test drafters read)."""
+    _check_args(model, prompts, 1, 1, None)
     budgets = _budgets(prompts, max_new_tokens)
     return {i: list(p) + greedy(model, p, m, eos).tokens for i, (p, m) in enumerate(zip(prompts, budgets))}
 
 
 def _budgets(prompts, max_new_tokens) -> list[int]:
     if isinstance(max_new_tokens, int):
-        return [max_new_tokens] * len(prompts)
-    if len(max_new_tokens) != len(prompts):
+        budgets = [max_new_tokens] * len(prompts)
+    elif len(max_new_tokens) != len(prompts):
         raise ValueError("max_new_tokens: one int, or one per prompt")
-    return list(max_new_tokens)
+    else:
+        budgets = list(max_new_tokens)
+    bad = [m for m in budgets if not isinstance(m, Integral) or m < 1]
+    if bad:
+        raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {bad}")
+    return budgets
+
+
+def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
+    """ValueError naming the first bad argument of :func:`generate` (every backend alike)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    V = target.config.vocab_size
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
+        if not all(isinstance(t, Integral) and 0 <= t < V for t in p):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size = {V}): "
+                             f"{[t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]}")
+    if not isinstance(num_steps, Integral) or num_steps < 1:
+        raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
+    if not isinstance(page_size, Integral) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if arrivals is not None and (len(arrivals) != len(prompts) or any(a < 0 for a in arrivals)):
+        raise ValueError(f"arrivals must hold one step >= 0 per prompt, got {arrivals} for {len(prompts)} prompts")
 
 
 def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version: str = "v1", page_size: int = 1,
@@ -59,9 +86,13 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         observer, shuffle_pages, pool_fill, provider, validate, capture_bs: see
             :class:`~refspec.spec.engine.Engine`.
     Returns: :class:`~refspec.spec.metrics.GenerateResult`.
+    Raises: ValueError for a bad argument (empty ``prompts`` or prompt, a token id outside the
+    vocabulary, ``max_new_tokens`` / ``num_steps`` / ``page_size`` < 1, ``arrivals`` not one
+    step >= 0 per prompt, unknown backend / version); InvariantError from the loop's checks.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_args(target, prompts, num_steps, page_size, arrivals)
     budgets = _budgets(prompts, max_new_tokens)
     if isinstance(accept, dict):
         accept = ScriptedAccept(accept)
@@ -79,7 +110,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
                 for i, o in enumerate(outs)]
         return GenerateResult(reqs, backend, version)
     eng = Engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
-                 max_context=max(len(p) for p in prompts) + max(budgets), max_batch=max_batch or len(prompts),
+                 max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
                  attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
                  provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
                  observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill)

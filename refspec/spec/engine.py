@@ -116,6 +116,10 @@ class Engine:
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
         if num_steps < 1:
             raise ValueError("num_steps (Sd) must be >= 1")
+        for name, n in (("page_size", page_size), ("max_context", max_context), ("max_batch", max_batch)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        self.max_context = max_context
         p = next(target.parameters())
         self.target, self.draft, self.version = target, draft, version
         self.Sd, self.N, self.P = num_steps, num_steps + 1, page_size
@@ -170,8 +174,18 @@ class Engine:
 
     # ---- requests ----
     def add_request(self, rid: int, prompt: list[int], max_new_tokens: int, arrival: int = 0) -> Request:
+        """Queue a request.  Raises ValueError: empty prompt, ``max_new_tokens < 1``, prompt +
+        budget past ``max_context``, a token id outside the vocabulary, a ``rid`` already used."""
         if not prompt or max_new_tokens < 1:
             raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise ValueError(f"request {rid}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                             f"> max_context {self.max_context}")
+        V = self.target.config.vocab_size
+        if not all(0 <= t < V for t in prompt):
+            raise ValueError(f"request {rid}: token ids outside [0, vocab_size = {V})")
+        if any(r.rid == rid for r in self.waiting + self.running + self.done):
+            raise ValueError(f"request id {rid} is already in use")
         req = Request(rid, list(prompt), max_new_tokens, arrival)
         self.waiting.append(req)
         return req
