@@ -31,7 +31,8 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
         "draft-decode and target-verify replay copy token slots into the page table (no ::P, no // P)",
         "spec §2.3; SGLang A0 93470a141 (#5090), fixed by #5318 188f0955f; #5168",
         "P > 1 only (with P = 1 slots are page ids, so CI passed): FA3 reads slot ids as page ids, "
-        "i.e. other requests' or free pages -> finite garbage (garbage text, acceptance -> 1); slot "
+        "i.e. other requests' or free pages -> finite garbage (incoherent text; accept counts lose "
+        "their meaning, low or even high on degenerate repetition); slot "
         "ids >= NP read out of range, and max K > table width fails the copy",
         ("PA-002", "CG-002"), "fa3/graph_metadata.py GraphMetadataMixin._update_lengths"),
     Bug("de-v1-uniform-cu-q",
