@@ -174,3 +174,14 @@ def draw_int_table(ax, values, row_labels, title: str = "", colors=None):
     ax.set_yticks([n - 0.5 - i for i in range(n)], row_labels, fontsize=6)
     ax.set_xticks([j + 0.5 for j in range(width)], [str(j) for j in range(width)], fontsize=6)
     ax.set_title(title, fontsize=8)
+
+
+def show(fig) -> None:
+    """Show ``fig`` in Jupyter (inline backend), then close it; headless runs (CI executing the
+    tutorials, plain ``python``) only build the figure."""
+    import matplotlib
+
+    plt = _plt()
+    if "inline" in matplotlib.get_backend():
+        plt.show()
+    plt.close(fig)

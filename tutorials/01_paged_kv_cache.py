@@ -28,24 +28,14 @@
 # top-k = 1. Runs on CPU in a few seconds.
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import matplotlib.pyplot as plt
 import torch
 
 from refspec import viz
+from refspec.viz import show
 from refspec.fa3.metadata import strided_page_table
 from refspec.invariants import InvariantError
 from refspec.kv_cache import KVCache
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 # %% [markdown]

@@ -28,27 +28,17 @@
 # call through the FA3 contract (and on a GPU, if there is one).
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import matplotlib.pyplot as plt
 import torch
 
 from refspec import tolerance, viz
+from refspec.viz import show
 from refspec.fa3 import kernel
 from refspec.fa3.kernel import hopper_reason, provider_status
 from refspec.invariants import InvariantError
 from refspec.modes import ForwardMode
 from refspec.oracle.attention import attention_by_slot
 from refspec.scenario import Scenario
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 # %% [markdown]

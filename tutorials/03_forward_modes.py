@@ -33,24 +33,14 @@
 # lengths `L = [5, 8, 12]`; the v1 round accepts `n = [1, 3, 0]` drafts, i.e. `a = [2, 4, 1]`.
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import matplotlib.pyplot as plt
 import torch
 
 from refspec import tolerance, viz
+from refspec.viz import show
 from refspec.modes import ForwardMode as M
 from refspec.oracle.attention import attention_by_slot
 from refspec.scenario import Scenario
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 P, N, L, A = 4, 4, [5, 8, 12], [2, 4, 1]

@@ -29,25 +29,15 @@
 # On CPU refspec uses `EmulatedGraph`, which freezes exactly what a CUDA graph freezes.
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import matplotlib.pyplot as plt
 import torch
 
 from refspec import bugs, tolerance, viz
+from refspec.viz import show
 from refspec.graphs import EmulatedGraph, launch
 from refspec.invariants import InvariantError
 from refspec.modes import ForwardMode as M
 from refspec.scenario import Scenario
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 # %% [markdown]

@@ -42,16 +42,13 @@
 # stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import math
 
 import matplotlib.pyplot as plt
 import torch
 
 from refspec import viz
+from refspec.viz import show
 from refspec.kv_cache import KVCache
 from refspec.real import missing_reason
 from refspec.spec.accept import committed_candidates, num_correct_drafts
@@ -59,13 +56,6 @@ from refspec.spec.accept import committed_candidates, num_correct_drafts
 REAL_MISSING = missing_reason()
 assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 # %% [markdown]

@@ -41,10 +41,6 @@
 # stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
 
 # %%
-import matplotlib
-
-if "inline" not in matplotlib.get_backend():
-    matplotlib.use("Agg")  # headless (CI, plain python): pictures are drawn, not shown
 import math
 import time
 
@@ -52,6 +48,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from refspec import bugs, viz
+from refspec.viz import show
 from refspec.invariants import InvariantError
 from refspec.model import LlamaConfig, LlamaModel
 from refspec.real import chat_ids, decode, load_smollm2, missing_reason, mtbench_questions
@@ -62,13 +59,6 @@ from refspec.spec.engine import Engine
 REAL_MISSING = missing_reason()
 assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
-
-
-def show(fig):
-    """Display in Jupyter; headless runs only build the figure."""
-    if "inline" in matplotlib.get_backend():
-        plt.show()
-    plt.close(fig)
 
 
 t0 = time.perf_counter()
