@@ -13,6 +13,9 @@ COMMANDS = {
     "info": ("refspec.info", "which FA3 provider is active and why"),
     "check": ("refspec.check", "oracle vs FA3 matrix: modes x page sizes x providers (+ graphs, loops)"),
     "bench": ("refspec.bench", "benchmarks: kernel vs copy bandwidth, metadata cost, spec rounds"),
+    "demo": ("refspec.demo", "SmolLM2 on MT-Bench: greedy vs oracle loop vs production (FA3, graphs); --bug NAME"),
+    "record": ("refspec.record", "run the real model once and write its speculative schedule as a trace (JSON)"),
+    "replay": ("refspec.replay", "replay a trace through production (graphs) vs the oracle loop (--device cuda)"),
     "mutants": ("refspec.mutants", "the bug zoo: every wrong variant of refspec.bugs is caught (--device cpu|cuda)"),
 }
 
