@@ -115,7 +115,14 @@ def bench_metadata(device, quick):
     return rows
 
 
-SECTIONS = {"kernel": bench_kernel, "metadata": bench_metadata}
+def bench_loop(device, quick):
+    """Whole spec rounds of the production loop (:mod:`refspec.bench_loop`)."""
+    from refspec.bench_loop import bench_loop as run
+
+    return run(device, quick)
+
+
+SECTIONS = {"kernel": bench_kernel, "metadata": bench_metadata, "loop": bench_loop}
 
 
 def to_markdown(rows) -> str:
