@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 runs behind benchmarks/results/*.md.  Usage (repo root, FA3 importable, OUT set):
-#   bash benchmarks/gpu_run.sh tests      # GPU test suite + bug zoo on CUDA
+#   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh mutants    # python -m refspec mutants --device cuda
 #   bash benchmarks/gpu_run.sh check      # python -m refspec check --device cuda
 #   bash benchmarks/gpu_run.sh bench      # python -m refspec bench (full grid)
 #   bash benchmarks/gpu_run.sh trace      # replay the committed MT-Bench trace on CUDA
@@ -22,19 +23,21 @@ PY
 for what in "$@"; do
   case "$what" in
     tests)
-      timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu_*.py tests/test_mutants.py \
-        2>&1 | tee "$OUT/gpu-tests.log" | tail -25
-      timeout 150 python3 -m refspec mutants --device cuda > "$OUT/mutants-cuda.txt" 2>&1
+      timeout 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=15 tests/test_gpu_*.py \
+        tests/test_mutants.py > "$OUT/gpu-tests.log" 2>&1
+      echo "gpu tests rc=$?"; tail -3 "$OUT/gpu-tests.log" ;;
+    mutants)
+      timeout 300 python3 -m refspec mutants --device cuda > "$OUT/mutants-cuda.txt" 2>&1
       echo "mutants rc=$?"; tail -3 "$OUT/mutants-cuda.txt" ;;
     check)
-      timeout 400 python3 -m refspec check --device cuda > "$OUT/check-cuda.txt" 2>&1
+      timeout 540 python3 -m refspec check --device cuda > "$OUT/check-cuda.txt" 2>&1
       echo "check rc=$?"; tail -3 "$OUT/check-cuda.txt" ;;
     bench)
       timeout 400 python3 -m refspec bench --device cuda --out "$OUT" > "$OUT/bench.log" 2>&1
       echo "bench rc=$?"; tail -5 "$OUT/bench.log" ;;
     trace)
-      timeout 300 python3 -m refspec replay benchmarks/traces/mtbench_smollm2.json --device cuda \
-        --out "$OUT/trace-replay.md" > "$OUT/trace-replay.log" 2>&1
+      timeout 540 python3 -m refspec replay benchmarks/traces/mtbench_smollm2.json --device cuda \
+        --versions v1,v2 --page-sizes 1,4,16 --out "$OUT/trace-replay.md" > "$OUT/trace-replay.log" 2>&1
       echo "replay rc=$?"; tail -5 "$OUT/trace-replay.log" ;;
     sanitizer)
       timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \

@@ -63,7 +63,7 @@ class GraphRunner:
             raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
         self.capture_bs = sorted(set(capture_bs))
         self.W, self.N, self.rows = tokens_per_req, num_draft_tokens, rows
-        self.split = split or (lambda fb: [fb] * len(self.backends))
+        self._split = split  # a plain attribute, not a bound method or a lambda over self: no cycle
         self.draft_step = draft_step
         dev = kv.device
         max_bs = self.capture_bs[-1]
@@ -85,6 +85,10 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for bs in reversed(self.capture_bs):  # largest first (#4195)
             self._capture(bs, pool)
+
+    def split(self, fb: ForwardBatch) -> list[ForwardBatch]:
+        """The batch each backend builds its metadata from (default: ``fb`` for every one)."""
+        return self._split(fb) if self._split is not None else [fb] * len(self.backends)
 
     # ---- padding ----
     def seq_lens_fill(self) -> int:
@@ -158,7 +162,8 @@ class GraphRunner:
         self._check_padding(fb, 0, bs)
         graph = make_graph(fb.seq_lens.device, pool)
         inputs = {n: t[: bs * self.W] for n, t in self.inputs.items()}
-        graph.capture(lambda: self.forward_fn(fb, inputs))
+        fwd = self.forward_fn  # the closure must not hold the runner (a cycle only the GC could free)
+        graph.capture(lambda: fwd(fb, inputs))
         self.graphs[bs], self.static[bs] = graph, fb
 
     def can_run(self, fb: ForwardBatch) -> bool:

@@ -20,6 +20,8 @@ On CUDA, :func:`launch` is a plain call and ``torch.cuda.CUDAGraph`` does the fr
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -78,7 +80,11 @@ class CudaGraph:
     """``torch.cuda.CUDAGraph`` behind the :class:`EmulatedGraph` interface.
 
     Capture follows the usual recipe: two warm-up runs on a side stream, then capture into a
-    memory pool shared by all graphs of one runner.
+    memory pool shared by all graphs of one runner.  The cyclic garbage collector is run before
+    and paused during capture: a collection inside the capture can destroy an unreachable older
+    graph (or free its pool), a CUDA call that is forbidden while a stream captures and that
+    invalidates the capture ("operation failed due to a previous error during capture"; seen on
+    the H200 before this rule, intermittently).
     """
 
     def __init__(self, pool=None):
@@ -94,8 +100,13 @@ class CudaGraph:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            self.output = fn()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.output = fn()
+        finally:
+            gc.enable()
         return self.output
 
     def replay(self):
