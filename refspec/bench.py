@@ -4,8 +4,8 @@ Sections (each figure is a ratio against a baseline measured in the same run):
 
 1. ``kernel``: FA3 paged decode (Q = 1) and verify (Q = N) over page sizes, batch sizes and
    context lengths: achieved KV bytes/s as % of the device-to-device copy bandwidth measured
-   in this run (``torch`` copy of a large buffer).  Plus the emulator and the oracle at one
-   small size, for scale.
+   in this run (``torch`` copy of a large buffer).
+   ``scale``: the kernel, the emulator and the oracle on one small batch, for scale.
 2. ``metadata``: time of the graph replay-metadata update (in-place writes + page table) per
    call vs the kernel time of the same batch, validation on and off.
 3. ``loop``: one full spec round (Sd draft steps + verify + draft extend) of the production
@@ -32,6 +32,7 @@ from tqdm import tqdm
 from refspec.fa3.kernel import flash_attn_with_kvcache, select_provider
 from refspec.graph_runner import GraphRunner
 from refspec.modes import ForwardMode
+from refspec.oracle.backend import OracleBackend
 from refspec.scenario import Scenario
 
 
@@ -91,10 +92,25 @@ def bench_kernel(device, quick):
         t, nbytes, *_ = _kernel_case(device, P, B, ctx, Q)
         rows.append(dict(section="kernel", P=P, B=B, ctx=ctx, Q=Q, us=t * 1e6,
                          pct_bw=100 * nbytes / t / bw, provider=select_provider(device)))
-    for prov in ("emulator",):  # for scale, one small size
-        t, nbytes, *_ = _kernel_case(device, 16, 4, 512, 4, provider=prov)
-        rows.append(dict(section="kernel", P=16, B=4, ctx=512, Q=4, us=t * 1e6, pct_bw=100 * nbytes / t / bw,
-                         provider=prov))
+    return rows
+
+
+def bench_scale(device, quick):
+    """For scale: the real kernel, the emulator and the oracle on one small verify batch."""
+    P, B, ctx, Q = 16, 4, 512, 4
+    rows = []
+    for prov in dict.fromkeys([select_provider(device), "emulator"]):
+        t, nbytes, *_ = _kernel_case(device, P, B, ctx, Q, provider=prov)
+        rows.append(dict(section="scale", what=f"kernel provider {prov}", P=P, B=B, ctx=ctx, Q=Q, us=t * 1e6))
+    _, _, md, built, _ = _kernel_case(device, P, B, ctx, Q)
+    oracle = OracleBackend(built.pool, built.kv)
+    oracle.init_forward_metadata(built.fb)
+    t = _timer(device)(lambda: oracle.forward(built.q, None, None, built.layer, built.fb),
+                       reps=3 if device.type == "cuda" else 1, warmup=1)
+    rows.append(dict(section="scale", what="oracle (fp32, gather by slot)", P=P, B=B, ctx=ctx, Q=Q, us=t * 1e6))
+    base = rows[0]["us"]
+    for r in rows:
+        r["x_kernel"] = r["us"] / base
     return rows
 
 
@@ -122,7 +138,7 @@ def bench_loop(device, quick):
     return run(device, quick)
 
 
-SECTIONS = {"kernel": bench_kernel, "metadata": bench_metadata, "loop": bench_loop}
+SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop}
 
 
 def to_markdown(rows) -> str:
