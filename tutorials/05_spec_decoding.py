@@ -216,17 +216,13 @@ show(fig)
 # %%
 import time
 
-from refspec.model import LlamaConfig, LlamaModel
-from refspec.real import chat_ids, decode, load_smollm2, mtbench_questions
+from refspec.real import chat_ids, decode, mtbench_questions
+from refspec.realrun import load_target
 from refspec.spec.api import generate, greedy_reference
 from refspec.spec.audit import audit_kv
 
-t0 = time.perf_counter()
-cfg, state = load_smollm2()
-model = LlamaModel(LlamaConfig.from_dict(cfg))
-model.load_state_dict(state, strict=True)
-model.eval()
-print(f"SmolLM2 loaded in {time.perf_counter() - t0:.1f} s")
+model, load_s = load_target()  # the GGUF weights in refspec.model.LlamaModel, fp32, eval mode
+print(f"SmolLM2 loaded in {load_s:.1f} s")
 
 questions = [q for q in mtbench_questions() if q["question_id"] in (81, 121)]  # writing, coding
 prompts = [chat_ids(q["prompt"]) for q in questions]

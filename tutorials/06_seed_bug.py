@@ -50,8 +50,8 @@ import torch
 from refspec import bugs, viz
 from refspec.viz import show
 from refspec.invariants import InvariantError
-from refspec.model import LlamaConfig, LlamaModel
-from refspec.real import chat_ids, decode, load_smollm2, missing_reason, mtbench_questions
+from refspec.real import chat_ids, decode, missing_reason, mtbench_questions
+from refspec.realrun import load_target
 from refspec.spec.api import generate
 from refspec.spec.drafts import make_draft
 from refspec.spec.engine import Engine
@@ -61,12 +61,8 @@ assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) 
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
 
 
-t0 = time.perf_counter()
-cfg, state = load_smollm2()
-model = LlamaModel(LlamaConfig.from_dict(cfg))
-model.load_state_dict(state, strict=True)
-model.eval()
-print(f"SmolLM2-135M-Instruct loaded in {time.perf_counter() - t0:.1f} s")
+model, load_s = load_target()  # the GGUF weights in refspec.model.LlamaModel, fp32, eval mode
+print(f"SmolLM2-135M-Instruct loaded in {load_s:.1f} s")
 
 questions = [q for q in mtbench_questions() if q["question_id"] in (81, 121)]  # writing, coding
 prompts = [chat_ids(q["prompt"]) for q in questions]
