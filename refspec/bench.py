@@ -167,7 +167,9 @@ def plot(rows, path: Path) -> None:
                 if pts and B == max(r["B"] for r in ks):
                     ax.plot([p for p, _ in pts], [v for _, v in pts], marker="o", label=f"ctx {ctx}, B {B}")
         ax.set_xscale("log", base=2); ax.set_xlabel("page size P"); ax.set_title(f"Q = {Q}")
-    axes[0].set_ylabel("KV bytes/s, % of copy bandwidth"); axes[0].legend(fontsize=7)
+    axes[0].set_ylabel("KV bytes/s, % of copy bandwidth")
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
     fig.tight_layout(); fig.savefig(path, dpi=80)
 
 

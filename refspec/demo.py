@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", default="40,32,24,16",
                     help="budget per request: a comma list (cycled) or one int (staggered); default 40,32,24,16")
     ap.add_argument("--page-sizes", default="1,4", help="comma list (default 1,4)")
-    ap.add_argument("--versions", default="v1,v2")
+    ap.add_argument("--versions", default="v1,v2", help="comma list of spec-decode versions (default v1,v2)")
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="early-exit:k (default k = 25 of 30 layers) or eagle")
     ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd (default 3)")
     ap.add_argument("--bug", help="show a bug-zoo variant live instead (e.g. seed-page-table)")
