@@ -24,13 +24,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from refspec.replay import random_target
+from refspec.replay import TINY, random_target
 from refspec.spec import generate
 from refspec.trace import accept_table, load_trace, replay_budgets
 
 TRACE = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "mtbench_smollm2.json"
-TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16)
 
 
 def _workload(trace, B):

@@ -20,24 +20,12 @@ import random
 import torch
 
 from refspec.model import LlamaModel, init_random_, tiny_config
-from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
 from refspec.oracle.loop import greedy
+from refspec.replay import teacher_forced_err
 from refspec.spec import generate
 from refspec.tolerance import T2_DELTA, t2
 
 PROMPT_LENS, BUDGETS = [3, 9, 14, 5, 17], [12, 8, 14, 10, 12]
-
-
-@torch.no_grad()
-def _logit_err(m32, m16, seq, device) -> float:
-    """max |logits_bf16 - logits_fp32| teacher-forced on ``seq`` (the T2 delta's rounding part)."""
-    outs = []
-    for m in (m32, m16):
-        c = m.config
-        be = DenseBackend(DenseKV(c.num_hidden_layers, len(seq), c.num_key_value_heads, c.head_dim,
-                                  dtype=next(m.parameters()).dtype, device=device))
-        outs.append(m(torch.tensor(seq, device=device), DenseBatch.span(0, len(seq), device), be)[0].float())
-    return float((outs[0] - outs[1]).abs().max())
 
 
 def loop_rows(device, page_sizes, quick):
@@ -52,7 +40,7 @@ def loop_rows(device, page_sizes, quick):
     ora = generate(m32, prompts, backend="oracle", max_new_tokens=BUDGETS, reference=ref, draft="early-exit:1", num_steps=3)
     cuda = torch.device(device).type == "cuda"
     model = copy.deepcopy(m32).to(torch.bfloat16) if cuda else m32
-    delta = max(T2_DELTA, 2 * max(_logit_err(m32, model, ref[i], device) for i in ref)) if cuda else None
+    delta = max(T2_DELTA, 2 * max(teacher_forced_err(m32, model, ref[i]) for i in ref)) if cuda else None
     sizes = [p for p in page_sizes if p in (1, 4, 16, 64)] if quick else list(page_sizes)
     for version in ("v1", "v2"):
         for P in sizes:

@@ -135,7 +135,9 @@ class GraphRunner:
         return bs > B and all(getattr(b, "validate", True) for b in self.backends)
 
     def _check_fills(self, fb: ForwardBatch, B: int, bs: int) -> None:
-        """CG-005 on the padded rows of the static batch, before any metadata is built from it."""
+        """CG-005 on the padded rows of the static batch, before any metadata is built from it:
+        every padded row was rewritten this replay (row 0, the runner's fill).  Whether the fill
+        value itself is safe is CG-010's check (K >= q on padded rows, after the hooks)."""
         if not self._checking(B, bs):
             return
         require(bool((fb.req_pool_indices[B:] == 0).all()) and bool((fb.seq_lens[B:] == self.seq_lens_fill()).all()),

@@ -34,7 +34,8 @@ class FlashAttentionBackend(GraphMetadataMixin):
         max_context_len: the model's context length (only the ``page-table-width-from-context``
             bug variant uses it; buffers are sized from ``req_to_token.shape[1]``, CG-008).
         validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
-        provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one.
+        provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one for
+            the pool's device once, here (:func:`refspec.fa3.kernel.select_provider`).
     """
 
     name = "fa3"
@@ -46,7 +47,7 @@ class FlashAttentionBackend(GraphMetadataMixin):
         self.speculative_step_id = speculative_step_id
         self.max_context_len = max_context_len or kv.req_to_token.shape[1]
         self.validate = validate
-        self.provider = provider
+        self.provider = provider or kernel.select_provider(kv.device)  # once, not per kernel call
         self.forward_metadata: FlashAttentionMetadata | None = None
         self.graph_state = None
 

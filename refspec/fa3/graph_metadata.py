@@ -131,9 +131,11 @@ class GraphMetadataMixin:
 
         ``fb`` holds ``bs`` rows (``num_real`` real, then padding) with CPU mirrors.
         Raises: ValueError (nothing captured for this mode and ``bs``), CG-008 (pages do not
-        fit), CG-001 (a captured tensor was rebound), and, with ``validate``, the checks of
-        :func:`refspec.fa3.validate.validate_batch` on the real rows, CG-003 / CG-004 (draft-extend layout over all ``bs`` rows) and every check
-        of :mod:`refspec.fa3.validate` on the real rows.
+        fit), and, with ``validate``: CG-001 (a captured tensor was rebound), the checks of
+        :func:`refspec.fa3.validate.validate_batch` on the real rows, CG-003 / CG-004
+        (draft-extend layout over all ``bs`` rows) and every check of
+        :mod:`refspec.fa3.validate` on the real rows.  Without ``validate`` a rebound tensor is
+        silently stale, as on a real GPU.
         """
         key = (_mode_key(fb), bs)
         if self.graph_state is None or key not in self.graph_state.captured:

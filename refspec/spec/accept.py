@@ -49,7 +49,8 @@ def committed_candidates(drafts: torch.Tensor, predict: torch.Tensor, n: torch.T
 class ScriptedAccept:
     """Forced ``num_accept_tokens``: ``table[rid][k]`` is a for the request's k-th verify round.
 
-    Rounds beyond a request's list use the greedy rule.  Values are clamped to ``1..N``.
+    Rounds beyond a request's list use the greedy rule.  The hook returns the table's value as
+    is; both loops clamp it to ``1..N`` where they apply it.
     """
 
     def __init__(self, table: dict[int, list[int]]):

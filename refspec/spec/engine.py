@@ -37,6 +37,10 @@ which counts it by kind.  v1 needs the accept counts inside the round (the packe
 layout and the frees depend on them): 1 read per round.  v2's in-round metadata is CPU-known
 (L and L + N) and the kept row ``b*N + a_b - 1`` is gathered on the device: 0 reads inside the
 round; its results are read once after it ("post_round", what the overlap scheduler hides).
+The count covers reads of *model results* only.  Host-side bookkeeping reads are not counted:
+with ``validate=True`` (the default) every forward's metadata check reads the batch on the host,
+and the allocator reads ``req_to_token`` (``alloc_extend``'s last slot, ``free_tail``'s pages),
+which on a GPU are syncs too (SGLang keeps such values on the host instead).
 
 **Hooks.**  ``drafter`` (:mod:`refspec.spec.drafters`) overrides draft tokens; ``accept``
 (:class:`~refspec.spec.accept.ScriptedAccept`) forces a per request-round (record/replay);

@@ -52,9 +52,10 @@ def _next_state(eng, reqs, cand, dl, dh, keep, a):
     """Kept draft rows -> next d_1 / hidden; the bonus c[b, a_b - 1] -> next root."""
     d1 = dl[keep].argmax(-1)
     roots = cand.gather(1, (a - 1)[:, None])[:, 0]
+    dh_keep = dh[keep] if eng.draft.uses_hidden else None
     for b, r in enumerate(reqs):
         r.root, r.d1 = roots[b], d1[b]
-        r.dhid = dh[keep][b] if eng.draft.uses_hidden else None
+        r.dhid = None if dh_keep is None else dh_keep[b]
 
 
 def round_v1(eng, reqs) -> list[list[int]]:
