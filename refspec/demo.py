@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from refspec.fa3.kernel import select_provider
 from refspec.invariants import InvariantError
 from refspec.oracle.loop import greedy
-from refspec.realrun import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, chat_prompts, load_target,
-                             pick_questions, set_threads)
+from refspec.realrun import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, capture_sizes, chat_prompts,
+                             load_target, pick_questions, set_threads)
 from refspec.spec import generate
 from refspec.spec.audit import audit_kv
 from refspec.spec.metrics import GenerateResult
@@ -132,7 +132,7 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
         for v in versions:
             t = start(f"production {v} P={P}")
             res = generate(model, prompts, backend="fa3", version=v, page_size=P, graphs=True, observer=observer,
-                           capture_bs=tuple(b for b in (1, 2, 4, 8) if b < 2 * B), **kw)
+                           capture_bs=capture_sizes(B), **kw)
             bar.finish_run(sum(max_new))
             outputs[(v, P)] = res
             same = res.tokens == oracle[v].tokens and res.accepts == oracle[v].accepts

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from refspec import bugs
 from refspec.invariants import InvariantError
+from refspec.realrun import capture_sizes, first_diff
 from refspec.spec.drafts import make_draft
 from refspec.spec.engine import Engine
 
@@ -49,7 +50,7 @@ def roomy_engine(model, prompts, max_new, *, page_size, version, num_steps, draf
     touched = B * (-(-need // P) + 1 + max(max_new))
     return Engine(model, make_draft(draft, model), version=version, num_steps=num_steps, page_size=P,
                   max_context=P * need, max_batch=B, attention="fa3", graphs=True,
-                  capture_bs=tuple(b for b in (1, 2, 4, 8) if b < 2 * B), validate=validate, eos=eos,
+                  capture_bs=capture_sizes(B), validate=validate, eos=eos,
                   num_pages=P * (touched + 2), shuffle_pages=None, observer=observer)
 
 
@@ -73,10 +74,6 @@ def run_once(model, prompts, max_new, **kw):
         bar.close()
     rounds = sum(len(r.accepts) for r in done)
     return [r.output for r in done], sum(sum(r.emitted) for r in done) / max(rounds, 1), None
-
-
-def _first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def run_bug_demo(model, questions, prompts, max_new, name, *, page_size=4, version="v1", num_steps=3,
@@ -111,7 +108,7 @@ def run_bug_demo(model, questions, prompts, max_new, name, *, page_size=4, versi
     differs = crash is not None
     if crash is None:
         for i, q in enumerate(questions):
-            j = _first_diff(bad[i], good[i])
+            j = first_diff(bad[i], good[i])
             differs |= j is not None
             out(f"\n   q{q['question_id']} [{q['category']}] {q['prompt'][:90]!r}")
             out(f"   correct : {decode(good[i], skip_special=True)!r}")

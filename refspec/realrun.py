@@ -134,3 +134,15 @@ class TokenBar:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def capture_sizes(B: int) -> tuple[int, ...]:
+    """The graph batch sizes the demos capture for B requests: 1, 2, 4, 8 below 2B (so the
+    live batch and every batch it shrinks to as requests finish replay padded, CG-007)."""
+    return tuple(b for b in (1, 2, 4, 8) if b < 2 * B)
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first index where token lists ``a`` and ``b`` differ (the shorter length if one is a
+    prefix of the other), or None when they are equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))

@@ -21,6 +21,7 @@ import torch
 from refspec import bugs
 from refspec.mutants.checks import Env, Symptom
 from refspec.mutants.probes import Probe
+from refspec.realrun import first_diff
 
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18], [11, 13]]
 BUDGETS = [12, 9, 14]  #: unequal, so requests finish apart and the batch shrinks (padded replays)
@@ -65,7 +66,7 @@ def engine_probe(version: str, graphs: bool, accept_id: str, page_size: int = 2)
                        capture_bs=(4,), provider=env.provider)
         for rid, (got, want) in enumerate(zip(out.tokens, ref.tokens)):
             if got != want:
-                i = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+                i = first_diff(got, want)
                 found.append(Symptom("tokens", "SD-002", f"request {rid}: tokens differ from token {i} on "
                                      f"({got[i:i + 4]} vs {want[i:i + 4]})"))
         if not found and out.accepts != ref.accepts:  # same text, different drafts
