@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 
-from refspec import bugs, viz
-from refspec.modes import ForwardMode as M
-from refspec.scenario import Scenario
+from refspec import bugs
+
+from refspec.harness import viz
+from refspec.core.modes import ForwardMode as M
+from refspec.harness.scenario import Scenario
 
 IMG = Path(__file__).resolve().parent / "img"
 P, N = 4, 4

@@ -1,10 +1,10 @@
 """MkDocs hooks: the generated parts of the refspec docs (all offline, all from the repo).
 
 * ``<!-- refspec:tests ID -->`` -> the test node ids that cite ``ID`` via
-  ``@pytest.mark.spec`` (:mod:`refspec.spec_index`, an ast scan of ``tests/``, no pytest run).
+  ``@pytest.mark.spec`` (:mod:`refspec.harness.spec_index`, an ast scan of ``tests/``, no pytest run).
 * ``<!-- refspec:id-index -->`` -> the ID | rule | tests table of every invariant.
 * ``<!-- refspec:bug-zoo -->`` -> the table of :data:`refspec.bugs.BUGS`.
-* ``<!-- refspec:t1-floors -->`` -> :data:`refspec.tolerance.T1_FLOOR` and ``T2_DELTA``.
+* ``<!-- refspec:t1-floors -->`` -> :data:`refspec.core.tolerance.T1_FLOOR` and ``T2_DELTA``.
 * ``<!-- refspec:tutorial-list -->`` -> the list of tutorials.
 * every ``tutorials/NN_name.py`` (jupytext percent format) becomes the page
   ``tutorials/NN_name.md`` and is appended to the "Tutorials" nav section, so new tutorials
@@ -22,8 +22,12 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
-from refspec import bugs, spec_index, tolerance
-from refspec.invariants import INVARIANTS
+from refspec import bugs
+
+from refspec.harness import spec_index
+
+from refspec.core import tolerance
+from refspec.core.invariants import INVARIANTS
 
 log = logging.getLogger("mkdocs.hooks.refspec")
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from refspec.invariants import INVARIANTS
+from refspec.core.invariants import INVARIANTS
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=10_000, deadline=None)

@@ -3,7 +3,7 @@
 Used by ``test_graphs.py``, ``test_accept_length_rule.py``, ``test_cases_graphs.py`` and
 ``test_gpu_graphs.py``:
 
-* :class:`Requests`: one built :class:`~refspec.scenario.Scenario` used as a pool of requests, so
+* :class:`Requests`: one built :class:`~refspec.harness.scenario.Scenario` used as a pool of requests, so
   one graph runner can replay several *different* live batches (other rows, other pages, other
   sizes) on the same KV cache; each request's fp32 oracle rows come from an identical fresh build;
 * :class:`DraftSteps`: the draft-decode graph as SGLang's ``EAGLEDraftCudaGraphRunner`` captures it,
@@ -23,12 +23,12 @@ from itertools import accumulate
 
 import torch
 
-from refspec import batch as fbatch
+from refspec.core import batch as fbatch
 from refspec.fa3.backend import FlashAttentionMultiStepBackend
-from refspec.graph_runner import GraphRunner
-from refspec.modes import ForwardMode
+from refspec.graphs.runner import GraphRunner
+from refspec.core.modes import ForwardMode
 from refspec.oracle.backend import OracleBackend
-from refspec.scenario import SENTINEL, Built, Scenario
+from refspec.harness.scenario import SENTINEL, Built, Scenario
 
 N = 4  #: num_draft_tokens (Sd = 3)
 DIMS = dict(num_heads=8, num_kv_heads=2, head_dim=32)  #: small heads keep the CPU suite fast

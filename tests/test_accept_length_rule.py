@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refspec import bugs
-from refspec import tolerance as tol
-from refspec.invariants import InvariantError
+from refspec.core import tolerance as tol
+from refspec.core.invariants import InvariantError
 
 
 def _replay(reqs, idx, validate=True, capture_bs=(1, 2, 4, 8)):

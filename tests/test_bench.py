@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 
-from refspec import bench
-
-
+from refspec.cli import bench
 def test_bench_quick_runs_and_writes_tables(tmp_path, capsys):
     assert bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out

@@ -13,11 +13,11 @@ import torch
 from graph_kit import N, DraftSteps, Requests, captured_key, poison_dummy_page, real_rows_differ, scenario
 
 from refspec import bugs
-from refspec import tolerance as tol
+from refspec.core import tolerance as tol
 from refspec.fa3.backend import FlashAttentionBackend
-from refspec.invariants import InvariantError
-from refspec.modes import ForwardMode
-from refspec.scenario import Scenario
+from refspec.core.invariants import InvariantError
+from refspec.core.modes import ForwardMode
+from refspec.harness.scenario import Scenario
 
 
 def _raises(inv_id, fn, *args):

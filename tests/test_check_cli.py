@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from refspec import bugs
-from refspec.check import GRAPHED, MODES, main
+from refspec.cli.check import GRAPHED, MODES, main
 
 
 def _table(capsys, argv):

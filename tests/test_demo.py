@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from refspec import demo, record, replay
+from refspec.cli import demo, record, replay
 from refspec.real import assets
 
 pytestmark = [
@@ -25,7 +25,7 @@ BUDGETS = [8, 5]
 
 @functools.lru_cache(maxsize=None)
 def setup():
-    from refspec.realrun import chat_prompts, load_target, pick_questions
+    from refspec.real.run import chat_prompts, load_target, pick_questions
 
     model, _ = load_target()
     qs = pick_questions(2)
@@ -44,8 +44,8 @@ def baseline(budgets=tuple(BUDGETS)) -> list[list[int]]:
 @functools.lru_cache(maxsize=None)
 def oracle(version):
     from refspec.real import EOS_ID
-    from refspec.realrun import DEFAULT_DRAFT
-    from refspec.spec import generate
+    from refspec.real.run import DEFAULT_DRAFT
+    from refspec.speculative import generate
 
     model, _, prompts = setup()
     return generate(model, prompts, backend="oracle", version=version, draft=DEFAULT_DRAFT, num_steps=3,
@@ -57,8 +57,8 @@ def oracle(version):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_real_model_spec_equals_greedy_and_production_equals_oracle(version, page_size):
     from refspec.real import EOS_ID
-    from refspec.realrun import DEFAULT_DRAFT
-    from refspec.spec import generate
+    from refspec.real.run import DEFAULT_DRAFT
+    from refspec.speculative import generate
 
     model, _, prompts = setup()
     ora = oracle(version)
@@ -93,7 +93,7 @@ def test_demo_main_prints_table_and_answer(capsys):
 
 @pytest.mark.spec("PA-002")
 def test_bug_demo_seed_page_table_is_flagged_and_corrupts_text():
-    from refspec.demo_bug import run_bug_demo
+    from refspec.cli._demo_bug import run_bug_demo
     from refspec.real import EOS_ID, decode
 
     model, qs, prompts = setup()
@@ -114,7 +114,7 @@ def test_record_then_replay_round_trip(tmp_path):
     path = tmp_path / "trace.json"
     assert record.main(["--out", str(path), "--prompts", "2", "--max-new-tokens", "6,4", "--max-batch", "1",
                         "--version", "v1", "--page-size", "2", "--check"]) == 0
-    from refspec.trace import load_trace
+    from refspec.speculative.trace import load_trace
 
     t = load_trace(path)
     assert [len(r["prompt_ids"]) for r in t["requests"]] == [len(p) for p in setup()[2]]

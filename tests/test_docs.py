@@ -54,7 +54,7 @@ def test_strict_build_has_every_page(site):
 
 def test_generated_parts_are_filled(site):
     from refspec import bugs
-    from refspec.invariants import INVARIANTS
+    from refspec.core.invariants import INVARIANTS
 
     html = {p: p.read_text() for p in site.rglob("*.html")}
     leftover = [str(p.relative_to(site)) for p, t in html.items() if "<!-- refspec:" in t]

@@ -14,17 +14,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refspec.batch import decode_batch, verify_batch
+from refspec.core.batch import decode_batch, verify_batch
 from refspec.fa3 import kernel
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.metadata import init_forward_metadata, strided_page_table
 from refspec.fa3.validate import validate_metadata
-from refspec.invariants import InvariantError
-from refspec.kv_cache import KVCache, KVPool
-from refspec.layer import AttentionLayer
+from refspec.core.invariants import InvariantError
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
 from refspec.oracle.attention import attention_by_slot
 from refspec.oracle.backend import OracleBackend
-from refspec.tolerance import assert_t1, t0
+from refspec.core.tolerance import assert_t1, t0
 
 PAGE_SIZES = [1, 2, 3, 4, 16, 64, 128]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

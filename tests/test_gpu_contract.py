@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refspec.check import MODES, mode_scenarios
+from refspec.cli.check import MODES, mode_scenarios
 from refspec.fa3 import kernel
-from refspec.modes import ForwardMode
-from refspec.scenario import Scenario
-from refspec.tolerance import assert_t1, t0
+from refspec.core.modes import ForwardMode
+from refspec.harness.scenario import Scenario
+from refspec.core.tolerance import assert_t1, t0
 
 pytestmark = pytest.mark.gpu
 

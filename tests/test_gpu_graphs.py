@@ -26,8 +26,7 @@ import torch
 from graph_kit import (MODES, PAGE_SIZES, DraftSteps, Requests, assert_real_rows_metadata_equal, poison_dummy_page,
                        poison_padding, scenario)
 
-from refspec import tolerance as tol
-
+from refspec.core import tolerance as tol
 GPU = dict(device="cuda", dtype=torch.bfloat16, head_dim=64)  # FA3 build: hdim 64/128/192/256
 BATCHES = ([0, 1, 2], [3, 4, 5, 6, 7])
 

@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from refspec.model import LlamaConfig, LlamaModel, init_random_
+from refspec.model.llama import LlamaConfig, LlamaModel, init_random_
 from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
 from refspec.oracle.loop import greedy
-from refspec.spec import generate
-from refspec.tolerance import T2_DELTA, t2
+from refspec.speculative import generate
+from refspec.core.tolerance import T2_DELTA, t2
 
 pytestmark = pytest.mark.gpu
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from refspec.replay import main as replay_main
-from refspec.replay import replay_trace
-from refspec.trace import load_trace
+from refspec.cli.replay import main as replay_main
+from refspec.cli.replay import replay_trace
+from refspec.speculative.trace import load_trace
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The CUDA-graph path on CPU: :class:`~refspec.graphs.EmulatedGraph`, the graph runner and the
+"""The CUDA-graph path on CPU: :class:`~refspec.graphs.capture.EmulatedGraph`, the graph runner and the
 FA3 capture/replay hooks (spec §1.5, §4, §7 items 7-11; invariants CG-001..CG-010).
 
 Every graphed mode (DECODE, draft decode, TARGET_VERIFY, DRAFT_EXTEND v1, DRAFT_EXTEND_V2) is
@@ -17,9 +17,9 @@ from graph_kit import (FROZEN_MAX_Q, K_DELTA, MODES, N, PAD_SEQ_LEN, PAGE_SIZES,
                        real_rows_differ, scenario)
 
 from refspec import bugs
-from refspec import tolerance as tol
-from refspec.graphs import EmulatedGraph, launch
-from refspec.invariants import InvariantError
+from refspec.core import tolerance as tol
+from refspec.graphs.capture import EmulatedGraph, launch
+from refspec.core.invariants import InvariantError
 
 ALL = list(MODES)
 

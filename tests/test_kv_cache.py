@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refspec import bugs
-from refspec.invariants import InvariantError
-from refspec.kv_cache import KVCache, PagedAllocator
+from refspec.core.invariants import InvariantError
+from refspec.core.kv_cache import KVCache, PagedAllocator
 
 
 def raises(inv_id: str):

@@ -11,20 +11,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refspec import batch as B
+from refspec.core import batch as B
 from refspec import bugs
-from refspec.check import MODES, mode_scenarios
+from refspec.cli.check import MODES, mode_scenarios
 from refspec.fa3 import kernel
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.metadata import init_forward_metadata
 from refspec.fa3.validate import validate_metadata
-from refspec.invariants import InvariantError
-from refspec.kv_cache import KVCache, KVPool
-from refspec.layer import AttentionLayer
-from refspec.modes import ForwardMode
+from refspec.core.invariants import InvariantError
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
+from refspec.core.modes import ForwardMode
 from refspec.oracle.backend import OracleBackend, oracle_metadata
-from refspec.scenario import SENTINEL, Scenario
-from refspec.tolerance import assert_t1, t0
+from refspec.harness.scenario import SENTINEL, Scenario
+from refspec.core.tolerance import assert_t1, t0
 
 PAGE_SIZES = [1, 2, 3, 4, 16, 64, 128]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""The Llama-style model (refspec.model): HF names, the forward against an independent naive
+"""The Llama-style model (refspec.model.llama): HF names, the forward against an independent naive
 implementation, incremental vs full prefill, and the paged backends against the dense one."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from refspec.batch import extend_batch
+from refspec.core.batch import extend_batch
 from refspec.fa3.backend import FlashAttentionBackend
-from refspec.kv_cache import KVCache, KVPool
-from refspec.model import LlamaConfig, LlamaModel, apply_rope, init_random_, rope_cos_sin, tiny_config
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.model.llama import LlamaConfig, LlamaModel, apply_rope, init_random_, rope_cos_sin, tiny_config
 from refspec.oracle.backend import OracleBackend
 from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
 from refspec.oracle.loop import greedy

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from refspec import bugs, mutants
+from refspec import bugs
+from refspec.cli.mutants import main as mutants_main
+from refspec.mutants import runner as mutants
 from refspec.mutants.checks import Symptom
 from refspec.mutants.probes import PROBES, Probe
 
@@ -135,9 +137,9 @@ def test_case_B20_step_major_draft_locations(report):
 
 def test_case_B20_step_major_is_invisible_at_batch_size_1():
     """Why B20 showed only at bs=2: with one request both cuts are the same slots."""
-    from refspec.batch import draft_decode_steps_batch, draft_step_view
-    from refspec.modes import ForwardMode
-    from refspec.scenario import Scenario
+    from refspec.core.batch import draft_decode_steps_batch, draft_step_view
+    from refspec.core.modes import ForwardMode
+    from refspec.harness.scenario import Scenario
     b = Scenario(ForwardMode.DECODE, page_size=4, lens=[9], draft_step=1).build()
     fb = draft_decode_steps_batch(b.kv, b.fb.req_pool_indices.tolist(), [9], 3)
     right = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
@@ -158,7 +160,7 @@ def test_a_variant_that_changes_nothing_survives_and_main_fails(monkeypatch, cap
     rep = mutants.run("cpu", ["no-op"])
     assert rep.caught == [] and rep.silent == ["no-op"]
     assert "MISSED" in mutants.format_report(rep)
-    assert mutants.main(["--only", "no-op"]) == 1
+    assert mutants_main(["--only", "no-op"]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "caught 0/1"
 
 
@@ -181,7 +183,7 @@ def test_cli_prints_the_table_and_the_final_line(capsys):
 
 def test_cli_rejects_an_unknown_variant_and_a_variant_already_on():
     with pytest.raises(SystemExit):
-        mutants.main(["--only", "no-such-variant"])
+        mutants_main(["--only", "no-such-variant"])
     with bugs.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
         mutants.run("cpu", ["seed-page-table"])
     with bugs.enabled("seed-page-table"):

@@ -1,6 +1,6 @@
 """Adversarial inputs at refspec's public entry points: a clear error, never silent garbage.
 
-Project rule: bad input gets an :class:`~refspec.invariants.InvariantError` naming the violated
+Project rule: bad input gets an :class:`~refspec.core.invariants.InvariantError` naming the violated
 rule, or a ``ValueError`` naming the bad argument -- never a bare ``IndexError`` / ``RuntimeError``
 from deep inside torch, an ``AttributeError`` on ``None``, a hang, a leaked page, or a result
 computed from nonsense.  Each test below is one input that, before the review of this file, did
@@ -17,22 +17,22 @@ import functools
 import pytest
 import torch
 
-from refspec import batch as B
+from refspec.core import batch as B
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.kernel import flash_attn_with_kvcache
-from refspec.graphs import EmulatedGraph
-from refspec.invariants import InvariantError
-from refspec.kv_cache import KVCache, KVPool, PagedAllocator
-from refspec.layer import AttentionLayer
-from refspec.model import LlamaModel, init_random_, tiny_config
-from refspec.modes import ForwardMode as M
+from refspec.graphs.capture import EmulatedGraph
+from refspec.core.invariants import InvariantError
+from refspec.core.kv_cache import KVCache, KVPool, PagedAllocator
+from refspec.core.layer import AttentionLayer
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.core.modes import ForwardMode as M
 from refspec.oracle.attention import attention_by_slot
 from refspec.oracle.backend import OracleBackend
 from refspec.oracle.loop import greedy, speculative_greedy
-from refspec.scenario import Scenario
-from refspec.spec.api import generate
-from refspec.spec.drafts import make_draft
-from refspec.spec.engine import Engine
+from refspec.harness.scenario import Scenario
+from refspec.speculative.api import generate
+from refspec.model.drafts import make_draft
+from refspec.speculative.engine import Engine
 
 
 def raises(inv_id: str):

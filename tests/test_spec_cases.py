@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from refspec import bugs
-from refspec.model import LlamaModel, init_random_, tiny_config
-from refspec.spec import generate, greedy_reference
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.speculative import generate, greedy_reference
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 

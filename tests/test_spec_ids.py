@@ -1,11 +1,11 @@
 """Meta-tests: the invariant IDs agree across code, docs and tests (conventions.md, "Spec in docs/").
 
 * (a) the IDs defined as headings in ``docs/spec/*.md`` are exactly the keys of
-  ``refspec.invariants.INVARIANTS``, each once, on its family's page, with a complete entry;
+  ``refspec.core.invariants.INVARIANTS``, each once, on its family's page, with a complete entry;
 * (b) every ID is cited by at least one test through ``@pytest.mark.spec("ID", ...)``;
 * (c) every cited ID exists, and every citation can be read statically.
 
-Citations are found by parsing ``tests/**/test_*.py`` with ``ast`` (``refspec.spec_index``), not
+Citations are found by parsing ``tests/**/test_*.py`` with ``ast`` (``refspec.harness.spec_index``), not
 by running pytest, so this file stays fast and independent of which tests can run here.
 """
 
@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 
-from refspec import spec_index
-from refspec.invariants import INVARIANTS
+from refspec.harness import spec_index
+from refspec.core.invariants import INVARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,8 @@ def test_spec_pages_define_exactly_the_catalogue_ids():
     defined = spec_index.doc_ids()
     missing = sorted(set(INVARIANTS) - set(defined))
     extra = sorted(set(defined) - set(INVARIANTS))
-    assert not missing, f"IDs of refspec/invariants.py with no heading in docs/spec/: {missing}"
-    assert not extra, f"docs/spec/ headings with IDs unknown to refspec/invariants.py: {extra}"
+    assert not missing, f"IDs of refspec/core/invariants.py with no heading in docs/spec/: {missing}"
+    assert not extra, f"docs/spec/ headings with IDs unknown to refspec/core/invariants.py: {extra}"
 
 
 def test_each_id_defined_once_on_its_family_page():

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from refspec.model import LlamaModel, init_random_, tiny_config
-from refspec.spec import generate, greedy_reference
-from refspec.spec.accept import ScriptedAccept, committed_candidates, num_correct_drafts
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.speculative import generate, greedy_reference
+from refspec.speculative.accept import ScriptedAccept, committed_candidates, num_correct_drafts
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 

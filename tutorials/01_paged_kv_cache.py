@@ -31,11 +31,11 @@
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import viz
-from refspec.viz import show
+from refspec.harness import viz
+from refspec.harness.viz import show
 from refspec.fa3.metadata import strided_page_table
-from refspec.invariants import InvariantError
-from refspec.kv_cache import KVCache
+from refspec.core.invariants import InvariantError
+from refspec.core.kv_cache import KVCache
 
 
 # %% [markdown]

@@ -31,14 +31,16 @@
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import tolerance, viz
-from refspec.viz import show
+from refspec.core import tolerance
+
+from refspec.harness import viz
+from refspec.harness.viz import show
 from refspec.fa3 import kernel
 from refspec.fa3.kernel import hopper_reason, provider_status
-from refspec.invariants import InvariantError
-from refspec.modes import ForwardMode
+from refspec.core.invariants import InvariantError
+from refspec.core.modes import ForwardMode
 from refspec.oracle.attention import attention_by_slot
-from refspec.scenario import Scenario
+from refspec.harness.scenario import Scenario
 
 
 # %% [markdown]

@@ -25,7 +25,7 @@
 # | DRAFT_EXTEND (v1) | draft | `a = n + 1`, packed | `L + a` |
 # | DRAFT_EXTEND_V2 | draft | `N`, uniform | `L + N` |
 #
-# We push one batch through all of them with `refspec.scenario.Scenario`, print the metadata the
+# We push one batch through all of them with `refspec.harness.scenario.Scenario`, print the metadata the
 # FA3 path builds, draw it, check it against hand-computed numbers, and check that the FA3 path
 # (the emulator on CPU) matches the oracle in every mode.
 #
@@ -36,11 +36,13 @@
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import tolerance, viz
-from refspec.viz import show
-from refspec.modes import ForwardMode as M
+from refspec.core import tolerance
+
+from refspec.harness import viz
+from refspec.harness.viz import show
+from refspec.core.modes import ForwardMode as M
 from refspec.oracle.attention import attention_by_slot
-from refspec.scenario import Scenario
+from refspec.harness.scenario import Scenario
 
 
 P, N, L, A = 4, 4, [5, 8, 12], [2, 4, 1]

@@ -32,12 +32,16 @@
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import bugs, tolerance, viz
-from refspec.viz import show
-from refspec.graphs import EmulatedGraph, launch
-from refspec.invariants import InvariantError
-from refspec.modes import ForwardMode as M
-from refspec.scenario import Scenario
+from refspec import bugs
+
+from refspec.core import tolerance
+
+from refspec.harness import viz
+from refspec.harness.viz import show
+from refspec.graphs.capture import EmulatedGraph, launch
+from refspec.core.invariants import InvariantError
+from refspec.core.modes import ForwardMode as M
+from refspec.harness.scenario import Scenario
 
 
 # %% [markdown]

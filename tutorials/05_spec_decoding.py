@@ -47,11 +47,11 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import viz
-from refspec.viz import show
-from refspec.kv_cache import KVCache
+from refspec.harness import viz
+from refspec.harness.viz import show
+from refspec.core.kv_cache import KVCache
 from refspec.real import missing_reason
-from refspec.spec.accept import committed_candidates, num_correct_drafts
+from refspec.speculative.accept import committed_candidates, num_correct_drafts
 
 REAL_MISSING = missing_reason()
 assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
@@ -114,7 +114,7 @@ assert all(committed[b] == predict[b, :a[b]].tolist() for b in range(4))
 #
 # Worked example: `P = 4`, `Sd = 3`, `N = 4`, a request with `L = 6` committed tokens (positions
 # 0–5, pages for 0–3 and 4–7), and the round accepts `n = 0` drafts: `a = 1`, `L' = 7`. We make
-# exactly the `KVCache` calls of `refspec.spec.rounds.round_v1` / `prepare_v2`.
+# exactly the `KVCache` calls of `refspec.speculative.rounds.round_v1` / `prepare_v2`.
 
 # %%
 P, SD = 4, 3
@@ -209,7 +209,7 @@ show(fig)
 #    (emulated) for draft decode, verify and draft extend;
 # 4. the production loop v2.
 #
-# An observer audits the KV accounting after every round (`refspec.spec.audit.audit_kv`: no
+# An observer audits the KV accounting after every round (`refspec.speculative.audit.audit_kv`: no
 # leak, no early free, rows page-contiguous, target KV = draft KV = committed length) and
 # records what each phase ran on.
 
@@ -217,11 +217,11 @@ show(fig)
 import time
 
 from refspec.real import chat_ids, decode, mtbench_questions
-from refspec.realrun import load_target
-from refspec.spec.api import generate, greedy_reference
-from refspec.spec.audit import audit_kv
+from refspec.real.run import load_target
+from refspec.speculative.api import generate, greedy_reference
+from refspec.speculative.audit import audit_kv
 
-model, load_s = load_target()  # the GGUF weights in refspec.model.LlamaModel, fp32, eval mode
+model, load_s = load_target()  # the GGUF weights in refspec.model.llama.LlamaModel, fp32, eval mode
 print(f"SmolLM2 loaded in {load_s:.1f} s")
 
 questions = [q for q in mtbench_questions() if q["question_id"] in (81, 121)]  # writing, coding

@@ -47,21 +47,23 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import bugs, viz
-from refspec.viz import show
-from refspec.invariants import InvariantError
+from refspec import bugs
+
+from refspec.harness import viz
+from refspec.harness.viz import show
+from refspec.core.invariants import InvariantError
 from refspec.real import chat_ids, decode, missing_reason, mtbench_questions
-from refspec.realrun import load_target
-from refspec.spec.api import generate
-from refspec.spec.drafts import make_draft
-from refspec.spec.engine import Engine
+from refspec.real.run import load_target
+from refspec.speculative.api import generate
+from refspec.model.drafts import make_draft
+from refspec.speculative.engine import Engine
 
 REAL_MISSING = missing_reason()
 assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
 
 
-model, load_s = load_target()  # the GGUF weights in refspec.model.LlamaModel, fp32, eval mode
+model, load_s = load_target()  # the GGUF weights in refspec.model.llama.LlamaModel, fp32, eval mode
 print(f"SmolLM2-135M-Instruct loaded in {load_s:.1f} s")
 
 questions = [q for q in mtbench_questions() if q["question_id"] in (81, 121)]  # writing, coding
@@ -109,7 +111,7 @@ print(f"default sizing, bug on: {type(narrow_error).__name__}: {narrow_error}")
 #   round (v1 frees tail pages to the back of the free list), so every slot id in use is `< NP`.
 #
 # `generate()` has no option for `max_context` / `num_pages`, so we build the
-# `refspec.spec.engine.Engine` directly: FA3 backends (the emulator on CPU), graphs on, v1.
+# `refspec.speculative.engine.Engine` directly: FA3 backends (the emulator on CPU), graphs on, v1.
 
 # %%
 B = len(prompts)

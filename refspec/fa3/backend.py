@@ -9,15 +9,15 @@ capture/replay hooks from :mod:`refspec.fa3.graph_metadata`.  Validation
 
 from __future__ import annotations
 
-from refspec.batch import ForwardBatch
+from refspec.core.batch import ForwardBatch
 from refspec.fa3 import kernel
 from refspec.fa3.graph_metadata import GraphMetadataMixin
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
 from refspec.fa3.validate import validate_batch, validate_metadata
-from refspec.graphs import launch
-from refspec.invariants import require
-from refspec.kv_cache import KVCache, KVPool
-from refspec.layer import AttentionLayer
+from refspec.graphs.capture import launch
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
 
 
 def _store_kv(pool: KVPool, layer_id: int, loc, k, v):

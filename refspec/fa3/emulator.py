@@ -7,7 +7,7 @@ with ``refspec.oracle`` beyond the rule it must reproduce.
 
 What it reads (PA-007): for request b only page-table columns ``< ceil(K_b / P)`` and only keys
 ``< K_b``.  What it refuses (the real kernel's result is undefined there, so the emulator raises
-an :class:`~refspec.invariants.InvariantError` naming the contract rule):
+an :class:`~refspec.core.invariants.InvariantError` naming the contract rule):
 
 * a request with more query rows than ``max_seqlen_q`` (PA-010);
 * a page table narrower than ``ceil(K_b / P)`` (PA-003);
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 TILE = 128  #: keys per tile of the online softmax (the kernel's n-block)
 

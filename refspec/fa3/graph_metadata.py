@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from refspec import bugs
-from refspec.batch import ForwardBatch
+from refspec.core.batch import ForwardBatch
 from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, mode_delta
 from refspec.fa3.validate import validate_batch, validate_metadata
-from refspec.invariants import InvariantError, require
+from refspec.core.invariants import InvariantError, require
 
 _TENSORS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table")
 

@@ -1,7 +1,7 @@
 """Eager FA3 attention metadata per forward mode (SGLang ``init_forward_metadata``, top-k = 1).
 
 Mirrors ``flashattention_backend.py`` @A3 ``0bfe1d145`` (lines 365-648), spec §3.3.  For request
-b with ``seq_lens`` L_b (its meaning per mode is in :mod:`refspec.batch`):
+b with ``seq_lens`` L_b (its meaning per mode is in :mod:`refspec.core.batch`):
 
 ==================  =====  =====================  ==============================  =============
 mode                q_b    ``cache_seqlens`` K_b  ``cu_seqlens_q``                ``max_seq_len_q``
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from refspec import bugs
-from refspec.batch import ForwardBatch
+from refspec.core.batch import ForwardBatch
 
 
 @dataclass

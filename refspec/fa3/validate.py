@@ -1,6 +1,6 @@
 """Checks run before every FA3 kernel call (on by default; ``validate=False`` for benchmarks).
 
-Each failure raises :class:`~refspec.invariants.InvariantError` naming the rule:
+Each failure raises :class:`~refspec.core.invariants.InvariantError` naming the rule:
 
 * MD-001: every metadata tensor is int32 and contiguous;
 * MD-002: ``cu_seqlens_q`` starts at 0, does not decrease, and gives the mode's q_b;
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from refspec.batch import ForwardBatch, check_batch_shapes
+from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.fa3.metadata import FlashAttentionMetadata
-from refspec.invariants import InvariantError, require
+from refspec.core.invariants import InvariantError, require
 
 
 def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int | None = None) -> None:
@@ -39,7 +39,7 @@ def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int |
 
     Raises: ValueError (a row outside ``req_to_token``), InvariantError MD-006 (``seq_lens_cpu``
     disagrees with ``seq_lens``), MD-012 (a repeated row); ValueError from
-    :func:`refspec.batch.check_batch_shapes` (fields of different batch sizes).
+    :func:`refspec.core.batch.check_batch_shapes` (fields of different batch sizes).
     """
     check_batch_shapes(fb)
     B = fb.batch_size if num_real is None else num_real

@@ -19,10 +19,10 @@ from itertools import accumulate
 import torch
 
 from refspec import bugs
-from refspec.batch import ForwardBatch
+from refspec.core.batch import ForwardBatch
 from refspec.oracle.backend import OracleBackend, oracle_metadata
-from refspec.scenario import Built, Scenario
-from refspec.tolerance import t1
+from refspec.harness.scenario import Built, Scenario
+from refspec.core.tolerance import t1
 
 
 @dataclass

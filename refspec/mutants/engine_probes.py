@@ -1,6 +1,6 @@
 """Optional token-level probes (``python -m refspec mutants --engine``): the whole speculative loop.
 
-Each probe runs :func:`refspec.spec.api.generate` on the production loop (FA3 wing, emulator on
+Each probe runs :func:`refspec.speculative.api.generate` on the production loop (FA3 wing, emulator on
 CPU) with the variant on and compares it with the oracle loop (dense, per request) on a tiny
 random Llama, fp32, so token streams compare bit for bit (TOL-001):
 
@@ -9,7 +9,7 @@ random Llama, fp32, so token streams compare bit for bit (TOL-001):
   The ID names the rule broken: SD-004 (v1 draft extend's kept row), SD-005 (v2), SD-009
   (a request's drafts depend on the batch), SD-001 (the target's verify predictions changed).
 
-These are what a user of the engine would see.  They need the engine (:mod:`refspec.spec`); they
+These are what a user of the engine would see.  They need the engine (:mod:`refspec.speculative`); they
 run on CPU only: on the GPU the loop runs in bf16, where token streams follow the T2 rule
 (TOL-003, margins) rather than bit equality, which the engine's own GPU tests cover.
 """
@@ -21,7 +21,7 @@ import torch
 from refspec import bugs
 from refspec.mutants.checks import Env, Symptom
 from refspec.mutants.probes import Probe
-from refspec.realrun import first_diff
+from refspec.real.run import first_diff
 
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12, 14, 16, 18], [11, 13]]
 BUDGETS = [12, 9, 14]  #: unequal, so requests finish apart and the batch shrinks (padded replays)
@@ -36,7 +36,7 @@ class EngineUnavailable(RuntimeError):
 def _model(env: Env):
     key = ("engine-model", env.device)
     if key not in env._refs:
-        from refspec.model import LlamaModel, init_random_, tiny_config
+        from refspec.model.llama import LlamaModel, init_random_, tiny_config
         env._refs[key] = init_random_(LlamaModel(tiny_config()), seed=0).eval()
     return env._refs[key]
 
@@ -44,7 +44,7 @@ def _model(env: Env):
 def _oracle(env: Env, version: str):
     key = ("engine-oracle", env.device, version)
     if key not in env._refs:
-        from refspec.spec.api import generate
+        from refspec.speculative.api import generate
         with bugs.disabled():
             env._refs[key] = generate(_model(env), PROMPTS, backend="oracle", version=version, num_steps=NUM_STEPS,
                                       max_new_tokens=BUDGETS, draft=DRAFT)
@@ -57,7 +57,7 @@ def engine_probe(version: str, graphs: bool, accept_id: str, page_size: int = 2)
         if env.device != "cpu" or env.dtype != torch.float32:
             raise EngineUnavailable("token streams compare bit for bit in fp32 on CPU only (TOL-001)")
         try:
-            from refspec.spec.api import generate
+            from refspec.speculative.api import generate
         except ImportError as e:  # the engine is optional for the attention-level zoo
             raise EngineUnavailable(f"engine unavailable: {e}") from e
         ref = _oracle(env, version)

@@ -1,7 +1,7 @@
 """The probes: for each wrong variant of :data:`refspec.bugs.BUGS`, the scenario(s) that expose it.
 
 A probe is ``run(env, found, validate)``: it drives the production wing (eager FA3 metadata,
-or a :class:`~refspec.graph_runner.GraphRunner` replay; the KV allocator for the accounting
+or a :class:`~refspec.graphs.runner.GraphRunner` replay; the KV allocator for the accounting
 variant) with ``validate`` passed to the backend, then runs the suite-side checks of
 :mod:`refspec.mutants.checks`, which append what they see to ``found``.  Production errors
 propagate.  The runner calls every probe with no variant on (it must see nothing) and with its
@@ -19,9 +19,9 @@ from typing import Callable
 
 import torch
 
-from refspec.batch import draft_decode_steps_batch, draft_step_view
-from refspec.kv_cache import KVCache, KVPool
-from refspec.modes import ForwardMode as M
+from refspec.core.batch import draft_decode_steps_batch, draft_step_view
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.modes import ForwardMode as M
 from refspec.mutants.checks import (Case, Env, Symptom, check_buffers, check_frozen_q, check_kv_writes,
                                     check_metadata, check_padding, compare, kv_snapshot, live)
 
@@ -150,7 +150,7 @@ SD = 3  #: draft steps of the B20 probe
 
 def draft_steps_view(b):
     """The production draft-decode input: all Sd - 1 steps request-major, step ``draft_step`` cut
-    by :func:`refspec.batch.draft_step_view` (case B20)."""
+    by :func:`refspec.core.batch.draft_step_view` (case B20)."""
     rows = b.fb.req_pool_indices.tolist()
     steps = draft_decode_steps_batch(b.kv, rows, b.sc.lens, SD)
     return draft_step_view(steps, b.sc.draft_step, SD), b.q, b.k, b.v

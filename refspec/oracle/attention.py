@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from einops import einsum, repeat
 
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 
 def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,

@@ -16,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from refspec.batch import ForwardBatch, check_batch_shapes
-from refspec.invariants import require
-from refspec.kv_cache import KVCache, KVPool
-from refspec.layer import AttentionLayer
+from refspec.core.batch import ForwardBatch, check_batch_shapes
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
 from refspec.oracle.attention import attention_by_slot
 
 
@@ -38,7 +38,7 @@ def oracle_metadata(fb: ForwardBatch) -> OracleMetadata:
     """The oracle twin of ``init_forward_metadata`` (see module doc).
 
     Raises: InvariantError MD-012 if two requests name the same ``req_to_token`` row;
-    ValueError from :func:`refspec.batch.check_batch_shapes`.
+    ValueError from :func:`refspec.core.batch.check_batch_shapes`.
     """
     check_batch_shapes(fb)
     rows = fb.req_pool_indices.tolist()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from einops import einsum, repeat
 
-from refspec.layer import AttentionLayer
+from refspec.core.layer import AttentionLayer
 
 
 @dataclass

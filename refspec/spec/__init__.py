@@ -1,8 +1,0 @@
-"""EAGLE top-k = 1 speculative decoding: drafts, drafters, acceptance, the v1 / v2 engine.
-
-Entry point: :func:`refspec.spec.api.generate` (re-exported here).
-"""
-
-from refspec.spec.api import generate, greedy_reference
-
-__all__ = ["generate", "greedy_reference"]

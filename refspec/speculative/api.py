@@ -1,0 +1,125 @@
+"""``generate``: one call for the oracle loop or the production loop, same arguments, same result.
+
+    res = generate(model, prompts, backend="fa3", version="v2", page_size=16, graphs=True,
+                   draft="eagle", drafter="perfect", num_steps=3, max_new_tokens=32)
+    res.tokens, res.accepts, res.accept_length, res.host_syncs, res.trace
+
+so that "oracle loop == production loop" and "speculative == plain greedy" are one-line tests.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+import torch
+
+from refspec.oracle.loop import greedy, speculative_greedy
+from refspec.speculative.accept import ScriptedAccept
+from refspec.speculative.drafters import make_drafter
+from refspec.model.drafts import make_draft
+from refspec.speculative.engine import Engine
+from refspec.speculative.metrics import GenerateResult, RequestResult
+
+BACKENDS = ("oracle", "fa3", "paged-oracle")
+
+
+def greedy_reference(model, prompts, max_new_tokens, eos=None) -> dict[int, list[int]]:
+    """``rid -> prompt + plain greedy output`` (the reference the test drafters read)."""
+    _check_args(model, prompts, 1, 1, None)
+    budgets = _budgets(prompts, max_new_tokens)
+    return {i: list(p) + greedy(model, p, m, eos).tokens for i, (p, m) in enumerate(zip(prompts, budgets))}
+
+
+def _budgets(prompts, max_new_tokens) -> list[int]:
+    if isinstance(max_new_tokens, int):
+        budgets = [max_new_tokens] * len(prompts)
+    elif len(max_new_tokens) != len(prompts):
+        raise ValueError("max_new_tokens: one int, or one per prompt")
+    else:
+        budgets = list(max_new_tokens)
+    bad = [m for m in budgets if not isinstance(m, Integral) or m < 1]
+    if bad:
+        raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {bad}")
+    return budgets
+
+
+def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
+    """ValueError naming the first bad argument of :func:`generate` (every backend alike)."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    V = target.config.vocab_size
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or not p:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
+        if not all(isinstance(t, Integral) and 0 <= t < V for t in p):
+            raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size = {V}): "
+                             f"{[t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]}")
+    if not isinstance(num_steps, Integral) or num_steps < 1:
+        raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
+    if not isinstance(page_size, Integral) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if arrivals is not None and (len(arrivals) != len(prompts) or any(a < 0 for a in arrivals)):
+        raise ValueError(f"arrivals must hold one step >= 0 per prompt, got {arrivals} for {len(prompts)} prompts")
+
+
+def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version: str = "v1", page_size: int = 1,
+             graphs: bool = False, draft="eagle", drafter=None, num_steps: int = 3, max_new_tokens=16,
+             eos: int | None = None, accept=None, reference: dict | None = None, capture_bs=(1, 2, 4, 8),
+             max_batch: int | None = None, arrivals: list[int] | None = None, provider: str | None = None,
+             validate: bool = True, observer=None, shuffle_pages: int | None = 0, pool_fill: float = 0.0,
+             draft_seed: int = 1) -> GenerateResult:
+    """Speculative greedy generation of every prompt (request id = index in ``prompts``).
+
+    Args:
+        target: :class:`~refspec.model.llama.LlamaModel` (its device / dtype are used).
+        backend: "oracle" (dense per-request loop, :mod:`refspec.oracle.loop`), "fa3" (the
+            production loop with the FA3 wing), "paged-oracle" (the production loop with the
+            paged oracle attention, eager).
+        version: "v1" / "v2".  page_size: P.  graphs: CUDA graphs (fa3 only).
+        draft: "eagle", "early-exit[:k]", a small :class:`LlamaModel`, or a draft object.
+        drafter: None (the draft's argmax), "perfect", "adversarial", "random", or a Drafter.
+        num_steps: Sd.  max_new_tokens: int or one per prompt.  eos: stop token (emitted).
+        accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
+        reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
+            N tokens past each budget so that even the last round's drafts are known).
+        max_batch, arrivals: continuous batching (default: everything at once).
+        observer, shuffle_pages, pool_fill, provider, validate, capture_bs: see
+            :class:`~refspec.speculative.engine.Engine`.
+    Returns: :class:`~refspec.speculative.metrics.GenerateResult`.
+    Raises: ValueError for a bad argument (empty ``prompts`` or prompt, a token id outside the
+    vocabulary, ``max_new_tokens`` / ``num_steps`` / ``page_size`` < 1, ``arrivals`` not one
+    step >= 0 per prompt, unknown backend / version); InvariantError from the loop's checks.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_args(target, prompts, num_steps, page_size, arrivals)
+    budgets = _budgets(prompts, max_new_tokens)
+    if isinstance(accept, dict):
+        accept = ScriptedAccept(accept)
+    if isinstance(drafter, str) and reference is None:  # N extra tokens: the last round's drafts too
+        reference = greedy_reference(target, prompts, [b + num_steps + 1 for b in budgets], eos)
+    drafter = make_drafter(drafter, reference, target.config.vocab_size)
+    dm = make_draft(draft, target, seed=draft_seed)
+    if backend == "oracle":
+        with torch.no_grad():
+            outs = [speculative_greedy(target, dm, p, num_steps=num_steps, max_new_tokens=m, version=version,
+                                       eos=eos, drafter=drafter, accept=accept, rid=i)
+                    for i, (p, m) in enumerate(zip(prompts, budgets))]
+        reqs = [RequestResult(i, o.tokens, o.accepts, o.emitted, o.drafts,
+                              "eos" if eos is not None and o.tokens[-1] == eos else "length")
+                for i, o in enumerate(outs)]
+        return GenerateResult(reqs, backend, version)
+    eng = Engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
+                 max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
+                 attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
+                 provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
+                 observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill)
+    for i, (p, m) in enumerate(zip(prompts, budgets)):
+        eng.add_request(i, p, m, arrival=arrivals[i] if arrivals else 0)
+    eng.run()
+    by_rid = {r.rid: r for r in eng.done}
+    reqs = [RequestResult(i, r.output, r.accepts, r.emitted, r.drafts, r.finish_reason)
+            for i, r in sorted(by_rid.items())]
+    return GenerateResult(reqs, backend, version, trace=eng.trace, host_syncs=dict(eng.syncs),
+                          free_pages=(eng.free_pages_at_start, eng.kv.allocator.num_free_pages),
+                          forwards=dict(eng.runners.counts))

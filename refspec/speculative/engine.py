@@ -1,0 +1,294 @@
+"""The production speculative-decoding loop: EAGLE top-k = 1, v1 and v2, over the paged pool.
+
+**Positions (SD-007), one rule everywhere.**  ``ForwardBatch.positions`` are KV indices in
+every forward, and RoPE uses exactly those.  The target's KV index j holds token t_j.  The draft
+uses the EAGLE shift: draft KV index p consumes token t_(p+1) (and, for an EAGLE head, the
+target hidden h_p), so target and draft KV have the same length and share one
+``req_to_token`` row and one allocator.  For a request with prompt t_0..t_(p-1):
+
+* draft prefill: rows 0..p-1 on t_1..t_p (t_p = the target's first generated token) with
+  h_0..h_(p-1); its last row's argmax is d_1;
+* round at committed length L (root t_L known, its KV not yet written), N = Sd + 1:
+  draft decode step s (s = 0..Sd-2) at KV index L+s on d_(s+1) -> d_(s+2); verify runs the
+  target on [t_L, d_1..d_Sd] at L..L+N-1; greedy accept n, a = n + 1, emitted p_0..p_n
+  (SD-001); v1 draft extend runs the a packed rows at L..L+a-1 on t_(L+1)..t_(L+a) (the last is
+  the bonus) with the target hidden of the accepted verify rows and keeps each request's last
+  row (SD-004); v2 draft extend runs all N rows at L..L+N-1 on the predictions p_0..p_(N-1)
+  with every verify row's hidden and keeps row b*N + a_b - 1 (SD-005).
+
+SGLang runs draft decode step s at RoPE position L+1+s while writing KV index L+s (spec §3.6:
+``positions`` is ``seq_lens`` bumped by one before each step; identical in v1, v2 and at HEAD,
+and not explained upstream, spec §9).  Its draft prefill / extend keys sit at position = KV
+index, so a decode-step query is one position further from them than its KV index says: a
+one-position skew between the two kinds of draft keys.  RoPE scores depend only on position
+*differences*, so what an exact reference needs is one rule used consistently: refspec uses
+KV index = position in every draft forward (prefill, decode, extend), in the oracle loop, v1
+and v2 alike.  A draft checkpoint trained under SGLang's convention would see that skew
+removed here; that can change acceptance, never the output (SD-002).
+
+**KV accounting.**  v1 (spec §5.1): draft slots L..L+Sd-1 are transient (``backup_state``,
+``alloc_extend``, restore), verify allocates L..L+N-1, and after accepting a the rejected slots
+are freed page-aligned (``free_tail(keep_len=L+a, alloc_len=L+N)``, KV-004).  v2 (spec §5.2):
+before each round the row is topped up to ``allocate_len = seq_len + N`` (KV-005), nothing is
+freed inside the round, and a finished request frees its whole row (KV-006).
+
+**Host syncs.**  Every device -> host read of a model result goes through :meth:`Engine.host`,
+which counts it by kind.  v1 needs the accept counts inside the round (the packed draft-extend
+layout and the frees depend on them): 1 read per round.  v2's in-round metadata is CPU-known
+(L and L + N) and the kept row ``b*N + a_b - 1`` is gathered on the device: 0 reads inside the
+round; its results are read once after it ("post_round", what the overlap scheduler hides).
+The count covers reads of *model results* only.  Host-side bookkeeping reads are not counted:
+with ``validate=True`` (the default) every forward's metadata check reads the batch on the host,
+and the allocator reads ``req_to_token`` (``alloc_extend``'s last slot, ``free_tail``'s pages),
+which on a GPU are syncs too (SGLang keeps such values on the host instead).
+
+**Hooks.**  ``drafter`` (:mod:`refspec.speculative.drafters`) overrides draft tokens; ``accept``
+(:class:`~refspec.speculative.accept.ScriptedAccept`) forces a per request-round (record/replay);
+``observer(event, engine, **info)`` sees ``prefill``, ``draft_decode``, ``verify``,
+``draft_extend`` (after each forward, with its ``fb``) and ``round_end`` (with the trace).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from refspec.core.batch import extend_batch
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.speculative import rounds
+from refspec.speculative.accept import num_correct_drafts
+from refspec.speculative.drafters import Drafter
+from refspec.speculative.metrics import RoundTrace
+from refspec.speculative.runners import SpecRunners
+
+
+@dataclass
+class Request:
+    """A request's host and device state (lengths in tokens)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: int = 0
+    row: int = 0  #: req_to_token row
+    seq_len: int = 0  #: L, committed target KV
+    alloc_len: int = 0  #: positions of the row that hold slots (v1: L after a round; v2: L + N)
+    target_kv_len: int = 0  #: updated where the target's KV is committed (verify)
+    draft_kv_len: int = 0  #: what the draft extend committed (its extent; v2: kept row index + 1)
+    output: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    finish_reason: str = ""
+    root: torch.Tensor | None = None  #: t_L (device, 0-dim int64)
+    d1: torch.Tensor | None = None  #: next round's d_1 (device, 0-dim int64)
+    dhid: torch.Tensor | None = None  #: the draft hidden for step 0 (device [E]) or None
+
+    @property
+    def tokens(self) -> list[int]:
+        """t_0..t_L: the prompt and every emitted token (the root included)."""
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+
+class Engine:
+    """Continuous-batching EAGLE top-k = 1 engine over a paged KV cache (module doc).
+
+    Args:
+        target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
+        version: "v1" or "v2".  num_steps: Sd >= 1 (N = Sd + 1).  page_size: P.
+        max_context: bound on prompt + max_new_tokens (tokens); ``req_to_token`` rows get
+            4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window.
+        max_batch: most running requests; later arrivals wait.
+        attention, graphs, capture_bs, provider, validate: see :class:`SpecRunners`.
+        drafter, accept, eos, observer: module doc.
+        num_pages: pool size (default: enough for ``max_batch`` requests of ``max_context``).
+        shuffle_pages: seed to scatter physical pages.  pool_fill: initial KV value (NaN poisons).
+    Raises: InvariantError KV-003 when the pool is exhausted.
+    """
+
+    def __init__(self, target, draft, *, version="v1", num_steps=3, page_size=1, max_context=256, max_batch=8,
+                 attention="fa3", graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True,
+                 drafter: Drafter | None = None, accept=None, eos=None, observer=None, num_pages=None,
+                 shuffle_pages=None, pool_fill=0.0):
+        if version not in ("v1", "v2"):
+            raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
+        if num_steps < 1:
+            raise ValueError("num_steps (Sd) must be >= 1")
+        for name, n in (("page_size", page_size), ("max_context", max_context), ("max_batch", max_batch)):
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        self.max_context = max_context
+        p = next(target.parameters())
+        self.target, self.draft, self.version = target, draft, version
+        self.Sd, self.N, self.P = num_steps, num_steps + 1, page_size
+        self.max_batch, self.eos, self.observer = max_batch, eos, observer
+        self.drafter, self.accept = drafter or Drafter(), accept
+        pages_per_req = -(-(max_context + self.N) // page_size) + 1
+        num_pages = num_pages or 1 + max_batch * pages_per_req
+        self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=4 + self.N, device=p.device,
+                          seed=shuffle_pages)
+        c = target.config
+        self.target_pool = KVPool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
+                                  dtype=p.dtype, device=p.device, fill=pool_fill)
+        self.draft_pool = KVPool(draft.num_layers, num_pages, page_size, draft.num_kv_heads, draft.head_dim,
+                                 dtype=p.dtype, device=p.device, fill=pool_fill)
+        self.runners = SpecRunners(target, draft, self.kv, self.target_pool, self.draft_pool, num_steps=num_steps,
+                                   version=version, attention=attention, graphs=graphs, capture_bs=capture_bs,
+                                   provider=provider, validate=validate)
+        self.device = p.device
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.done: list[Request] = []
+        self.trace: list[RoundTrace] = []
+        self.syncs: Counter = Counter()
+        self.free_pages_at_start = self.kv.allocator.num_free_pages
+
+    # ---- small helpers ----
+    def observe(self, event: str, **info) -> None:
+        if self.observer is not None:
+            self.observer(event, self, **info)
+
+    def host(self, kind: str, t: torch.Tensor) -> list:
+        """The one device -> host read path (counted per ``kind``)."""
+        self.syncs[kind] += 1
+        return t.tolist()
+
+    def ids(self, xs) -> torch.Tensor:
+        return torch.as_tensor(xs, dtype=torch.long, device=self.device)
+
+    def forced_drafts(self, reqs) -> torch.Tensor:
+        """The drafter's d_1..d_Sd per request, ``[B, Sd]`` int64, -1 = the draft's own argmax."""
+        rows = [self.drafter.propose(r.rid, r.tokens, self.Sd) or [-1] * self.Sd for r in reqs]
+        return self.ids(rows)
+
+    def accept_counts(self, reqs, drafts, predict) -> torch.Tensor:
+        """n per request ``[B]`` (device): the greedy rule, or the scripted a - 1 (host-known)."""
+        n = num_correct_drafts(drafts, predict)
+        if self.accept is None:
+            return n
+        forced = [self.accept(r.rid, len(r.accepts)) for r in reqs]
+        f = self.ids([0 if x is None else min(max(int(x), 1), self.N) for x in forced])
+        return torch.where(f > 0, f - 1, n)
+
+    # ---- requests ----
+    def add_request(self, rid: int, prompt: list[int], max_new_tokens: int, arrival: int = 0) -> Request:
+        """Queue a request.  Raises ValueError: empty prompt, ``max_new_tokens < 1``, prompt +
+        budget past ``max_context``, a token id outside the vocabulary, a ``rid`` already used."""
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise ValueError(f"request {rid}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                             f"> max_context {self.max_context}")
+        V = self.target.config.vocab_size
+        if not all(0 <= t < V for t in prompt):
+            raise ValueError(f"request {rid}: token ids outside [0, vocab_size = {V})")
+        if any(r.rid == rid for r in self.waiting + self.running + self.done):
+            raise ValueError(f"request id {rid} is already in use")
+        req = Request(rid, list(prompt), max_new_tokens, arrival)
+        self.waiting.append(req)
+        return req
+
+    def _emit(self, r: Request, new: list[int]) -> int:
+        """Append ``new`` to ``r.output`` until its budget or EOS; returns how many were appended."""
+        for i, t in enumerate(new):
+            r.output.append(t)
+            if t == self.eos or len(r.output) >= r.max_new_tokens:
+                r.finish_reason = "eos" if t == self.eos else "length"
+                return i + 1
+        return len(new)
+
+    def _release(self, finished: list[Request]) -> None:
+        """Free every page of each finished request's row (v1: L + a, v2: L + N positions)."""
+        for r in finished:
+            self.kv.free_req(r.row, r.alloc_len)
+            self.running.remove(r)
+            self.done.append(r)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Target EXTEND over the prompts, then the draft prefill (EAGLE shift) on the same slots."""
+        kv, run = self.kv, self.runners
+        for r in reqs:
+            r.row = kv.alloc_req()
+        rows, p = [r.row for r in reqs], [len(r.prompt) for r in reqs]
+        kv.alloc_extend(rows, [0] * len(reqs), p)
+        fb = extend_batch(kv, rows, [0] * len(reqs), p)
+        ids = self.ids([t for r in reqs for t in r.prompt])
+        logits, hidden = run.target_extend(ids, fb)
+        last = self.ids([sum(p[:b + 1]) - 1 for b in range(len(p))])
+        first = logits[last].argmax(-1)  # t_p per request
+        dids = ids.roll(-1)  # draft row j of a request consumes t_(j+1) ...
+        dids[last] = first  # ... and its last row the first generated token
+        dl, dh = run.draft_prefill(dids, hidden if self.draft.uses_hidden else None, fb)
+        d1, dhid = dl[last].argmax(-1), dh[last]
+        for b, r in enumerate(reqs):
+            r.seq_len = r.alloc_len = r.target_kv_len = r.draft_kv_len = p[b]
+            r.root, r.d1 = first[b], d1[b]
+            r.dhid = dhid[b] if self.draft.uses_hidden else None
+        self.observe("prefill", reqs=reqs, fb=fb)
+        for r, t in zip(reqs, self.host("prefill", first)):
+            self._emit(r, [t])
+        self.running.extend(reqs)
+        self._release([r for r in reqs if r.finished])
+
+    def _admit(self, step: int) -> list[Request]:
+        joined = []
+        for r in sorted(self.waiting, key=lambda r: (r.arrival, r.rid)):
+            if r.arrival <= step and len(self.running) + len(joined) < self.max_batch:
+                joined.append(r)
+        for r in joined:
+            self.waiting.remove(r)
+        return joined
+
+    # ---- the loop ----
+    def run(self) -> list[Request]:
+        """Run until every request finished; returns them in completion order."""
+        step = 0
+        with torch.no_grad():
+            while self.waiting or self.running:
+                if not self.running and self.waiting:
+                    step = max(step, min(r.arrival for r in self.waiting))
+                joined = self._admit(step)
+                if joined:
+                    self._prefill(joined)
+                if self.running:
+                    self._round(list(self.running), [r.rid for r in joined])
+                step += 1
+        return self.done
+
+    def _round(self, reqs: list[Request], joined: list[int]) -> None:
+        """One round over ``reqs``, then emission, finishes, frees and the trace entry."""
+        before = self.syncs["in_round"]
+        counts_before = Counter(self.runners.counts)
+        L = [r.seq_len for r in reqs]
+        if self.version == "v1":
+            out = rounds.round_v1(self, reqs)
+        else:
+            rounds.prepare_v2(self, reqs)  # before the round: allocate_len = seq_len + N
+            out = rounds.round_v2(self, reqs)
+        in_round = self.syncs["in_round"] - before
+        if self.version == "v2":  # the results, read once after the round
+            out = self.host("post_round", out)
+            for r, l, row in zip(reqs, L, out):
+                r.seq_len = r.target_kv_len = l + row[0]
+                r.draft_kv_len = row[-1]
+        N, Sd = self.N, self.Sd
+        for r, row in zip(reqs, out):
+            a = row[0]
+            r.accepts.append(a)
+            r.drafts.append(row[1 + N:1 + N + Sd])
+            r.emitted.append(self._emit(r, row[1:1 + a]))
+        finished = [r for r in reqs if r.finished]
+        self._release(finished)
+        used = sorted(ph for (ph, how), v in self.runners.counts.items()
+                      if how == "graph" and v > counts_before[(ph, how)])
+        tr = RoundTrace(len(self.trace), [r.rid for r in reqs], L, [row[0] for row in out],
+                        [row[1 + N:1 + N + Sd] for row in out], joined=joined, finished=[r.rid for r in finished],
+                        host_syncs=in_round, graph=used)
+        self.trace.append(tr)
+        self.observe("round_end", reqs=reqs, trace=tr)

@@ -1,0 +1,168 @@
+"""Speculative-decoding traces: what a real run *decided*, so that any device can replay it.
+
+A trace (JSON, ``"format": "refspec-trace/1"``) holds the schedule of one production run
+(:func:`refspec.speculative.generate`, ``backend="fa3"``), not its numbers:
+
+* ``config``: version (v1 / v2), page size P, Sd (``num_steps``), the draft spec, ``max_batch``,
+  ``eos``, ``capture_bs`` and ``model_config`` (the HF config dict of the target);
+* ``requests`` (rid = index): ``prompt_ids`` (ChatML token ids), ``max_new_tokens`` (the budget
+  asked for), ``output_ids`` and ``finish_reason`` ("eos" / "length"), ``num_accept_tokens`` (a
+  per verify round), plus ``question_id`` / ``category`` when the prompt came from MT-Bench;
+* ``rounds``, one per production round: ``rids`` (batch membership, in batch order),
+  ``seq_lens`` (committed L at the round's start, tokens), ``num_accept_tokens`` (a = n + 1,
+  bonus included, spec §5.1), ``joined`` (prefilled just before) and ``finished`` (left after).
+
+**Why a replay is exact on any model.**  The engine's decisions depend on the model only through
+a: L grows by a per round (SD-008), a request leaves when its output reaches its budget or EOS,
+and a waiting request joins when a batch slot frees (``max_batch``).  So a replay forces
+``a`` per request-round (:class:`~refspec.speculative.accept.ScriptedAccept`), turns EOS off and sets
+each request's budget to its recorded output length (an EOS that ended a round early then ends
+the same round by length).  Batch membership, ``seq_lens``, a, joins and finishes must then equal
+the trace round for round, with a random-init model of the same config on any device.
+
+:func:`check_trace` proves a file is self-consistent before anything runs (ValueError naming the
+request / round otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMAT = "refspec-trace/1"
+ROUND_KEYS = ("rids", "seq_lens", "num_accept_tokens", "joined", "finished")
+CONFIG_KEYS = ("version", "page_size", "num_steps", "draft", "max_batch", "eos", "capture_bs", "model_config")
+
+
+def trace_from_result(result, prompts: list[list[int]], budgets: list[int], config: dict,
+                      questions: list[dict] | None = None, source: dict | None = None) -> dict:
+    """Build a trace from a production :class:`~refspec.speculative.metrics.GenerateResult`.
+
+    Shapes: ``prompts`` B lists of token ids, ``budgets`` B ints (tokens), ``questions`` B dicts.
+
+    Args: ``prompts`` (B lists of token ids), ``budgets`` (B ``max_new_tokens``), ``config``
+    (the :data:`CONFIG_KEYS`), ``questions`` (optional per-request metadata: question_id,
+    category), ``source`` (free-form provenance).  Raises ValueError if ``result`` has no
+    per-round trace (the oracle loop has none) or the result is inconsistent.
+    """
+    if result.trace is None:
+        raise ValueError("only a production run (backend 'fa3' / 'paged-oracle') has a per-round trace")
+    missing = [k for k in CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"config lacks {missing}")
+    reqs = []
+    for i, (r, p, m) in enumerate(zip(result.requests, prompts, budgets)):
+        meta = {k: questions[i][k] for k in ("question_id", "category")} if questions else {}
+        reqs.append({"rid": r.rid, **meta, "prompt_ids": list(p), "max_new_tokens": int(m),
+                     "output_ids": list(r.tokens), "finish_reason": r.finish_reason,
+                     "num_accept_tokens": list(r.accepts)})
+    rounds = [{"rids": t.rids, "seq_lens": t.seq_lens, "num_accept_tokens": t.num_accept_tokens,
+               "joined": t.joined, "finished": t.finished} for t in result.trace]
+    trace = {"format": FORMAT, "source": dict(source or {}), "config": dict(config), "requests": reqs,
+             "rounds": rounds}
+    check_trace(trace)
+    return trace
+
+
+def check_trace(trace: dict) -> None:
+    """Raise ValueError unless ``trace`` is a self-consistent :data:`FORMAT` trace.
+
+    Checks: the format tag and config keys; rids are 0..B-1; every round's lists align; per
+    request, its rounds' ``seq_lens`` start at the prompt length and grow by a (SD-008), their a
+    equal the request's ``num_accept_tokens``, each a is in [1, Sd + 1] (SD-003); it finishes
+    exactly at its last round; its output length lies in ``(1 + sum(a[:-1]), 1 + sum(a)]`` and
+    within its budget (so a budget of that length ends the same round); no round holds more
+    than ``max_batch`` requests.
+    """
+    def bad(msg):
+        raise ValueError(f"trace: {msg}")
+
+    if trace.get("format") != FORMAT:
+        bad(f"format {trace.get('format')!r}, expected {FORMAT!r}")
+    cfg = trace.get("config", {})
+    if any(k not in cfg for k in CONFIG_KEYS):
+        bad(f"config lacks {[k for k in CONFIG_KEYS if k not in cfg]}")
+    if cfg["version"] not in ("v1", "v2") or cfg["num_steps"] < 1 or cfg["page_size"] < 1:
+        bad(f"config version / num_steps / page_size out of range: {cfg}")
+    N, reqs, rounds = cfg["num_steps"] + 1, trace["requests"], trace["rounds"]
+    if [r["rid"] for r in reqs] != list(range(len(reqs))):
+        bad("request ids must be 0..B-1 in order")
+    seen: dict[int, list[tuple[int, int, int]]] = {r["rid"]: [] for r in reqs}  # rid -> (round, L, a)
+    for k, rd in enumerate(rounds):
+        if any(k_ not in rd for k_ in ROUND_KEYS) or len({len(rd[x]) for x in ROUND_KEYS[:3]}) != 1:
+            bad(f"round {k}: needs aligned rids / seq_lens / num_accept_tokens")
+        if len(rd["rids"]) > cfg["max_batch"]:
+            bad(f"round {k}: {len(rd['rids'])} requests > max_batch {cfg['max_batch']}")
+        for rid, L, a in zip(rd["rids"], rd["seq_lens"], rd["num_accept_tokens"]):
+            if rid not in seen or not 1 <= a <= N:
+                bad(f"round {k}: unknown rid {rid} or a = {a} outside [1, {N}]")
+            seen[rid].append((k, L, a))
+        if not set(rd["finished"]) <= set(rd["rids"]):
+            bad(f"round {k}: finished {rd['finished']} not all in the batch {rd['rids']}")
+    for r in reqs:
+        mine, out = seen[r["rid"]], r["output_ids"]
+        accepts = [a for _, _, a in mine]
+        if accepts != r["num_accept_tokens"]:
+            bad(f"request {r['rid']}: rounds give a = {accepts}, the request lists {r['num_accept_tokens']}")
+        L = len(r["prompt_ids"])
+        for k, Lk, a in mine:
+            if Lk != L:
+                bad(f"request {r['rid']} round {k}: seq_len {Lk}, expected {L} (prompt + sum of a)")
+            L += a
+        if not 1 <= len(out) <= r["max_new_tokens"]:
+            bad(f"request {r['rid']}: {len(out)} output tokens, budget {r['max_new_tokens']}")
+        if mine and not 1 + sum(accepts[:-1]) < len(out) <= 1 + sum(accepts):
+            bad(f"request {r['rid']}: {len(out)} output tokens do not end in its last round (a = {accepts})")
+        fin = [k for k, rd in enumerate(rounds) if r["rid"] in rd["finished"]]
+        if mine and fin != [mine[-1][0]]:
+            bad(f"request {r['rid']}: finished in rounds {fin}, its last round is {mine[-1][0]}")
+
+
+def replay_budgets(trace: dict) -> list[int]:
+    """Per request, the recorded output length: the replay budget that ends it in the same round."""
+    return [len(r["output_ids"]) for r in trace["requests"]]
+
+
+def accept_table(trace: dict) -> dict[int, list[int]]:
+    """``rid -> [a per round]`` for :class:`~refspec.speculative.accept.ScriptedAccept`."""
+    return {r["rid"]: list(r["num_accept_tokens"]) for r in trace["requests"]}
+
+
+def schedule_mismatches(trace: dict, rounds) -> list[str]:
+    """Where a replayed engine's rounds (:class:`~refspec.speculative.metrics.RoundTrace` list) differ
+    from the trace: one line per differing field per round, empty when the schedule is equal."""
+    out = []
+    if len(rounds) != len(trace["rounds"]):
+        out.append(f"{len(rounds)} rounds replayed, the trace has {len(trace['rounds'])}")
+    for k, (want, got) in enumerate(zip(trace["rounds"], rounds)):
+        for key in ROUND_KEYS:
+            if list(getattr(got, key)) != list(want[key]):
+                out.append(f"round {k}: {key} {list(getattr(got, key))} != trace {want[key]}")
+    return out
+
+
+def dumps(trace: dict) -> str:
+    """JSON text with one request / one round per line (small diffs, still one ``json.loads``)."""
+    head = {k: v for k, v in trace.items() if k not in ("requests", "rounds")}
+    lines = ["{" + json.dumps(head)[1:-1] + ","]
+    for key in ("requests", "rounds"):
+        items = [json.dumps(x, separators=(",", ":")) for x in trace[key]]
+        lines.append(f' "{key}": [' + ("\n  " + ",\n  ".join(items) + "\n " if items else "") + "]"
+                     + ("," if key == "requests" else ""))
+    return "\n".join(lines) + "}\n"
+
+
+def save_trace(trace: dict, path: str | Path) -> Path:
+    """Check and write ``trace`` (:func:`dumps`); returns the path."""
+    check_trace(trace)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(trace), encoding="utf-8")
+    return path
+
+
+def load_trace(path: str | Path) -> dict:
+    """Read and :func:`check_trace` a trace file (ValueError if inconsistent)."""
+    trace = json.loads(Path(path).read_text(encoding="utf-8"))
+    check_trace(trace)
+    return trace
