@@ -61,8 +61,36 @@ def copy_bandwidth(device, nbytes=2 << 30) -> float:
     return 2 * src.numel() * 2 / t
 
 
-def _kernel_case(device, P, B, ctx, Q, H=32, Hkv=8, D=128, provider=None):
-    """One paged batch of B requests with ctx keys each; returns (seconds, KV bytes read)."""
+def _graph_timer(device, calls: int = 20):
+    """``time(fn) -> median seconds per call``, ``fn`` replayed ``calls`` times inside one CUDA graph.
+
+    A kernel's own time, without the ~0.2 ms of a Python call: what the production path pays,
+    since every graphed forward launches its kernels from a replayed graph.  CPU: plain calls.
+    """
+    if device.type != "cuda":
+        return lambda fn: _timer(device)(fn, reps=2, warmup=1)
+
+    def run(fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        return _timer(device)(g.replay, reps=10, warmup=2) / calls
+    return run
+
+
+def _kernel_case(device, P, B, ctx, Q, H=32, Hkv=8, D=128, provider=None, in_graph=True):
+    """One paged batch of B requests with ctx keys each; returns (seconds per call, KV bytes read, ...).
+
+    ``in_graph``: time the call replayed from a CUDA graph (:func:`_graph_timer`); else one eager
+    Python call per timing (launch-bound for small batches).
+    """
     mode = ForwardMode.DECODE if Q == 1 else ForwardMode.TARGET_VERIFY
     lens = [ctx] * B if Q == 1 else [ctx - Q] * B
     sc = Scenario(mode, P, lens, num_draft_tokens=max(Q, 1), num_heads=H, num_kv_heads=Hkv, head_dim=D,
@@ -75,7 +103,10 @@ def _kernel_case(device, P, B, ctx, Q, H=32, Hkv=8, D=128, provider=None):
         flash_attn_with_kvcache(built.q, k_cache, v_cache, cache_seqlens=md.cache_seqlens_int32,
                                 page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q,
                                 max_seqlen_q=md.max_seq_len_q, causal=True, provider=provider)
-    t = _timer(device)(call, reps=10 if device.type == "cuda" else 2, warmup=2 if device.type == "cuda" else 1)
+    if in_graph and (provider or select_provider(device)) != "emulator":
+        t = _graph_timer(device)(call)
+    else:
+        t = _timer(device)(call, reps=10 if device.type == "cuda" else 2, warmup=2 if device.type == "cuda" else 1)
     return t, 2 * B * ctx * Hkv * D * 2, md, built, be
 
 
@@ -87,6 +118,8 @@ def bench_kernel(device, quick):
     else:
         grid = [(P, B, ctx, Q) for P in (1, 4, 16, 64, 128, 256) for B in (1, 8, 32, 128)
                 for ctx in (512, 4096, 16384) for Q in (1, 4)]
+    timing = "in a CUDA graph, 20 calls" if device.type == "cuda" else "one eager call (CPU: no GPU claim)"
+    rows[0]["timing"] = timing
     for P, B, ctx, Q in tqdm(grid, desc="kernel", leave=False):
         t, nbytes, *_ = _kernel_case(device, P, B, ctx, Q)
         rows.append(dict(section="kernel", P=P, B=B, ctx=ctx, Q=Q, us=t * 1e6,
@@ -99,7 +132,7 @@ def bench_scale(device, quick):
     P, B, ctx, Q = 16, 4, 512, 4
     rows = []
     for prov in dict.fromkeys([select_provider(device), "emulator"]):
-        t, nbytes, *_ = _kernel_case(device, P, B, ctx, Q, provider=prov)
+        t, nbytes, *_ = _kernel_case(device, P, B, ctx, Q, provider=prov, in_graph=False)
         rows.append(dict(section="scale", what=f"kernel provider {prov}", P=P, B=B, ctx=ctx, Q=Q, us=t * 1e6))
     _, _, md, built, _ = _kernel_case(device, P, B, ctx, Q)
     oracle = OracleBackend(built.pool, built.kv)
@@ -117,7 +150,7 @@ def bench_metadata(device, quick):
     """Replay-metadata update vs kernel time for verify batches (validation on and off)."""
     rows = []
     for B in ((1, 4) if quick else (1, 8, 32, 128)):
-        t_kernel, _, _, built, _ = _kernel_case(device, 16, B, 512 if quick else 4096, 4)
+        t_kernel, _, _, built, _ = _kernel_case(device, 16, B, 512 if quick else 4096, 4, in_graph=False)
         for validate in (False, True):
             runner = built.graph_runner(capture_bs=(B,), validate=validate)
             be = runner.backend
@@ -137,7 +170,15 @@ def bench_loop(device, quick):
     return run(device, quick)
 
 
-SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop}
+def bench_profile(device, quick):
+    """Where a round's time goes: wall vs GPU-busy, kernels per layer, phases (:mod:`refspec.cli._bench_profile`)."""
+    from refspec.cli._bench_profile import bench_profile as run
+
+    return run(device, quick)
+
+
+SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
+            "profile": bench_profile}
 
 
 def to_markdown(rows) -> str:

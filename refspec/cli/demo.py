@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd (default 3)")
     ap.add_argument("--bug", help="show a bug-zoo variant live instead (e.g. seed-page-table)")
     ap.add_argument("--threads", type=int, help="torch threads (default 1: see refspec.real.run.set_threads)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
     ap.add_argument("--no-progress", action="store_true")
     ns = ap.parse_args(argv)
     from refspec.real import EOS_ID, RealAssetsMissing, decode
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prompts, max_new = chat_prompts(qs), budgets(ns.prompts, ns.max_new_tokens)
     page_sizes = [int(x) for x in ns.page_sizes.split(",")]
+    if _pick_device(ns.device) == "cuda" and not ns.bug:
+        return _main_gpu(model, qs, prompts, max_new, page_sizes, ns.versions.split(","), ns, load_s, t0)
     if ns.bug:
         from refspec.cli._demo_bug import run_bug_demo
 
@@ -207,5 +211,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"answer (production {versions[-1]}, P={page_sizes[-1]}; {len(r.tokens)} tokens, "
           f"finish: {r.finish_reason}, a per round {r.accepts}):")
     print(decode(r.tokens, skip_special=True))
+    print(f"\ntotal {time.perf_counter() - t0:.1f} s; {'all checks pass' if res.ok else 'SOME CHECKS FAILED'}")
+    return 0 if res.ok else 1
+
+
+def _pick_device(asked: str) -> str:
+    """``auto``: cuda when the GPU is a Hopper with the real FA3 kernel (``python -m refspec info``)."""
+    if asked != "auto":
+        return asked
+    import torch
+    return "cuda" if torch.cuda.is_available() and select_provider(torch.device("cuda")) != "emulator" else "cpu"
+
+
+def _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0) -> int:
+    """The GPU table (:mod:`refspec.cli._demo_gpu`); exit 1 unless every T2 check and KV-006 hold."""
+    import torch
+
+    from refspec.cli._demo_gpu import format_gpu_table, run_gpu_matrix
+    from refspec.real import EOS_ID, decode
+
+    dev = torch.device("cuda")
+    m32 = model.to(dev)
+    print(f"SmolLM2-135M-Instruct (bf16 on {torch.cuda.get_device_name()}, loaded in {load_s:.1f} s); draft "
+          f"{ns.draft}, Sd = {ns.num_steps}; FA3 provider: {select_provider(dev)}, graphs: CUDA, fused model "
+          f"(torch.compile {torch.__version__})")
+    for q, p, m in zip(qs, prompts, max_new):
+        print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}")
+    res = run_gpu_matrix(m32, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,
+                         num_steps=ns.num_steps, eos=EOS_ID, capture_bs=capture_sizes(len(prompts)))
+    print()
+    print(format_gpu_table(res.rows))
+    print()
+    for n in res.notes:
+        print(n)
+    last = res.outputs[(versions[-1], page_sizes[-1])]
+    i = max(range(len(prompts)), key=lambda j: len(last.tokens[j]))
+    print(f"\nq{qs[i]['question_id']} [{qs[i]['category']}] {qs[i]['prompt']}\n")
+    print(f"answer (production {versions[-1]}, P={page_sizes[-1]}, bf16, real FA3 + CUDA graphs):")
+    print(decode(last.tokens[i], skip_special=True))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s; {'all checks pass' if res.ok else 'SOME CHECKS FAILED'}")
     return 0 if res.ok else 1

@@ -1,0 +1,161 @@
+"""The ``profile`` section of ``python -m refspec bench``: where one speculative round's time goes.
+
+Workload: SmolLM2-135M-Instruct on MT-Bench first turns when the real weights are installed
+(``refspec.real``), else a random-init model of the same config on the committed trace's prompts
+(same shapes, so the same speed; accept lengths then mean nothing).  bf16 + the fused model
+(:class:`~refspec.model.fused.FusedLlama`, compiled) on CUDA; fp32, readable model on CPU.
+Graphs on, validation off, Sd = 3, ``max_new_tokens`` 48 per request.
+
+Per configuration (draft, version, B):
+
+* ``wall_ms``: wall time per round over the steady state (from the first round after the last
+  join to the end; one device synchronize at each end only, so an overlapped engine keeps
+  overlapping), prefill and capture excluded;
+* ``gpu_busy_ms``: per round, the union of the GPU kernel intervals the CUDA profiler saw over
+  the same rounds of a second, profiled run (the profiler inflates wall time, not kernel time);
+  ``wall/busy`` is the ratio the issue targets (<= 1.2);
+* ``kernels_per_layer``: kernels per round / layer forwards per round (verify: all layers;
+  each draft forward: the draft's layers), LM heads and metadata kernels included;
+* ``draft/verify/extend_ms``: per-phase GPU time between CUDA events recorded at the engine's
+  phase events (idle GPU time inside a phase included);
+* ``tok_per_s`` and ``accept_length``; and two greedy baselines measured in the same run:
+  graph greedy (:func:`~refspec.speculative.greedy.production_greedy`: paged KV, FA3 DECODE
+  replayed from a CUDA graph, the same fused model) and eager greedy (the dense oracle loop).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from refspec.speculative import generate
+from refspec.speculative.greedy import production_greedy
+
+MAX_NEW = 48
+PHASES = ("draft_decode", "verify", "draft_extend")
+
+
+def _workload(B: int):
+    """(readable bf16/fp32 model, prompts [B], label) on the current device."""
+    from refspec.real import missing_reason
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if missing_reason() is None:
+        from refspec.real.run import chat_prompts, load_target, pick_questions
+        model, _ = load_target(torch.float32)
+        prompts = chat_prompts(pick_questions(min(B, 80)))
+        label = "SmolLM2-135M-Instruct (real weights), MT-Bench"
+    else:
+        from refspec.cli._bench_loop import TRACE
+        from refspec.cli.replay import random_target
+        from refspec.speculative.trace import load_trace
+        trace = load_trace(TRACE)
+        model = random_target(trace["config"]["model_config"], seed=0, device=dev)
+        prompts = [r["prompt_ids"] for r in trace["requests"]]
+        label = "random-init SmolLM2-135M config (real weights not installed), trace prompts"
+    prompts = [prompts[i % len(prompts)] for i in range(B)]
+    return model.to(dev, dtype).eval(), prompts, label
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gpu_busy_ms(prof) -> tuple[float, int]:
+    """Union of the CUDA kernel intervals (ms) and the kernel count in a finished profiler."""
+    iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in iv:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e3, len(iv)
+
+
+def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, **kw) -> dict:
+    """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler."""
+    dev = next(model.parameters()).device
+    cuda = dev.type == "cuda"
+    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None)
+
+    def observer(event, eng, **info):
+        if event == "round_end" and st["t0"] is None and not info["trace"].joined and not eng.waiting:
+            _sync(dev)
+            st["t0"], st["r0"] = time.perf_counter(), len(eng.trace)
+            if profiled and cuda:
+                st["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                st["prof"].start()
+        if st["t0"] is not None and cuda and event in (*PHASES, "round_end"):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            st["ev"].append((event, e))
+        if event == "round_end":
+            st["r1"] = len(eng.trace)
+
+    res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
+                   drafter=drafter, num_steps=3, max_new_tokens=MAX_NEW, validate=False, observer=observer,
+                   capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
+    _sync(dev)
+    t1 = time.perf_counter()
+    rounds = max(st["r1"] - st["r0"], 1)
+    row = dict(rounds=rounds, wall_ms=1e3 * (t1 - st["t0"]) / rounds if st["t0"] else float("nan"),
+               accept_length=res.accept_length)
+    steady_tokens = sum(sum(r.emitted[-rounds:]) for r in res.requests if r.emitted)
+    row["tok_per_s"] = steady_tokens / (t1 - st["t0"]) if st["t0"] else float("nan")
+    if st["prof"] is not None:
+        st["prof"].stop()
+        busy, n = _gpu_busy_ms(st["prof"])
+        row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds)
+    ph = {p: [] for p in PHASES}
+    ev = st["ev"]
+    for (_, a), (name, b) in zip(ev, ev[1:]):
+        if name in ph:
+            ph[name].append(a.elapsed_time(b))
+    for p, xs in ph.items():
+        row[f"{p}_ms"] = statistics.median(xs) if xs else float("nan")
+    row["text"] = res.tokens
+    return row
+
+
+def bench_profile(device, quick):
+    if device.type != "cuda" or quick:
+        return [dict(section="profile", what="skipped: needs a CUDA GPU (GPU kernel time per round)")]
+    from refspec.model.fused import FusedLlama
+    from refspec.oracle.loop import greedy
+    rows = []
+    for B in (1, 16):
+        model, prompts, label = _workload(B)
+        fast = FusedLlama(model)
+        budgets = [MAX_NEW] * B
+        production_greedy(fast, prompts[:1], [4], page_size=16)  # compile once, outside the timings
+        for name, fn in (("graph greedy", lambda: production_greedy(fast, prompts, budgets, page_size=16,
+                                                                   validate=False, capture_bs=(B,))),
+                         ("eager greedy", lambda: [greedy(model, p, MAX_NEW) for p in prompts])):
+            _sync(device)
+            t = time.perf_counter()
+            out = fn()
+            _sync(device)
+            toks = sum(len(x) for x in (out.tokens if hasattr(out, "tokens") else [g.tokens for g in out]))
+            rows.append(dict(section="profile baselines", workload=label, B=B, what=name,
+                             tok_per_s=toks / (time.perf_counter() - t)))
+        for draft, drafter in (("early-exit:25", None), ("early-exit:1", "perfect")):
+            for version in ("v1", "v2"):
+                for profiled in (False, True):
+                    r = profile_config(fast, prompts, version=version, draft=draft, drafter=drafter,
+                                       profiled=profiled)
+                    r.pop("text")
+                    if not profiled:
+                        base = dict(section="profile", workload=label, B=B, draft=draft + (f" +{drafter} drafter" if drafter else ""),
+                                    version=version, **r)
+                    else:
+                        base.update(gpu_busy_ms=r.get("gpu_busy_ms"), kernels_per_round=r.get("kernels_per_round"))
+                k = int(draft.split(":")[1])
+                layer_fwds = model.config.num_hidden_layers + 3 * k  # verify + 2 draft steps + draft extend
+                base["kernels_per_layer"] = base["kernels_per_round"] / layer_fwds if base.get("kernels_per_round") else None
+                base["wall/busy"] = base["wall_ms"] / base["gpu_busy_ms"] if base.get("gpu_busy_ms") else None
+                rows.append(base)
+    return rows

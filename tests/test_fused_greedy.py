@@ -1,0 +1,97 @@
+"""The GPU-speed pieces, checked on CPU against the readable references.
+
+* :class:`refspec.model.fused.FusedLlama` (fused q/k/v and gate/up projections, compiled
+  non-attention regions on CUDA) against the readable :class:`~refspec.model.llama.LlamaModel`
+  it is built from: same logits to fp32 rounding, same greedy tokens, through the dense
+  backend and through the paged FA3 wing;
+* :func:`refspec.speculative.greedy.production_greedy` (paged KV, FA3 DECODE under graphs)
+  against the oracle's plain greedy (dense KV): the same tokens, bitwise in fp32, every page
+  freed (SD-002's baseline, KV-006).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refspec.model.fused import FusedLlama
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
+from refspec.oracle.loop import greedy
+from refspec.speculative.api import generate
+from refspec.speculative.greedy import production_greedy
+
+
+def _model(seed=0, **kw):
+    return init_random_(LlamaModel(tiny_config(**kw)), seed=seed).eval()
+
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38], [27, 18]]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fused_matches_readable_logits(tied):
+    m = _model(tie_word_embeddings=tied)
+    f = FusedLlama(m)
+    assert not f.compiled  # CPU: eager fused math
+    c = m.config
+    ids = torch.tensor(PROMPTS[1])
+    out = []
+    for model in (m, f):
+        kv = DenseKV(c.num_hidden_layers, len(ids), c.num_key_value_heads, c.head_dim)
+        out.append(model(ids, DenseBatch.span(0, len(ids)), DenseBackend(kv)))
+    (l0, h0), (l1, h1) = out
+    assert torch.allclose(h0, h1, atol=1e-5, rtol=1e-5), (h0 - h1).abs().max()
+    assert torch.allclose(l0, l1, atol=1e-4, rtol=1e-5), (l0 - l1).abs().max()
+    assert torch.equal(l0.argmax(-1), l1.argmax(-1))
+
+
+def test_fused_shares_the_reference_weights():
+    m = _model()
+    f = FusedLlama(m)
+    assert f.reference[0] is m and f.model is m.model
+    q = m.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(f.wqkv[0][: q.shape[0]], q)
+
+
+@pytest.mark.spec("SD-002")
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_fused_production_spec_loop_is_greedy(P):
+    """The production loop on the fused model (early-exit draft, graphs) == plain greedy of the readable model."""
+    m = _model()
+    f = FusedLlama(m)
+    ref = [greedy(m, p, 12).tokens for p in PROMPTS]
+    res = generate(f, PROMPTS, backend="fa3", version="v2", page_size=P, graphs=True, draft="early-exit:1",
+                   max_new_tokens=12)
+    assert res.tokens == ref
+
+
+@pytest.mark.spec("SD-002", "KV-006")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("P", [1, 4, 16])
+def test_production_greedy_equals_oracle_greedy(P, graphs):
+    m = _model()
+    budgets = [10, 4, 7]
+    ref = [greedy(m, p, n).tokens for p, n in zip(PROMPTS, budgets)]
+    run = production_greedy(m, PROMPTS, budgets, page_size=P, graphs=graphs, capture_bs=(1, 2, 4))
+    assert run.tokens == ref
+    assert run.free_pages[0] == run.free_pages[1]
+    assert run.syncs == run.steps + 1  # one read per step, plus the prefill token
+    if graphs:
+        assert run.graph_steps == run.steps and run.eager_steps == 0
+
+
+def test_production_greedy_stops_at_eos():
+    m = _model()
+    full = greedy(m, PROMPTS[0], 10).tokens
+    eos = full[3]
+    run = production_greedy(m, [PROMPTS[0]], [10], eos=eos, page_size=4)
+    assert run.tokens[0] == full[: full.index(eos) + 1]
+
+
+def test_production_greedy_rejects_bad_input():
+    m = _model()
+    with pytest.raises(ValueError, match="budget"):
+        production_greedy(m, [[1, 2]], [0])
+    with pytest.raises(ValueError):
+        production_greedy(m, [[]], [3])
