@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_run.sh check      # python -m refspec check --device cuda
 #   bash benchmarks/gpu_run.sh bench      # python -m refspec bench (full grid)
 #   bash benchmarks/gpu_run.sh trace      # replay the committed MT-Bench trace on CUDA
+#   bash benchmarks/gpu_run.sh demo       # python -m refspec demo --device cuda (real weights installed)
+#   bash benchmarks/gpu_run.sh profile    # bench sections kernel, profile, seed (real weights if installed)
 #   bash benchmarks/gpu_run.sh sanitizer  # graph tests under compute-sanitizer memcheck
 set -u
 OUT=${OUT:-out}
@@ -39,6 +41,13 @@ for what in "$@"; do
       timeout 540 python3 -m refspec replay benchmarks/traces/mtbench_smollm2.json --device cuda \
         --versions v1,v2 --page-sizes 1,4,16 --out "$OUT/trace-replay.md" > "$OUT/trace-replay.log" 2>&1
       echo "replay rc=$?"; tail -5 "$OUT/trace-replay.log" ;;
+    demo)
+      timeout 400 python3 -m refspec demo --device cuda --no-progress > "$OUT/demo-cuda.txt" 2>&1
+      echo "demo rc=$?"; tail -25 "$OUT/demo-cuda.txt" ;;
+    profile)
+      timeout 540 python3 -m refspec bench --device cuda --sections kernel profile seed --out "$OUT/profile" \
+        > "$OUT/profile.log" 2>&1
+      echo "profile rc=$?"; grep -A40 "### profile" "$OUT/profile.log" | head -60 ;;
     sanitizer)
       timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
         -p no:cacheprovider tests/test_gpu_graphs.py -k "${SANITIZER_K:-}" > "$OUT/sanitizer.log" 2>&1

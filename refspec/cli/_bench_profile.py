@@ -159,3 +159,35 @@ def bench_profile(device, quick):
                 base["wall/busy"] = base["wall_ms"] / base["gpu_busy_ms"] if base.get("gpu_busy_ms") else None
                 rows.append(base)
     return rows
+
+
+#: the seed's reported end-to-end gains (the task's source PRs, full SGLang server): page size 4
+#: over page size 1 with top-k = 1 (+4.7 %), and overlap spec v2 over v1 with FA3 (+13.7 %)
+SEED = {"P4/P1": 1.047, "v2/v1": 1.137}
+
+
+def bench_seed(device, quick):
+    """The seed's two comparisons on this engine: P = 4 vs 1 and v2 vs v1, B = 1 and 4 (module doc's workload)."""
+    if device.type != "cuda" or quick:
+        return [{"section": "seed", "what": "skipped: needs a CUDA GPU"}]
+    from refspec.model.fused import FusedLlama
+    rows = []
+    for B in (1, 4):
+        model, prompts, label = _workload(B)
+        fast = FusedLlama(model)
+        res = {}
+        for P in (1, 4):
+            for v in ("v1", "v2"):
+                r = profile_config(fast, prompts, version=v, draft="early-exit:25", P=P)
+                r.pop("text")
+                res[(P, v)] = r
+                rows.append({"section": "seed", "workload": label, "B": B, "P": P, "version": v,
+                             "tok_per_s": r["tok_per_s"], "accept_length": r["accept_length"],
+                             "wall_ms": r["wall_ms"]})
+        for v in ("v1", "v2"):
+            rows.append({"section": "seed ratios", "B": B, "what": f"P4/P1 tokens/s, {v}",
+                         "refspec": res[(4, v)]["tok_per_s"] / res[(1, v)]["tok_per_s"], "seed": SEED["P4/P1"]})
+        for P in (1, 4):
+            rows.append({"section": "seed ratios", "B": B, "what": f"v2/v1 tokens/s, P={P}",
+                         "refspec": res[(P, "v2")]["tok_per_s"] / res[(P, "v1")]["tok_per_s"], "seed": SEED["v2/v1"]})
+    return rows

@@ -177,8 +177,15 @@ def bench_profile(device, quick):
     return run(device, quick)
 
 
+def bench_seed(device, quick):
+    """The seed's comparisons (P = 4 vs 1, v2 vs v1) on the real model (:mod:`refspec.cli._bench_profile`)."""
+    from refspec.cli._bench_profile import bench_seed as run
+
+    return run(device, quick)
+
+
 SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
-            "profile": bench_profile}
+            "profile": bench_profile, "seed": bench_seed}
 
 
 def to_markdown(rows) -> str:
