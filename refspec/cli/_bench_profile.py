@@ -191,3 +191,30 @@ def bench_seed(device, quick):
             rows.append({"section": "seed ratios", "B": B, "what": f"v2/v1 tokens/s, P={P}",
                          "refspec": res[(P, "v2")]["tok_per_s"] / res[(P, "v1")]["tok_per_s"], "seed": SEED["v2/v1"]})
     return rows
+
+
+def bench_drafts(device, quick):
+    """Why (or when) speculation beats graph greedy at B = 1: draft cost vs acceptance.
+
+    Real early-exit drafts (the first k of the target's layers: a draft step costs about k / L of
+    a target step) and, as the engine's ceiling, a 1-layer draft forward whose proposals are
+    scripted to the target's own greedy tokens ("perfect": accept length -> N), i.e. what a cheap
+    draft that is always right would give.  v2, P = 16, Sd = 3.
+    """
+    if device.type != "cuda" or quick:
+        return [{"section": "drafts", "what": "skipped: needs a CUDA GPU"}]
+    from refspec.model.fused import FusedLlama
+    model, prompts, label = _workload(1)
+    fast = FusedLlama(model)
+    g = production_greedy(fast, prompts, [MAX_NEW], page_size=16, validate=False, capture_bs=(1,))
+    g = production_greedy(fast, prompts, [MAX_NEW], page_size=16, validate=False, capture_bs=(1,))
+    greedy_tps = sum(map(len, g.tokens)) / g.seconds
+    rows = [{"section": "drafts", "workload": label, "draft": "(graph greedy, no speculation)", "accept_length": 1.0,
+             "tok_per_s": greedy_tps, "x_graph_greedy": 1.0}]
+    L = model.config.num_hidden_layers
+    for draft, drafter in [(f"early-exit:{k}", None) for k in (4, 10, 16, 25) if k < L] + [("early-exit:1", "perfect")]:
+        r = profile_config(fast, prompts, version="v2", draft=draft, drafter=drafter)
+        rows.append({"section": "drafts", "workload": label, "draft": draft + (" +perfect drafter" if drafter else ""),
+                     "accept_length": r["accept_length"], "wall_ms": r["wall_ms"], "tok_per_s": r["tok_per_s"],
+                     "x_graph_greedy": r["tok_per_s"] / greedy_tps})
+    return rows

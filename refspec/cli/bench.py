@@ -184,8 +184,15 @@ def bench_seed(device, quick):
     return run(device, quick)
 
 
+def bench_drafts(device, quick):
+    """Draft cost vs acceptance against graph greedy at B = 1 (:mod:`refspec.cli._bench_profile`)."""
+    from refspec.cli._bench_profile import bench_drafts as run
+
+    return run(device, quick)
+
+
 SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
-            "profile": bench_profile, "seed": bench_seed}
+            "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts}
 
 
 def to_markdown(rows) -> str:
