@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from refspec.invariants import InvariantError
+from refspec.core.invariants import InvariantError
 from refspec.oracle.attention import attention_by_slot
 from refspec.oracle.slots import attention_over_slots, merge_by_lse
 

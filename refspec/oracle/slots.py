@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from einops import repeat
 
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 
 def _as_slots(row, NS: int, t: int, device) -> torch.Tensor:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 
 @dataclass

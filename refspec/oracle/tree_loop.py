@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refspec.invariants import InvariantError
+from refspec.core.invariants import InvariantError
 from refspec.oracle.loop import _check_request, _emit
 from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree import (
@@ -137,7 +137,7 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
     """EAGLE top-k tree speculative decoding of one request, v1 (module doc for the round).
 
     Args:
-        target: a :class:`~refspec.model.LlamaModel`; draft: a draft (:mod:`refspec.spec.drafts`).
+        target: a :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         num_steps: Sd draft steps; topk: k branches; num_draft_tokens: N tree nodes verified
             (root included).  max_new_tokens, eos: as :func:`refspec.oracle.loop.greedy`.
         rid: the request id (reported only).
