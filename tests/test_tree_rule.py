@@ -21,7 +21,15 @@ import pytest
 import torch
 
 from refspec.core.invariants import InvariantError
-from refspec.oracle.tree import build_tree, expand, greedy_accept, max_drafts, root_children, select, verify_key_slots
+from refspec.oracle.tree import (
+    build_tree,
+    expand,
+    greedy_accept,
+    max_drafts,
+    root_children,
+    select,
+    verify_key_slots,
+)
 from refspec.oracle.tree_loop import check_tree_args
 
 ROOT = 99  # the last verified token (the bonus of the previous round)
