@@ -163,3 +163,38 @@ def test_committed_kv_equals_a_fresh_prefill_of_the_committed_tokens(monkeypatch
         for layer in range(len(ref.k)):
             torch.testing.assert_close(got.k[layer][:L], ref.k[layer], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(got.v[layer][:L], ref.v[layer], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- generate(..., topk=k, num_draft_tokens=N)
+@pytest.mark.spec("TR-009", "SD-002")
+def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
+    from refspec.speculative import generate
+
+    res = generate(target(), PROMPTS, backend="oracle", draft="early-exit:1", num_steps=3, topk=4,
+                   num_draft_tokens=8, max_new_tokens=BUDGET)
+    assert res.tokens == [plain(i) for i in range(len(PROMPTS))]
+    for r in res.requests:
+        assert len(r.accepts) == len(r.emitted) == len(r.drafts) >= 1 and all(len(d) == 7 for d in r.drafts)
+        assert sum(r.emitted) == BUDGET - 1 and 1 <= r.accept_length <= 4
+    default = generate(target(), PROMPTS[:1], backend="oracle", draft="eagle", num_steps=3, max_new_tokens=BUDGET)
+    explicit = generate(target(), PROMPTS[:1], backend="oracle", draft="eagle", num_steps=3, max_new_tokens=BUDGET,
+                        topk=1, num_draft_tokens=4)
+    assert default.tokens == explicit.tokens and default.accepts == explicit.accepts  # k = 1: the chain loop
+
+
+@pytest.mark.spec("TR-002", "SD-010")
+@pytest.mark.parametrize("kw,match", [
+    (dict(topk=2, num_draft_tokens=12), r"TR-002.*N - 1 <= k \+ \(Sd-1\) k\^2 = 2 \+ 2\*2\^2 = 10"),
+    (dict(topk=2), "needs num_draft_tokens"),
+    (dict(topk=1, num_draft_tokens=3), r"SD-010"),
+    (dict(topk=0), "topk"),
+    (dict(topk=2, num_draft_tokens=6, backend="fa3"), "backend='oracle' only"),
+    (dict(topk=2, num_draft_tokens=6, version="v2"), "v1"),
+    (dict(topk=2, num_draft_tokens=6, drafter="perfect"), "drafter"),
+])
+def test_generate_rejects_bad_tree_arguments(kw, match):
+    from refspec.speculative import generate
+
+    kw = {"backend": "oracle", **kw}
+    with pytest.raises(ValueError, match=match):
+        generate(target(), PROMPTS[:1], num_steps=3, max_new_tokens=4, **kw)
