@@ -184,13 +184,13 @@ def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
 
 @pytest.mark.spec("TR-002", "SD-010")
 @pytest.mark.parametrize("kw,match", [
-    (dict(topk=2, num_draft_tokens=12), r"TR-002.*N - 1 <= k \+ \(Sd-1\) k\^2 = 2 \+ 2\*2\^2 = 10"),
-    (dict(topk=2), "needs num_draft_tokens"),
-    (dict(topk=1, num_draft_tokens=3), r"SD-010"),
-    (dict(topk=0), "topk"),
-    (dict(topk=2, num_draft_tokens=6, backend="fa3"), "backend='oracle' only"),
-    (dict(topk=2, num_draft_tokens=6, version="v2"), "v1"),
-    (dict(topk=2, num_draft_tokens=6, drafter="perfect"), "drafter"),
+    ({"topk": 2, "num_draft_tokens": 12}, r"TR-002.*N - 1 <= k \+ \(Sd-1\) k\^2 = 2 \+ 2\*2\^2 = 10"),
+    ({"topk": 2}, "needs num_draft_tokens"),
+    ({"topk": 1, "num_draft_tokens": 3}, r"SD-010"),
+    ({"topk": 0}, "topk"),
+    ({"topk": 2, "num_draft_tokens": 6, "backend": "fa3"}, "backend='oracle' only"),
+    ({"topk": 2, "num_draft_tokens": 6, "version": "v2"}, "v1"),
+    ({"topk": 2, "num_draft_tokens": 6, "drafter": "perfect"}, "drafter"),
 ])
 def test_generate_rejects_bad_tree_arguments(kw, match):
     from refspec.speculative import generate
