@@ -14,9 +14,9 @@ caller names the keys outright, so the oracle states the rule as data and nothin
 The log-sum-exp ``lse[h, t] = log sum_j exp(s_j)`` (natural log, scaled scores) is what FA3
 returns with ``return_softmax_lse=True`` and what ``merge_state_v2`` combines: for two disjoint
 key sets A and B, ``o = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)`` equals attention over
-A union B.  Upstream: sgl-project/sglang ``flashattention_backend.py``
-``FlashAttentionBackend.forward_decode`` / ``forward_extend`` (cascade prefix + expand, merged by
-LSE).
+A union B.  Upstream: ``FlashAttentionBackend.forward_decode`` / ``forward_extend`` (cascade
+prefix + expand, merged by ``merge_state_v2``) in
+https://github.com/sgl-project/sglang/blob/003e7b77aeee2fba80ff241c7f45dcb0e613164d/python/sglang/srt/layers/attention/flashattention_backend.py
 """
 
 from __future__ import annotations

@@ -24,6 +24,15 @@ SGLang's EAGLE worker (v1), re-derived from the code, not a port of its kernels:
    ascending node order) whose token equals the target's argmax at the current node, until none
    does; n accepted drafts, ``a = n + 1`` with the bonus (the argmax at the last accepted node).
 
+Upstream (sgl-project/sglang, at the commits read):
+
+* https://github.com/sgl-project/sglang/blob/00731f0bc9fa81c39802754fb4b62e9cce967582/python/sglang/srt/speculative/spec_utils.py
+  ``_select_top_k_tokens_first``, ``_select_top_k_tokens_later`` (TR-001);
+* https://github.com/sgl-project/sglang/blob/003ddbce039cd49b05c84568b7b357031366abf7/python/sglang/srt/speculative/eagle_utils.py
+  ``organize_draft_results`` (TR-002), ``build_tree_kernel_efficient``, ``verify_tree_greedy_func``;
+* https://github.com/sgl-project/sglang/blob/901307a06bace589e49447e759c4a7e97acf8ea3/python/sglang/kernels/ops/speculative/spec_tree.py
+  ``sgl_build_tree_kernel_efficient_triton`` (TR-003..TR-005), ``verify_tree_greedy_kernel_triton`` (TR-006).
+
 A selected candidate whose parent candidate was not selected (possible only on a score tie,
 e.g. a child with probability 1.0) is an *orphan*, as in the upstream kernel: no parent link
 (it can never be accepted), mask = root + itself, depth 1.

@@ -24,10 +24,20 @@ the draft extend of the previous round left ``topk_p, topk_index`` and a hidden 
    hidden of the path nodes and keeps its last row: its softmax top-k are the next root
    children.
 
-Upstream: sgl-project/sglang ``eagle_worker.py`` ``EAGLEWorker.draft_forward`` (the step loop),
-``eagle_utils.py`` ``organize_draft_results`` / ``build_tree_kernel_efficient``,
-``flashattention_backend.py`` ``FlashAttentionBackend.init_forward_metadata`` (draft decode
-expand page table = the row's own ``cache_loc[:, :step + 1]``).
+Upstream (sgl-project/sglang, at the commits read):
+
+* https://github.com/sgl-project/sglang/blob/00559eacbf0841146db7e27e445d1971e35e6294/python/sglang/srt/speculative/eagle_worker.py
+  ``EAGLEWorker.draft_forward`` (the step loop, ``out_cache_loc`` ``[bs, topk, num_steps]``),
+  ``EAGLEWorker.verify`` (``hidden_states[accepted_indices]``), ``forward_draft_extend_after_decode``,
+  ``capture_for_decode`` (softmax, then top-k);
+* https://github.com/sgl-project/sglang/blob/003e7b77aeee2fba80ff241c7f45dcb0e613164d/python/sglang/srt/layers/attention/flashattention_backend.py
+  ``FlashAttentionBackend.init_forward_metadata`` (draft decode, ``topk > 1``: prefix over
+  ``seq_lens``, expand page table = the row's own ``cache_loc[:, :speculative_step_id + 1]``) and
+  ``forward_decode`` / ``forward_extend`` (prefix + expand merged by ``merge_state_v2``).
+
+Where refspec differs: step s runs at position L + s (SD-007; upstream adds 1 to its positions
+before every step), and the path's KV is copied between dense slots (upstream moves slots /
+pages, the FA3 tree path).
 """
 
 from __future__ import annotations
