@@ -191,3 +191,29 @@ def test_topk_1_is_the_chain():
     assert tree.tokens == [ROOT, 7, 3, 9] and tree.parent == [-1, 0, 1, 2]
     assert tree.mask.tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()
     assert greedy_accept(tree, [7, 3, 5, 2]).emitted == [7, 3, 5]  # SD-001's example: n = 2
+
+
+@pytest.mark.spec("TR-006")
+@pytest.mark.parametrize("seed", range(8))
+def test_acceptance_is_the_deepest_node_whose_whole_path_matches(seed):
+    """Brute force: node j is acceptable iff every node on its path equals the target argmax at its
+    parent; siblings hold distinct tokens (one row's top-k), so the walk ends at the deepest one."""
+    g = torch.Generator().manual_seed(100 + seed)
+    k, Sd, N, V = 3, 4, 14, 6  # a small vocabulary: matches are frequent
+    cands, front = root_children(torch.tensor([0.5, 0.3, 0.2]), torch.randperm(V, generator=g)[:k])
+    for s in range(1, Sd):
+        p = torch.sort(torch.rand(k, k, generator=g), descending=True).values
+        toks = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(k)])
+        front = expand(cands, front, s, p, toks)
+    tree = build_tree(ROOT, cands, select(cands, N), seq_len=4)
+    for trial in range(20):
+        predict = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(trial)).tolist()
+        ok = [False] * N
+        ok[0] = True
+        for j in range(1, N):  # parents come first in node order
+            p = tree.parent[j]
+            ok[j] = p != -1 and ok[p] and tree.tokens[j] == predict[p]
+        deepest = max((j for j in range(N) if ok[j]), key=lambda j: tree.depth[j])
+        acc = greedy_accept(tree, predict)
+        assert acc.path[-1] == deepest and acc.n == tree.depth[deepest]
+        assert acc.bonus == predict[deepest]
