@@ -15,7 +15,7 @@ from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle import tree_loop
 from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
 from refspec.oracle.loop import greedy, speculative_greedy
-from refspec.oracle.tree_loop import speculative_tree_greedy
+from refspec.oracle.tree_loop import _compact_to_front, speculative_tree_greedy
 
 torch.set_num_threads(1)
 
@@ -50,6 +50,20 @@ def test_tree_loop_is_lossless(dname, topk, num_steps, N):
         assert sum(res.emitted) == BUDGET - 1  # the prefill token is not a verify-round token
         assert all(1 <= a <= min(N, num_steps + 1) for a in res.accepts)
         assert [len(d) for d in res.drafts] == [N - 1] * len(res.accepts)
+
+
+@pytest.mark.spec("TR-007", "TR-009", "SD-006")
+@pytest.mark.parametrize("dname", ["eagle", "early-exit:1"])
+@pytest.mark.parametrize("topk,num_steps,N", [(2, 3, 6), (4, 3, 8), (4, 3, 3), (2, 4, 12)])
+def test_v2_draft_extend_equals_v1(dname, topk, num_steps, N):
+    """v2 runs all N rows with the path compacted to the front and keeps row a - 1: the same
+    drafts, accepts and tokens as v1 (rows >= a cannot reach row a - 1), and lossless."""
+    for i, prompt in enumerate(PROMPTS):
+        kw = dict(num_steps=num_steps, topk=topk, num_draft_tokens=N, max_new_tokens=BUDGET)
+        v1 = speculative_tree_greedy(target(), draft(dname), prompt, version="v1", **kw)
+        v2 = speculative_tree_greedy(target(), draft(dname), prompt, version="v2", **kw)
+        assert v2.tokens == v1.tokens == plain(i)
+        assert v2.accepts == v1.accepts and v2.drafts == v1.drafts
 
 
 @pytest.mark.spec("TR-009")
@@ -135,7 +149,8 @@ def test_verify_rows_attend_prefix_ancestors_and_self(monkeypatch):
 
 
 @pytest.mark.spec("TR-007", "SD-008")
-def test_committed_kv_equals_a_fresh_prefill_of_the_committed_tokens(monkeypatch):
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_committed_kv_equals_a_fresh_prefill_of_the_committed_tokens(monkeypatch, version):
     """After the run, target slots 0..L-1 hold the K/V a plain prefill of t_0..t_(L-1) computes,
     and draft slots 0..L-1 the draft prefill of t_1..t_L on that prefill's hidden states (the EAGLE
     shift): the accepted paths were moved to L..L+a-1 and the draft extend ran exactly them."""
@@ -150,7 +165,8 @@ def test_committed_kv_equals_a_fresh_prefill_of_the_committed_tokens(monkeypatch
     t = target()
     d = make_draft(t, t)  # the target as a small-LM draft (EAGLE-shifted): accepts often
     prompt = PROMPTS[2]
-    res = speculative_tree_greedy(t, d, prompt, num_steps=3, topk=4, num_draft_tokens=8, max_new_tokens=BUDGET)
+    res = speculative_tree_greedy(t, d, prompt, num_steps=3, topk=4, num_draft_tokens=8, max_new_tokens=BUDGET,
+                                  version=version)
     assert any(p != list(range(len(p))) for p in res.paths)  # some path was moved, not copied in place
     tkv, dkv = stores
     L = len(prompt) + sum(res.accepts)
@@ -189,7 +205,7 @@ def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
     ({"topk": 1, "num_draft_tokens": 3}, r"SD-010"),
     ({"topk": 0}, "topk"),
     ({"topk": 2, "num_draft_tokens": 6, "backend": "fa3"}, "backend='oracle' only"),
-    ({"topk": 2, "num_draft_tokens": 6, "version": "v2"}, "v1"),
+    ({"topk": 2, "num_draft_tokens": 6, "version": "v3"}, "version"),
     ({"topk": 2, "num_draft_tokens": 6, "drafter": "perfect"}, "drafter"),
 ])
 def test_generate_rejects_bad_tree_arguments(kw, match):
@@ -198,3 +214,15 @@ def test_generate_rejects_bad_tree_arguments(kw, match):
     kw = {"backend": "oracle", **kw}
     with pytest.raises(ValueError, match=match):
         generate(target(), PROMPTS[:1], num_steps=3, max_new_tokens=4, **kw)
+
+
+@pytest.mark.spec("TR-007")
+def test_v2_rows_put_the_path_first():
+    """Path [0, 1, 5] (a = 3) of an N = 8 tree, Sd = 3: rows 0..2 are the emitted tokens with the
+    hidden states of nodes 0, 1, 5; row 3 (the padded 4th accept entry) repeats node 0; rows
+    4..7 keep nodes 4..7 with their target argmax."""
+    predict = [50, 51, 52, 53, 54, 55, 56, 57]
+    tokens, nodes = _compact_to_front([10, 22, 7], [0, 1, 5], predict, Sd=3, N=8)
+    assert nodes == [0, 1, 5, 0, 4, 5, 6, 7]
+    assert tokens == [10, 22, 7, 50, 54, 55, 56, 57]
+    assert _compact_to_front([10], [0], predict[:3], Sd=3, N=3) == ([10, 50, 50], [0, 0, 0])  # N < Sd + 1

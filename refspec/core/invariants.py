@@ -79,7 +79,7 @@ INVARIANTS: dict[str, str] = {
     "TR-004": "ancestor mask: verify row i sees the prefix, itself and its ancestors, nothing else of the tree",
     "TR-005": "tree positions: node i runs at RoPE position L + depth(i)",
     "TR-006": "greedy tree acceptance: from the root take the child equal to the target argmax; a = n + 1",
-    "TR-007": "accepted-path commit: the path's target KV moves to L..L+a-1; v1 draft extend runs those a tokens",
+    "TR-007": "accepted-path commit: the path's target KV moves to L..L+a-1; the draft extend runs the path first",
     "TR-008": "tree draft decode: row t at step s sees the prefix and the KV its own row wrote at steps 0..s",
     "TR-009": "lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)",
     # --- tolerances ---

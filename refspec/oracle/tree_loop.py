@@ -1,6 +1,6 @@
 """The oracle top-k tree loop: one request, dense slots, every attention row's keys listed.
 
-EAGLE v1 with ``topk = k``, ``num_steps = Sd``, ``num_draft_tokens = N`` (module
+EAGLE v1 (and v2) with ``topk = k``, ``num_steps = Sd``, ``num_draft_tokens = N`` (module
 :mod:`refspec.oracle.tree` for the tree rule).  Each model (target, draft) has one slot store
 (:class:`SlotKV`): the committed KV of KV index p sits at slot p (KV index = RoPE position,
 SD-007); the draft's branch rows get scratch slots above the committed region.  Every forward
@@ -22,7 +22,8 @@ the draft extend of the previous round left ``topk_p, topk_index`` and a hidden 
    0..n, so its RoPE positions are already right); the round emits the n accepted drafts and
    the bonus; the v1 draft extend runs those a tokens at draft KV L..L+a-1 with the target
    hidden of the path nodes and keeps its last row: its softmax top-k are the next root
-   children.
+   children.  v2 runs all N rows at L..L+N-1 with the path compacted to the front (upstream
+   ``_compact_accept_to_front``) and keeps row a - 1; rows >= a cannot reach it (SD-006).
 
 Upstream (sgl-project/sglang, at the commits read):
 
@@ -34,6 +35,11 @@ Upstream (sgl-project/sglang, at the commits read):
   ``FlashAttentionBackend.init_forward_metadata`` (draft decode, ``topk > 1``: prefix over
   ``seq_lens``, expand page table = the row's own ``cache_loc[:, :speculative_step_id + 1]``) and
   ``forward_decode`` / ``forward_extend`` (prefix + expand merged by ``merge_state_v2``).
+
+* https://github.com/sgl-project/sglang/blob/02a3cd954bab7765c272d17886e8af5ca7add79d/python/sglang/srt/speculative/eagle_worker_common.py
+  v2: ``_finalize_accept_tree_path`` / ``_compact_accept_to_front`` (path KV, predict and hidden
+  to the front of the request's N-row block) and ``prepare_for_draft_extend``
+  (``DRAFT_EXTEND_V2`` over the N window rows).
 
 Where refspec differs: step s runs at position L + s (SD-007; upstream adds 1 to its positions
 before every step), and the path's KV is copied between dense slots (upstream moves slots /
@@ -134,6 +140,16 @@ def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
                              f"N - 1 <= k + (Sd-1) k^2 = {topk} + {num_steps - 1}*{topk}^2 = {C}")
 
 
+def _compact_to_front(emitted: list[int], path: list[int], predict: list[int], Sd: int, N: int):
+    """v2 draft-extend rows (upstream ``_compact_accept_to_front``): row j < a holds the path's
+    j-th emitted token and the hidden state of path node j; rows a..Sd (padded accept entries)
+    repeat node 0, rows Sd+1..N-1 keep their own node.  Non-path rows take the target argmax as
+    their token.  Returns (tokens [N], hidden-state node ids [N])."""
+    a = len(path)
+    nodes = (path + [0] * (Sd + 1 - a))[:N] + list(range(Sd + 1, N))
+    return emitted + [predict[i] for i in nodes[a:]], nodes
+
+
 def _topk_probs(logits_row: torch.Tensor, k: int):
     """The draft's softmax top-k of one row (fp32): ``(topk_p [k], topk_index [k])``."""
     p, i = torch.topk(torch.softmax(logits_row.float(), dim=-1), k)
@@ -142,19 +158,23 @@ def _topk_probs(logits_row: torch.Tensor, k: int):
 
 @torch.no_grad()
 def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int, topk: int,
-                            num_draft_tokens: int, max_new_tokens: int, eos: int | None = None,
-                            rid: int = 0) -> TreeSpecResult:
-    """EAGLE top-k tree speculative decoding of one request, v1 (module doc for the round).
+                            num_draft_tokens: int, max_new_tokens: int, version: str = "v1",
+                            eos: int | None = None, rid: int = 0) -> TreeSpecResult:
+    """EAGLE top-k tree speculative decoding of one request (module doc for the round).
 
     Args:
         target: a :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         num_steps: Sd draft steps; topk: k branches; num_draft_tokens: N tree nodes verified
             (root included).  max_new_tokens, eos: as :func:`refspec.oracle.loop.greedy`.
+        version: "v1" (draft extend over the a committed tokens) or "v2" (over all N rows, the
+            path compacted to the front, keeping row a - 1).
         rid: the request id (reported only).
     Returns: :class:`TreeSpecResult` (ints; fp32 on the model's device).
     Raises: ValueError for a bad request or k / Sd / N (TR-002: ``N - 1 <= k + (Sd-1) k^2``).
     """
     check_tree_args(topk, num_steps, num_draft_tokens)
+    if version not in ("v1", "v2"):
+        raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
     _check_request(prompt, max_new_tokens)
     k, Sd, N = topk, num_steps, num_draft_tokens
     like = next(target.parameters())
@@ -202,14 +222,19 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
         node_slots = [L + i for i in range(N)]
         fb = SlotBatch(ids(tree.positions), node_slots, verify_key_slots(tree, prefix, node_slots))
         vl, vh = target(ids(tree.tokens), fb, tbe)
-        acc = greedy_accept(tree, vl.argmax(-1).tolist())
-        # 4. commit the path (TR-007): target KV to L..L+a-1, then the v1 draft extend
+        predict = vl.argmax(-1).tolist()
+        acc = greedy_accept(tree, predict)
+        # 4. commit the path (TR-007): target KV to L..L+a-1, then the draft extend
         a = acc.a
         tkv.move([node_slots[i] for i in acc.path], list(range(L, L + a)))
         new = acc.emitted  # t_(L+1)..t_(L+a); the last one is the bonus
-        dl, dh = draft.forward(ids(new), vh[acc.path] if use_h else None, SlotBatch.causal(L, a, dev), dbe)
-        topk_p, topk_index = _topk_probs(dl[-1], k)
-        root_hidden = dh[-1]
+        if version == "v1":  # the a committed tokens, hidden of the path nodes; keep the last row
+            rows, hid_rows = new, acc.path
+        else:  # v2: all N rows, the path compacted to the front (rows >= a cannot reach row a-1)
+            rows, hid_rows = _compact_to_front(new, acc.path, predict, Sd, N)
+        dl, dh = draft.forward(ids(rows), vh[hid_rows] if use_h else None, SlotBatch.causal(L, len(rows), dev), dbe)
+        topk_p, topk_index = _topk_probs(dl[a - 1], k)
+        root_hidden = dh[a - 1]
         tokens += new
         L += a
         emitted, done = _emit(res.tokens, new, max_new_tokens, eos)

@@ -84,7 +84,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         topk: k branches per draft step (EAGLE top-k tree, docs/spec/tree.md); 1 = the chain.
         num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
             only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
-            (TR-002).  k > 1 runs with backend "oracle", version "v1", no drafter / accept.
+            (TR-002).  k > 1 runs with backend "oracle" (v1 or v2), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).
@@ -159,15 +159,13 @@ def _generate_tree(target, prompts, budgets, *, backend, version, draft, drafter
     """k > 1 on the oracle: :func:`refspec.oracle.tree_loop.speculative_tree_greedy` per request."""
     if backend != "oracle":
         raise ValueError(f"topk > 1 runs on backend='oracle' only for now, got backend={backend!r}")
-    if version != "v1":
-        raise ValueError(f"topk > 1: the oracle tree loop is v1 (draft extend over the a accepted tokens), "
-                         f"got version={version!r}")
     if drafter is not None or accept is not None:
         raise ValueError("topk > 1: drafter / accept overrides are not supported (the tree comes from the draft)")
     dm = make_draft(draft, target, seed=draft_seed)
     with torch.no_grad():
         outs = [speculative_tree_greedy(target, dm, p, num_steps=num_steps, topk=topk,
-                                        num_draft_tokens=num_draft_tokens, max_new_tokens=m, eos=eos, rid=i)
+                                        num_draft_tokens=num_draft_tokens, max_new_tokens=m, version=version,
+                                        eos=eos, rid=i)
                 for i, (p, m) in enumerate(zip(prompts, budgets))]
     reqs = [RequestResult(i, o.tokens, o.accepts, o.emitted, o.drafts,
                           "eos" if eos is not None and o.tokens[-1] == eos else "length")
