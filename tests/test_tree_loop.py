@@ -59,7 +59,7 @@ def test_v2_draft_extend_equals_v1(dname, topk, num_steps, N):
     """v2 runs all N rows with the path compacted to the front and keeps row a - 1: the same
     drafts, accepts and tokens as v1 (rows >= a cannot reach row a - 1), and lossless."""
     for i, prompt in enumerate(PROMPTS):
-        kw = dict(num_steps=num_steps, topk=topk, num_draft_tokens=N, max_new_tokens=BUDGET)
+        kw = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": N, "max_new_tokens": BUDGET}
         v1 = speculative_tree_greedy(target(), draft(dname), prompt, version="v1", **kw)
         v2 = speculative_tree_greedy(target(), draft(dname), prompt, version="v2", **kw)
         assert v2.tokens == v1.tokens == plain(i)
