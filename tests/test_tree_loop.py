@@ -226,3 +226,35 @@ def test_v2_rows_put_the_path_first():
     assert nodes == [0, 1, 5, 0, 4, 5, 6, 7]
     assert tokens == [10, 22, 7, 50, 54, 55, 56, 57]
     assert _compact_to_front([10], [0], predict[:3], Sd=3, N=3) == ([10, 50, 50], [0, 0, 0])  # N < Sd + 1
+
+
+def _sibling_visible(tree, prefix, node_slots):
+    """Wrong TR-004: every row sees all nodes up to itself in node order (a chain mask)."""
+    return [list(prefix) + node_slots[:i + 1] for i in range(tree.num_nodes)]
+
+
+def _node_index_positions(build):
+    """Wrong TR-005: node i at position L + i instead of L + depth(i)."""
+    def wrapped(*a, **kw):
+        tree = build(*a, **kw)
+        tree.positions = [tree.positions[0] + i for i in range(tree.num_nodes)]
+        return tree
+    return wrapped
+
+
+@pytest.mark.spec("TR-004", "TR-005", "TR-007", "TR-009")
+@pytest.mark.parametrize("wrong", ["sibling visible", "node-index positions", "path KV not moved"])
+def test_each_wrong_rule_breaks_losslessness(monkeypatch, wrong):
+    """The lossless check has teeth: with any one tree rule broken, some prompt's tokens differ
+    from plain greedy (the target as its own EAGLE-shifted draft, k = 4, N = 8: deep trees)."""
+    if wrong == "sibling visible":
+        monkeypatch.setattr(tree_loop, "verify_key_slots", _sibling_visible)
+    elif wrong == "node-index positions":
+        monkeypatch.setattr(tree_loop, "build_tree", _node_index_positions(tree_loop.build_tree))
+    else:
+        monkeypatch.setattr(tree_loop.SlotKV, "move", lambda self, src, dst: None)
+    t = target()
+    d = make_draft(t, t)
+    same = [speculative_tree_greedy(t, d, p, num_steps=3, topk=4, num_draft_tokens=8,
+                                    max_new_tokens=BUDGET).tokens == plain(i) for i, p in enumerate(PROMPTS)]
+    assert not all(same), f"{wrong}: every prompt still matched greedy"
