@@ -7,6 +7,7 @@ IDs are grouped by family (conventions.md, "Spec in docs/"):
 * ``MD-`` attention metadata per forward mode,
 * ``CG-`` CUDA-graph capture and replay,
 * ``SD-`` the speculative-decoding loop,
+* ``TR-`` top-k > 1 trees (construction, mask, acceptance, the FA3 tree path),
 * ``TOL-`` tolerance tiers.
 
 ``docs/spec/*.md`` states each rule in full (MUST/SHOULD, why, a worked example, the upstream
@@ -71,6 +72,16 @@ INVARIANTS: dict[str, str] = {
     "SD-008": "after every round target-KV length == draft-KV length == prompt + sum(a)",
     "SD-009": "per-request results do not depend on batch composition or order",
     "SD-010": "top-k = 1: N = Sd + 1 draft tokens are verified per request",
+    # --- top-k trees, the oracle side (docs/spec/tree.md, "Tree structure and the oracle") ---
+    "TR-001": "tree expansion: k root children, then each frontier row's top-k, cumulative product scores, top-k of k^2",
+    "TR-002": "selection: the N-1 drafts are the top-(N-1) of k + (Sd-1)k^2 scores, sorted by candidate id",
+    "TR-003": "tree links: node 0 is the root; a node's parent is the node of its parent candidate; children ascending",
+    "TR-004": "ancestor mask: verify row i sees the prefix, itself and its ancestors, nothing else of the tree",
+    "TR-005": "tree positions: node i runs at RoPE position L + depth(i)",
+    "TR-006": "greedy tree acceptance: from the root take the child equal to the target argmax; a = n + 1",
+    "TR-007": "accepted-path commit: the path's target KV moves to L..L+a-1; the draft extend runs the path first",
+    "TR-008": "tree draft decode: row t at step s sees the prefix and the KV its own row wrote at steps 0..s",
+    "TR-009": "lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)",
     # --- tolerances ---
     "TOL-001": "T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)",
     "TOL-002": "T1: low-precision error <= 2x the oracle's own low-precision error + a floor",

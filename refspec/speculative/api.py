@@ -14,6 +14,8 @@ from numbers import Integral
 import torch
 
 from refspec.oracle.loop import greedy, speculative_greedy
+from refspec.oracle.tree import max_drafts
+from refspec.oracle.tree_loop import check_tree_args, speculative_tree_greedy
 from refspec.speculative.accept import ScriptedAccept
 from refspec.speculative.drafters import make_drafter
 from refspec.model.drafts import make_draft
@@ -67,7 +69,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
              eos: int | None = None, accept=None, reference: dict | None = None, capture_bs=(1, 2, 4, 8),
              max_batch: int | None = None, arrivals: list[int] | None = None, provider: str | None = None,
              validate: bool = True, observer=None, shuffle_pages: int | None = 0, pool_fill: float = 0.0,
-             draft_seed: int = 1) -> GenerateResult:
+             draft_seed: int = 1, topk: int = 1, num_draft_tokens: int | None = None) -> GenerateResult:
     """Speculative greedy generation of every prompt (request id = index in ``prompts``).
 
     Args:
@@ -79,6 +81,10 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         draft: "eagle", "early-exit[:k]", a small :class:`LlamaModel`, or a draft object.
         drafter: None (the draft's argmax), "perfect", "adversarial", "random", or a Drafter.
         num_steps: Sd.  max_new_tokens: int or one per prompt.  eos: stop token (emitted).
+        topk: k branches per draft step (EAGLE top-k tree, docs/spec/tree.md); 1 = the chain.
+        num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
+            only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
+            (TR-002).  k > 1 runs with backend "oracle" (v1 or v2), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).
@@ -88,12 +94,18 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     Returns: :class:`~refspec.speculative.metrics.GenerateResult`.
     Raises: ValueError for a bad argument (empty ``prompts`` or prompt, a token id outside the
     vocabulary, ``max_new_tokens`` / ``num_steps`` / ``page_size`` < 1, ``arrivals`` not one
-    step >= 0 per prompt, unknown backend / version); InvariantError from the loop's checks.
+    step >= 0 per prompt, unknown backend / version, a bad topk / num_draft_tokens);
+    InvariantError from the loop's checks.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_args(target, prompts, num_steps, page_size, arrivals)
     budgets = _budgets(prompts, max_new_tokens)
+    num_draft_tokens = _check_tree_args(topk, num_steps, num_draft_tokens)
+    if topk > 1:
+        return _generate_tree(target, prompts, budgets, backend=backend, version=version, draft=draft,
+                              drafter=drafter, accept=accept, num_steps=num_steps, topk=topk,
+                              num_draft_tokens=num_draft_tokens, eos=eos, draft_seed=draft_seed)
     if isinstance(accept, dict):
         accept = ScriptedAccept(accept)
     if isinstance(drafter, str) and reference is None:  # N extra tokens: the last round's drafts too
@@ -123,3 +135,39 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     return GenerateResult(reqs, backend, version, trace=eng.trace, host_syncs=dict(eng.syncs),
                           free_pages=(eng.free_pages_at_start, eng.kv.allocator.num_free_pages),
                           forwards=dict(eng.runners.counts))
+
+
+# ---------------------------------------------------------------- top-k > 1 (EAGLE trees)
+def _check_tree_args(topk, num_steps, num_draft_tokens) -> int:
+    """The resolved N; ValueError for a bad k / N (SD-010 at k = 1, TR-002 for k > 1)."""
+    if not isinstance(topk, Integral) or topk < 1:
+        raise ValueError(f"topk (k) must be an int >= 1, got {topk!r}")
+    if topk == 1:
+        if num_draft_tokens not in (None, num_steps + 1):
+            raise ValueError(f"[SD-010] topk = 1 verifies N = Sd + 1 = {num_steps + 1} tokens, "
+                             f"got num_draft_tokens={num_draft_tokens!r}")
+        return num_steps + 1
+    if num_draft_tokens is None:
+        raise ValueError(f"topk = {topk} > 1 needs num_draft_tokens (N, root included), "
+                         f"2 <= N <= 1 + k + (Sd-1) k^2 = {1 + max_drafts(topk, num_steps)}")
+    check_tree_args(int(topk), int(num_steps), num_draft_tokens)
+    return int(num_draft_tokens)
+
+
+def _generate_tree(target, prompts, budgets, *, backend, version, draft, drafter, accept, num_steps, topk,
+                   num_draft_tokens, eos, draft_seed) -> GenerateResult:
+    """k > 1 on the oracle: :func:`refspec.oracle.tree_loop.speculative_tree_greedy` per request."""
+    if backend != "oracle":
+        raise ValueError(f"topk > 1 runs on backend='oracle' only for now, got backend={backend!r}")
+    if drafter is not None or accept is not None:
+        raise ValueError("topk > 1: drafter / accept overrides are not supported (the tree comes from the draft)")
+    dm = make_draft(draft, target, seed=draft_seed)
+    with torch.no_grad():
+        outs = [speculative_tree_greedy(target, dm, p, num_steps=num_steps, topk=topk,
+                                        num_draft_tokens=num_draft_tokens, max_new_tokens=m, version=version,
+                                        eos=eos, rid=i)
+                for i, (p, m) in enumerate(zip(prompts, budgets))]
+    reqs = [RequestResult(i, o.tokens, o.accepts, o.emitted, o.drafts,
+                          "eos" if eos is not None and o.tokens[-1] == eos else "length")
+            for i, o in enumerate(outs)]
+    return GenerateResult(reqs, backend, version)
