@@ -5,7 +5,7 @@ One *job* is one batch (eager) or one capture + one padded replay (graph) on one
 inputs upstream is fed (plain tensors: ``req_to_token`` and every batch field), so both sides
 build metadata from the same memory; refspec's metadata comes from
 :class:`refspec.fa3.backend.FlashAttentionBackend` (eager ``init_forward_metadata``, graph
-hooks driven by :class:`refspec.graph_runner.GraphRunner`, whose padding fills are what both
+hooks driven by :class:`refspec.graphs.runner.GraphRunner`, whose padding fills are what both
 sides then see).  Upstream never sees refspec's metadata, only its inputs.
 
 Inputs per page size P (tokens): committed lengths at page boundaries +-1
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec import batch as fbatch
+from refspec.core import batch as fbatch
 from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
-from refspec.graph_runner import GraphRunner
-from refspec.kv_cache import KVCache, KVPool
-from refspec.modes import ForwardMode
+from refspec.graphs.runner import GraphRunner
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.modes import ForwardMode
 
 PAGE_SIZES = (1, 2, 4, 16, 64)
 N = 4  #: num_draft_tokens = Sd + 1
@@ -82,7 +82,7 @@ def _cache(page_size: int, B: int, seed: int):
 
 
 def live_batch(mode: str, kv, rows, L) -> fbatch.ForwardBatch:
-    """The refspec batch of ``mode`` on committed lengths ``L`` (``refspec.batch`` builders)."""
+    """The refspec batch of ``mode`` on committed lengths ``L`` (``refspec.core.batch`` builders)."""
     B = len(rows)
     if mode == "decode":
         return fbatch.decode_batch(kv, rows, L)

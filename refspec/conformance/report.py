@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from refspec.conformance.compare import Diff
-from refspec.conformance.known import KNOWN, link
+from refspec.conformance.known import KNOWN, link, source
 
 
 @dataclass
@@ -63,7 +63,8 @@ def table(rows: list[Row], pin: str) -> str:
         if r.error:
             lines.append(f"  ERROR {where}: {r.error}")
         for d in r.undocumented:
-            lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs}")
+            lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
+                         f"(upstream {source(r.pin, r.mode, r.phase)})")
     return "\n".join(lines)
 
 
@@ -79,7 +80,7 @@ def known_table(used: set[str] | None = None) -> str:
     lines = []
     for k in KNOWN:
         mark = "*" if used and k.key in used else " "
-        lines.append(f"{mark} {k.key}: {k.field} in {'/'.join(k.modes)} at {'/'.join(k.phases)} ({', '.join(k.pins)})")
+        lines.append(f"{mark} {k.key}: {'/'.join(k.fields)} in {'/'.join(k.modes)} at {'/'.join(k.phases)} ({', '.join(k.pins)})")
         for pin, f, line in k.upstream:
             lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
         lines.append(f"      refspec: {k.refspec}")
