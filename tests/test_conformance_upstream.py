@@ -32,7 +32,7 @@ def quiet(*_):
 @pytest.mark.spec("MD-005")
 def test_draft_extend_v2_double_count_fails_on_cache_seqlens():
     """#26512: ``cache_seqlens = seq_lens + N`` in DRAFT_EXTEND_V2 (seq_lens already counts N)."""
-    kw = dict(pins=("0.5.23",), page_sizes=(4,), modes=("draft_extend_v2", "decode"), log=quiet)
+    kw = {"pins": ("0.5.23",), "page_sizes": (4,), "modes": ("draft_extend_v2", "decode"), "log": quiet}
     out = run.run(variant="de-v2-k-double-count", **kw)  # the clean run is `python -m refspec conformance`
     assert not out.ok
     got = failing(out)
@@ -44,7 +44,7 @@ def test_draft_extend_v2_double_count_fails_on_cache_seqlens():
 @pytest.mark.spec("PA-002")
 def test_seed_page_table_fails_on_the_live_page_table_only_for_paged_replay():
     """The seed's page table (token slots copied as page ids) at verify / draft-decode replay."""
-    kw = dict(pins=("0.5.23",), page_sizes=(1, 4), modes=("verify", "draft_decode"), log=quiet)
+    kw = {"pins": ("0.5.23",), "page_sizes": (1, 4), "modes": ("verify", "draft_decode"), "log": quiet}
     out = run.run(variant="seed-page-table", **kw)
     got = failing(out)
     assert set(got) == {("verify", "replay"), ("draft_decode", "replay")}
@@ -55,7 +55,7 @@ def test_seed_page_table_fails_on_the_live_page_table_only_for_paged_replay():
 @pytest.mark.spec("CG-003")
 def test_v1_accept_length_rule_is_checked_against_the_legacy_replay_hook():
     """v1 DRAFT_EXTEND replay ``cu_seqlens_q`` from n instead of a = n + 1, against 0.5.12.post1."""
-    kw = dict(pins=("0.5.12.post1",), page_sizes=(4,), modes=("draft_extend",), log=quiet)
+    kw = {"pins": ("0.5.12.post1",), "page_sizes": (4,), "modes": ("draft_extend",), "log": quiet}
     clean = run.run(**kw)
     assert clean.ok and {r.phase for r in clean.rows} == {"eager", "capture", "replay"}
     got = failing(run.run(variant="de-v1-accept-off-by-one", **kw))

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from refspec.core import batch as fbatch
-from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
-from refspec.graphs.runner import GraphRunner
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.modes import ForwardMode
+from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
+from refspec.graphs.runner import GraphRunner
 
 PAGE_SIZES = (1, 2, 4, 16, 64)
 N = 4  #: num_draft_tokens = Sd + 1
@@ -121,7 +121,7 @@ def snapshot_metadata(md) -> dict:
 
 
 def _backends(mode: str, kv, pool):
-    common = dict(validate=False, max_context_len=WIDTH)  # conformance compares raw builders
+    common = {"validate": False, "max_context_len": WIDTH}  # conformance compares raw builders
     if mode == "draft_decode":
         return FlashAttentionMultiStepBackend(pool, kv, SD, **common).backends
     return [FlashAttentionBackend(pool, kv, **common)]
@@ -143,7 +143,7 @@ def _graph(mode: str, kv, pool, live, bs: int) -> tuple[dict, dict, dict]:
     W = {"decode": 1, "verify": N, "draft_decode": SD - 1}.get(mode, N)
     split = None
     if mode == "draft_decode":
-        split = lambda fb: [fbatch.draft_step_view(fb, s, SD) for s in range(SD - 1)]  # noqa: E731
+        split = lambda fb: [fbatch.draft_step_view(fb, s, SD) for s in range(SD - 1)]
     runner = GraphRunner(m, backends, lambda fb, x: fb.positions.clone(), kv=kv, capture_bs=[bs],
                          tokens_per_req=W, num_draft_tokens=N, split=split)
     steps = list(range(SD - 1)) if mode == "draft_decode" else [None]

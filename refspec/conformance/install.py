@@ -33,13 +33,15 @@ def _ensure(target: str, reqs: tuple[str, ...], log) -> bool:
     """Install ``reqs`` into ``target`` unless its stamp already lists them; True if installed."""
     stamp = os.path.join(target, STAMP)
     want = "\n".join(reqs) + "\n"
-    if os.path.exists(stamp) and open(stamp).read() == want:
-        return False
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == want:
+                return False
     if os.path.exists(target):
         shutil.rmtree(target)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target", target, *reqs]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"pip install into {target} failed ({' '.join(reqs)}):\n{proc.stderr[-2000:]}")
     with open(stamp, "w") as f:

@@ -59,7 +59,7 @@ class Placeholder:
             _used(f"read of {self._stub_name}.{attr}")
         return Placeholder(f"{self._stub_name}.{attr}")
 
-    def __bool__(self):
+    def __bool__(self):  # noqa: PLE0304 -- never returns: a placeholder has no truth value
         _used(f"truth value of {self._stub_name}")
 
     def __iter__(self):

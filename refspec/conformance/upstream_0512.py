@@ -42,7 +42,10 @@ class Upstream:
         import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.configs.model_config import AttentionArch
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+        from sglang.srt.server_args import (
+            ServerArgs,
+            set_global_server_args_for_scheduler,
+        )
 
         uc.finish_imports()
         self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
