@@ -36,7 +36,7 @@ def test_draft_extend_v2_double_count_fails_on_cache_seqlens():
     out = run.run(variant="de-v2-k-double-count", **kw)  # the clean run is `python -m refspec conformance`
     assert not out.ok
     got = failing(out)
-    assert set(got) == {("draft_extend_v2", p) for p in ("eager", "capture", "replay")}
+    assert set(got) == {("draft_extend_v2", p) for p in ("eager", "capture", "replay", "replay-staged")}
     assert all("cache_seqlens_int32" in f and "cu_seqlens_k" in f for f in got.values())
     assert "cache_seqlens_int32" in out.failing_fields()
 

@@ -155,6 +155,8 @@ def _graph(mode: str, kv, pool, live, bs: int) -> tuple[dict, dict, dict]:
     rep_in = snapshot_batch(runner.static[bs])
     for s, be in zip(steps, backends):
         res[("replay", s)] = snapshot_metadata(be.forward_metadata)
+    if mode == "draft_extend_v2":  # upstream's second replay order must give the same live values
+        res[("replay-staged", None)] = res[("replay", None)]
     cap_in["num_tokens"] = rep_in["num_tokens"] = bs * W
     return cap_in, rep_in, res
 

@@ -50,8 +50,8 @@ class Known:
 
 _DECODE_MODES = ("decode", "draft_decode", "verify", "draft_extend", "draft_extend_v2")
 KNOWN: tuple[Known, ...] = (
-    Known("replay-max-k-context", ("max_seq_len_k",), ("decode", "draft_extend_v2"), ("replay",), NEW,
-          (("0.5.23", FA, 741), ("0.5.23", FA, 3137), ("0.5.23", FA, 3289)),
+    Known("replay-max-k-context", ("max_seq_len_k",), ("decode", "draft_extend_v2"), ("replay", "replay-staged"), NEW,
+          (("0.5.23", FA, 741), ("0.5.23", FA, 3137), ("0.5.23", FA, 3289), ("0.5.23", FA, 541)),
           "0: graph metadata keeps no max K (replay bounds the page copy by the CPU mirror)",
           "replay passes no CPU mirror (sync-free), so upstream sets max_context_len; FA3 never reads "
           "max_seqlen_k (only FA4's static grid does)"),
@@ -86,7 +86,7 @@ KNOWN: tuple[Known, ...] = (
           "a [0, 1] table",
           "upstream slices req_to_token[[], :max_context_len]: zero rows either way, no page is ever read"),
     Known("replay-dead-columns", ("page_table[dead]",), ("decode", "draft_decode", "verify", "draft_extend_v2"),
-          ("replay",), NEW, (("0.5.23", KM, 256), ("0.5.23", KM, 265)),
+          ("replay", "replay-staged"), NEW, (("0.5.23", KM, 256), ("0.5.23", KM, 265), ("0.5.23", KM, 383)),
           "copies columns [0, ceil(max K / P)) of every row (graph_metadata._update_lengths), so a short "
           "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
           "upstream's replay kernel stores only each row's live pages (store mask cols < "
@@ -116,7 +116,7 @@ SOURCES = {
         ("decode", "capture"): (FA, 2798), ("draft_decode", "capture"): (FA, 2739), ("verify", "capture"): (FA, 2823),
         ("draft_extend_v2", "capture"): (FA, 2905),
         ("decode", "replay"): (FA, 3106), ("draft_decode", "replay"): (FA, 3027), ("verify", "replay"): (FA, 3170),
-        ("draft_extend_v2", "replay"): (FA, 3281),
+        ("draft_extend_v2", "replay"): (FA, 3281), ("draft_extend_v2", "replay-staged"): (FA, 539),
     },
     "0.5.12.post1": {
         ("decode", "eager"): (FA, 352), ("draft_decode", "eager"): (FA, 280), ("verify", "eager"): (FA, 374),

@@ -53,9 +53,9 @@ def table(rows: list[Row], pin: str) -> str:
         if r.pin == pin:
             groups[(r.label, r.page_size, r.phase)].append(r)
     w = max([len(k[0]) for k in groups] + [4])
-    lines = [f"{'mode':<{w}}  {'P':>3}  {'phase':<8} cases  result"]
+    lines = [f"{'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result"]
     for (label, P, phase), rs in groups.items():
-        lines.append(f"{label:<{w}}  {P:>3}  {phase:<8} {len(rs):>5}  {_cell(rs)}")
+        lines.append(f"{label:<{w}}  {P:>3}  {phase:<13} {len(rs):>5}  {_cell(rs)}")
     for r in rows:
         if r.pin != pin or r.ok:
             continue

@@ -3,6 +3,8 @@ in_capture=True)`` then ``init_forward_metadata_in_graph(fb)`` (the part a graph
 replay = ``init_forward_metadata_out_graph(fb)`` then the in-graph part again (a graph replay
 re-runs it).  ``DRAFT_EXTEND`` (v1) no longer exists in this release.
 
+DRAFT_EXTEND_V2 is replayed a second time the way a runner that stages draft-extend metadata
+does it (phase ``replay-staged``: out-of-graph step skipped, the Triton kernel alone).
 Draft decode runs through ``FlashAttentionMultiStepBackend`` (each step's inner DECODE view,
 ``build_inner_fb_view``); step s is ``multi.attn_backends[s].forward_metadata``.
 Server args are upstream's real ``ServerArgs`` through its own test helper
@@ -75,4 +77,18 @@ class Upstream:
             be.init_forward_metadata_out_graph(fb, in_capture=phase == "capture")
             be.init_forward_metadata_in_graph(fb)
             out.update({(phase, s): uc.fields(b.forward_metadata) for s, b in steps})
+        if mode == "draft_extend_v2" and be.supports_draft_extend_metadata_staging:
+            out[("replay-staged", None)] = self._staged(mr, job, mode, N)
         return out
+
+    def _staged(self, mr, job, mode, N) -> dict:
+        """DRAFT_EXTEND_V2 replay with the out-of-graph step skipped (``stage_draft_extend_metadata``:
+        the in-graph Triton kernel ``draft_extend_set_metadata`` alone writes the metadata), on a
+        second backend that only went through capture."""
+        be = self.fa.FlashAttentionBackend(mr)
+        be.init_cuda_graph_state(job["bs"], job["capture"]["num_tokens"])
+        cap = uc.forward_batch(self.FM, mode, job["capture"], N)
+        be.init_forward_metadata_out_graph(cap, in_capture=True)
+        be.init_forward_metadata_in_graph(cap)
+        be.stage_draft_extend_metadata(uc.forward_batch(self.FM, mode, job["replay"], N))
+        return uc.fields(be.forward_metadata)
