@@ -136,7 +136,7 @@ def _eager(mode: str, kv, pool, live) -> dict:
     return {("eager", None): snapshot_metadata(backends[0].init_forward_metadata(live))}
 
 
-def _graph(mode: str, kv, pool, live, bs: int) -> tuple[dict, dict, dict]:
+def _graph(mode: str, kv, pool, live, bs: int, staged: bool) -> tuple[dict, dict, dict]:
     """Capture at ``bs`` then one padded replay of ``live``: (capture inputs, replay inputs, results)."""
     m = MODES[mode][0]
     backends = _backends(mode, kv, pool)
@@ -155,14 +155,18 @@ def _graph(mode: str, kv, pool, live, bs: int) -> tuple[dict, dict, dict]:
     rep_in = snapshot_batch(runner.static[bs])
     for s, be in zip(steps, backends):
         res[("replay", s)] = snapshot_metadata(be.forward_metadata)
-    if mode == "draft_extend_v2":  # upstream's second replay order must give the same live values
+    if staged and mode == "draft_extend_v2":  # upstream's second replay order: the same live values
         res[("replay-staged", None)] = res[("replay", None)]
     cap_in["num_tokens"] = rep_in["num_tokens"] = bs * W
     return cap_in, rep_in, res
 
 
-def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0) -> list[Job]:
-    """Every job for ``modes`` x ``page_sizes`` x ``shapes`` (IDLE once per page size)."""
+def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0, staged: bool = False) -> list[Job]:
+    """Every job for ``modes`` x ``page_sizes`` x ``shapes`` (IDLE once per page size).
+
+    ``staged``: also expect upstream's staged DRAFT_EXTEND_V2 replay (phase ``replay-staged``,
+    compared with refspec's one replay rule; 0.5.23 only).
+    """
     jobs = []
     for P in page_sizes:
         for si, shape in enumerate(shapes):
@@ -180,7 +184,7 @@ def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0
                           "num_draft_tokens": N, "num_steps": SD, "eager": snapshot_batch(live)}
                 ref = _eager(mode, kv, pool, live)
                 if graphed:
-                    inputs["capture"], inputs["replay"], g = _graph(mode, kv, pool, live, bs)
+                    inputs["capture"], inputs["replay"], g = _graph(mode, kv, pool, live, bs, staged)
                     inputs["bs"] = bs
                     ref.update(g)
                 jobs.append(Job(f"{mode}/P{P}/{shape}", mode, P, shape, graphed, inputs, ref))

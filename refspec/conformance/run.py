@@ -25,6 +25,8 @@ PIN_MODES = {
     "0.5.12.post1": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend",
                      "draft_extend_v2"),  # no IDLE: upstream_0512 module doc
 }
+#: pins whose backend has the staged draft-extend replay (``stage_draft_extend_metadata``)
+STAGED_REPLAY = ("0.5.23",)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -103,7 +105,7 @@ def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str
         t = time.perf_counter()
         pm = [m for m in PIN_MODES[pin] if modes is None or m in modes]
         with _variant(variant):
-            jobs = cases.build_jobs(pm, page_sizes)
+            jobs = cases.build_jobs(pm, page_sizes, staged=pin in STAGED_REPLAY)
         results, info[pin] = run_worker(pin, paths[pin], jobs)
         rows += rows_for(pin, jobs, results)
         seconds[pin] = round(time.perf_counter() - t, 1)
