@@ -105,6 +105,8 @@ def test_table_cells_say_same_documented_differs_and_error():
     assert "cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[5] and "flashattention_backend.py:3170" in lines[5]
     assert "StubUsed at x.py:1: boom" in lines[6]
     assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2}
+    verbose = table(rows, "0.5.23", verbose=True)
+    assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in verbose
 
 
 def test_stubs_hand_out_placeholders_at_import_and_raise_at_run_time():

@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="restrict the modes (default: every mode the pin has)")
     ap.add_argument("--variant", metavar="NAME", default=None,
                     help="switch a refspec bug variant on (negative control: the run must fail)")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="also print every documented difference with both values")
     ap.add_argument("--root", default=None, help="install directory (default: <repo>/.conformance)")
     ns = ap.parse_args(argv)
     out = run.run(ns.pin, ns.page_size, ns.mode, ns.variant, ns.root)
-    print(run.render(out))
+    print(run.render(out, ns.verbose))
     sys.stdout.flush()
     return 0 if out.ok else 1

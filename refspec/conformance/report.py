@@ -46,8 +46,9 @@ def _cell(rows: list[Row]) -> str:
     return "same" + (f" (+{','.join(doc)})" if doc else "")
 
 
-def table(rows: list[Row], pin: str) -> str:
-    """One line per (mode, step, P, phase), shapes merged; then every failure in full."""
+def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
+    """One line per (mode, step, P, phase), shapes merged; then every failure in full (and, with
+    ``verbose``, every documented difference with both values)."""
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         if r.pin == pin:
@@ -57,9 +58,12 @@ def table(rows: list[Row], pin: str) -> str:
     for (label, P, phase), rs in groups.items():
         lines.append(f"{label:<{w}}  {P:>3}  {phase:<13} {len(rs):>5}  {_cell(rs)}")
     for r in rows:
-        if r.pin != pin or r.ok:
+        if r.pin != pin or (r.ok and not (verbose and r.diffs)):
             continue
         where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
+        if verbose:
+            lines += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
+                      for d in r.diffs if d.documented]
         if r.error:
             lines.append(f"  ERROR {where}: {r.error}")
         for d in r.undocumented:

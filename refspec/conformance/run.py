@@ -143,7 +143,7 @@ def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str
     return Outcome(rows, info, seconds)
 
 
-def render(out: Outcome) -> str:
+def render(out: Outcome, verbose: bool = False) -> str:
     """Every pin's table and summary, then the documented differences that occurred."""
     parts = []
     for pin in dict.fromkeys(r.pin for r in out.rows):
@@ -155,7 +155,7 @@ def render(out: Outcome) -> str:
         for k, v in inf.items():
             if k.startswith("replay kernels"):
                 parts.append(f"   {k}: {v}")
-        parts.append(report.table(out.rows, pin))
+        parts.append(report.table(out.rows, pin, verbose))
     used = {d.documented for r in out.rows for d in r.diffs if d.documented}
     parts.append("== documented differences (* = seen in this run)")
     parts.append(report.known_table(used))
