@@ -142,3 +142,17 @@ def test_the_docs_page_reprints_every_documented_difference_with_its_links():
         assert row is not None, f"docs/conformance.md has no row for {k.key}"
         for pin, f, line in k.upstream:
             assert known.link(pin, f, line) in row, (k.key, pin, line)
+
+
+def test_an_upstream_error_or_a_missing_phase_is_a_failure_never_same():
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import rows_for
+
+    ref = {("eager", None): OURS, ("replay", None): OURS}
+    jobs = [Job("decode/P4/x", "decode", 4, "x", True, {}, ref), Job("verify/P4/x", "verify", 4, "x", True, {}, ref)]
+    results = {"decode/P4/x": "StubUsed at sglang/x.py:3: read of sgl_kernel.flash_attn.foo",
+               "verify/P4/x": {("eager", None): OURS}}  # no replay result
+    rows = rows_for("0.5.23", jobs, results)
+    assert [(r.job, r.phase, r.ok) for r in rows] == [("decode/P4/x", "eager", False), ("decode/P4/x", "replay", False),
+                                                      ("verify/P4/x", "eager", True), ("verify/P4/x", "replay", False)]
+    assert rows[0].error.startswith("StubUsed") and "no replay" in rows[3].error
