@@ -105,8 +105,8 @@ def live_batch(mode: str, kv, rows, L) -> fbatch.ForwardBatch:
     raise ValueError(f"unknown conformance mode {mode!r}; known: {sorted(MODES)}")
 
 
-def snapshot_batch(fb: fbatch.ForwardBatch, bs: int | None = None) -> dict:
-    """Plain copies of ``fb``'s fields (the first ``bs`` rows of a graph's static batch)."""
+def snapshot_batch(fb: fbatch.ForwardBatch) -> dict:
+    """Plain copies of ``fb``'s fields (a live batch, or a graph runner's padded static batch)."""
     out = {"forward_mode": fb.forward_mode.name, "num_draft_tokens": fb.num_draft_tokens}
     for name in _BATCH:
         x = getattr(fb, name)
