@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 
-.PHONY: venv test demo check mutants docs clean
+.PHONY: venv test demo check mutants conformance docs clean
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-$(EXTRAS): pyproject.toml
@@ -29,8 +29,13 @@ check: venv
 mutants: venv
 	$(PY) -m refspec mutants
 
+# SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/)
+conformance: venv
+	$(PY) -m refspec conformance
+	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py
+
 docs: venv
 	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site
+	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance

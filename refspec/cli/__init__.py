@@ -1,4 +1,4 @@
-"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench.
+"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance.
 
 Each command lives in its own module and is imported only when it runs.
 """
@@ -16,6 +16,7 @@ COMMANDS = {
     "demo": ("refspec.cli.demo", "SmolLM2 on MT-Bench: greedy vs oracle loop vs production (FA3, graphs); --bug NAME"),
     "record": ("refspec.cli.record", "run the real model once and write its speculative schedule as a trace (JSON)"),
     "replay": ("refspec.cli.replay", "replay a trace through production (graphs) vs the oracle loop (--device cuda)"),
+    "conformance": ("refspec.cli.conformance", "refspec's FA3 metadata vs SGLang's own backend (pinned releases, CPU)"),
     "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant of refspec.bugs is caught (--device cpu|cuda)"),
 }
 

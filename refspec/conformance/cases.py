@@ -1,0 +1,191 @@
+"""The conformance cases and refspec's side of them (refspec's production FA3 wing, no oracle).
+
+One *job* is one batch (eager) or one capture + one padded replay (graph) on one fresh
+``req_to_token``; it yields one *result* per (phase, draft step).  The job carries the exact
+inputs upstream is fed (plain tensors: ``req_to_token`` and every batch field), so both sides
+build metadata from the same memory; refspec's metadata comes from
+:class:`refspec.fa3.backend.FlashAttentionBackend` (eager ``init_forward_metadata``, graph
+hooks driven by :class:`refspec.graphs.runner.GraphRunner`, whose padding fills are what both
+sides then see).  Upstream never sees refspec's metadata, only its inputs.
+
+Inputs per page size P (tokens): committed lengths at page boundaries +-1
+(``P - 1, P, P + 1, 2P - 1, ...``), rows of ``req_to_token`` in shuffled order and physical
+pages shuffled by the allocator's seed, N = 4 draft tokens (Sd = 3, draft steps 0 and 1), and
+two batch shapes: B = 3 live requests in a graph of 4, B = 5 in a graph of 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refspec.core import batch as fbatch
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.modes import ForwardMode
+from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
+from refspec.graphs.runner import GraphRunner
+
+PAGE_SIZES = (1, 2, 4, 16, 64)
+N = 4  #: num_draft_tokens = Sd + 1
+SD = 3  #: speculative_num_steps; draft decode steps 0 .. SD - 2
+SHAPES = {"B3/bs4": (3, 4), "B5/bs8": (5, 8)}  #: live batch B, graph batch bs (> B: padded replay)
+WIDTH = 320  #: req_to_token columns = upstream ``context_len`` (a multiple of every P)
+MODES = {  # name -> (ForwardMode, captured in a CUDA graph?)
+    "decode": (ForwardMode.DECODE, True),
+    "extend": (ForwardMode.EXTEND, False),
+    "extend_prefix": (ForwardMode.EXTEND, False),
+    "verify": (ForwardMode.TARGET_VERIFY, True),
+    "draft_decode": (ForwardMode.DECODE, True),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, True),
+    "draft_extend_v2": (ForwardMode.DRAFT_EXTEND_V2, True),
+    "idle": (ForwardMode.IDLE, False),
+}
+FIELDS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q", "max_seq_len_k", "page_table")
+_BATCH = ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions", "extend_seq_lens",
+          "extend_seq_lens_cpu", "num_accept_tokens", "num_accept_tokens_cpu")
+
+
+@dataclass
+class Job:
+    """One upstream job: ``inputs`` is what the worker feeds upstream, ``refspec`` the results."""
+
+    id: str
+    mode: str
+    page_size: int
+    shape: str
+    graphed: bool
+    inputs: dict
+    refspec: dict  #: (phase, step) -> {field: tensor | int}
+
+
+def lengths(page_size: int, B: int) -> list[int]:
+    """Committed lengths L (tokens) at page boundaries +-1 for page size P (all >= 1)."""
+    P = page_size
+    return [max(1, x) for x in (P - 1, P + 1, 2 * P, 2 * P + 1, 3 * P - 1, 4 * P, 4 * P + 1, P)][:B]
+
+
+def accepts(B: int) -> list[int]:
+    """num_accept_tokens a = n + 1 per request (1 .. N, mixed; v1 draft extend only)."""
+    return [(1, 3, N, 2, 1, N, 2, 3)[b] for b in range(B)]
+
+
+def _cache(page_size: int, B: int, seed: int):
+    kv = KVCache(max_reqs=12, max_context=WIDTH, num_pages=WIDTH * 10 // page_size + 2, page_size=page_size,
+                 seed=seed)
+    taken = [kv.alloc_req() for _ in range(11)]
+    g = torch.Generator().manual_seed(seed)
+    rows = [taken[i] for i in torch.randperm(len(taken), generator=g)[:B].tolist()]  # shuffled rows
+    pool = KVPool(num_layers=1, num_pages=kv.allocator.num_free_pages + 1, page_size=page_size,
+                  num_kv_heads=1, head_dim=8)
+    return kv, pool, rows
+
+
+def live_batch(mode: str, kv, rows, L) -> fbatch.ForwardBatch:
+    """The refspec batch of ``mode`` on committed lengths ``L`` (``refspec.core.batch`` builders)."""
+    B = len(rows)
+    if mode == "decode":
+        return fbatch.decode_batch(kv, rows, L)
+    if mode == "extend":
+        return fbatch.extend_batch(kv, rows, [0] * B, L)
+    if mode == "extend_prefix":  # prefix L - e, e = 1..3 new tokens (one request with no prefix)
+        e = [min(L[b], 1 + b % 3) if b else L[b] for b in range(B)]
+        return fbatch.extend_batch(kv, rows, [x - y for x, y in zip(L, e)], e)
+    if mode == "verify":
+        return fbatch.verify_batch(kv, rows, L, N)
+    if mode == "draft_decode":
+        return fbatch.draft_decode_steps_batch(kv, rows, L, SD)
+    if mode == "draft_extend":
+        a = accepts(B)
+        return fbatch.draft_extend_batch(kv, rows, [x + y for x, y in zip(L, a)], a, num_draft_tokens=N)
+    if mode == "draft_extend_v2":
+        return fbatch.draft_extend_v2_batch(kv, rows, [x + N for x in L], N)
+    if mode == "idle":
+        return fbatch.idle_batch(kv)
+    raise ValueError(f"unknown conformance mode {mode!r}; known: {sorted(MODES)}")
+
+
+def snapshot_batch(fb: fbatch.ForwardBatch) -> dict:
+    """Plain copies of ``fb``'s fields (a live batch, or a graph runner's padded static batch)."""
+    out = {"forward_mode": fb.forward_mode.name, "num_draft_tokens": fb.num_draft_tokens}
+    for name in _BATCH:
+        x = getattr(fb, name)
+        out[name] = x.clone() if isinstance(x, torch.Tensor) else (None if x is None else [int(v) for v in x])
+    return out
+
+
+def snapshot_metadata(md) -> dict:
+    """The metadata fields (copies: graph buffers are rewritten by the next hook)."""
+    return {f: (getattr(md, f).clone() if isinstance(getattr(md, f), torch.Tensor) else int(getattr(md, f)))
+            for f in FIELDS}
+
+
+def _backends(mode: str, kv, pool):
+    common = {"validate": False, "max_context_len": WIDTH}  # conformance compares raw builders
+    if mode == "draft_decode":
+        return FlashAttentionMultiStepBackend(pool, kv, SD, **common).backends
+    return [FlashAttentionBackend(pool, kv, **common)]
+
+
+def _eager(mode: str, kv, pool, live) -> dict:
+    backends = _backends(mode, kv, pool)
+    if mode == "draft_decode":
+        rows, L = live.req_pool_indices.tolist(), live.seq_lens_cpu.tolist()
+        return {("eager", s): snapshot_metadata(be.init_forward_metadata(fbatch.draft_decode_batch(kv, rows, L, s)))
+                for s, be in enumerate(backends)}
+    return {("eager", None): snapshot_metadata(backends[0].init_forward_metadata(live))}
+
+
+def _graph(mode: str, kv, pool, live, bs: int, staged: bool) -> tuple[dict, dict, dict]:
+    """Capture at ``bs`` then one padded replay of ``live``: (capture inputs, replay inputs, results)."""
+    m = MODES[mode][0]
+    backends = _backends(mode, kv, pool)
+    W = {"decode": 1, "verify": N, "draft_decode": SD - 1}.get(mode, N)
+    split = None
+    if mode == "draft_decode":
+        split = lambda fb: [fbatch.draft_step_view(fb, s, SD) for s in range(SD - 1)]
+    runner = GraphRunner(m, backends, lambda fb, x: fb.positions.clone(), kv=kv, capture_bs=[bs],
+                         tokens_per_req=W, num_draft_tokens=N, split=split)
+    steps = list(range(SD - 1)) if mode == "draft_decode" else [None]
+    res = {}
+    cap_in = snapshot_batch(runner.static[bs])
+    for s, be in zip(steps, backends):
+        res[("capture", s)] = snapshot_metadata(be.forward_metadata)
+    runner.replay(live)
+    rep_in = snapshot_batch(runner.static[bs])
+    for s, be in zip(steps, backends):
+        res[("replay", s)] = snapshot_metadata(be.forward_metadata)
+    if staged and mode == "draft_extend_v2":  # upstream's second replay order: the same live values
+        res[("replay-staged", None)] = res[("replay", None)]
+    cap_in["num_tokens"] = rep_in["num_tokens"] = bs * W
+    return cap_in, rep_in, res
+
+
+def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0, staged: bool = False) -> list[Job]:
+    """Every job for ``modes`` x ``page_sizes`` x ``shapes`` (IDLE once per page size).
+
+    ``staged``: also expect upstream's staged DRAFT_EXTEND_V2 replay (phase ``replay-staged``,
+    compared with refspec's one replay rule; 0.5.23 only).
+    """
+    jobs = []
+    for P in page_sizes:
+        for si, shape in enumerate(shapes):
+            B, bs = SHAPES[shape]
+            for mode in modes:
+                if mode == "idle" and si:
+                    continue
+                kv, pool, rows = _cache(P, B, seed + 7 * P + si)
+                L = lengths(P, B)
+                alloc = [x + N for x in L]  # room for every mode's K (L + N at most)
+                kv.alloc_extend(rows, [0] * B, alloc)
+                live = live_batch(mode, kv, rows, L)
+                graphed = MODES[mode][1]
+                inputs = {"req_to_token": kv.req_to_token.clone(), "page_size": P, "context_len": WIDTH,
+                          "num_draft_tokens": N, "num_steps": SD, "eager": snapshot_batch(live)}
+                ref = _eager(mode, kv, pool, live)
+                if graphed:
+                    inputs["capture"], inputs["replay"], g = _graph(mode, kv, pool, live, bs, staged)
+                    inputs["bs"] = bs
+                    ref.update(g)
+                jobs.append(Job(f"{mode}/P{P}/{shape}", mode, P, shape, graphed, inputs, ref))
+    return jobs

@@ -1,0 +1,84 @@
+"""Field-by-field comparison of refspec's and upstream's metadata for one result.
+
+Kernel-read fields are compared bitwise (values and dtype-free integer content):
+
+* ``cache_seqlens_int32`` [bs], ``cu_seqlens_q`` [bs + 1], ``cu_seqlens_k`` [bs + 1] (upstream
+  passes it as ``cu_seqlens_k_new`` on its extend path), ``max_seq_len_q``;
+* the *live* page-table region ``page_table[b, :ceil(K_b / P)]`` of every row b (real and
+  padded), K_b being refspec's ``cache_seqlens`` (the region FA3 reads, PA-007).
+
+Fields the kernel does not read are reported, not failed, when the difference is listed in
+:data:`refspec.conformance.known.KNOWN`: ``max_seq_len_k`` and the *dead* page-table columns
+(at or past ``ceil(K_b / P)``, including a different table width).  An unlisted difference in
+them fails like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_FIELDS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q", "page_table[live]")
+OTHER_FIELDS = ("max_seq_len_k", "page_table[dead]")
+
+
+@dataclass(frozen=True)
+class Diff:
+    """One field that differs: ``ours`` / ``theirs`` are short printable values."""
+
+    field: str
+    ours: str
+    theirs: str
+    documented: str | None = None  #: the :data:`KNOWN` key that explains it, None if undocumented
+
+
+def _show(x) -> str:
+    if isinstance(x, torch.Tensor):
+        v = x.tolist()
+        s = str(v)
+        return s if len(s) <= 60 else s[:57] + "..."
+    return str(x)
+
+
+def _vec(a: torch.Tensor, n: int) -> list[int]:
+    return [int(v) for v in a.flatten()[:n].tolist()]
+
+
+def live_pages(k: int, page_size: int) -> int:
+    """Pages FA3 reads for a row of K keys: ``ceil(K / P)``."""
+    return -(-int(k) // page_size)
+
+
+def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
+    """The raw differences (``documented`` unset) between two field dicts.
+
+    Rows: the batch size is refspec's ``cache_seqlens`` length; upstream tensors may be longer
+    (graph buffers) and are cut to it, never padded.
+    """
+    bs = int(ours["cache_seqlens_int32"].numel())
+    diffs = []
+    for f, n in (("cache_seqlens_int32", bs), ("cu_seqlens_q", bs + 1), ("cu_seqlens_k", bs + 1)):
+        a, b = ours[f], theirs[f]
+        if b is None or b.numel() < n or _vec(a, n) != _vec(b, n):
+            diffs.append(Diff(f, _show(a[:n]), "None" if b is None else _show(b[:n])))
+    for f in ("max_seq_len_q", "max_seq_len_k"):
+        if ours[f] != theirs[f]:
+            diffs.append(Diff(f, str(ours[f]), str(theirs[f])))
+    a, b = ours["page_table"], theirs["page_table"]
+    live_bad, dead_bad = [], []
+    for r in range(bs):
+        m = live_pages(ours["cache_seqlens_int32"][r], page_size)
+        if b.shape[0] <= r or b.shape[1] < m or a.shape[1] < m or _vec(a[r, :m], m) != _vec(b[r, :m], m):
+            live_bad.append(r)
+        if b.shape[0] > r and _vec(a[r, m:], a.shape[1]) != _vec(b[r, m:], b.shape[1]):
+            dead_bad.append(r)
+    if live_bad:
+        r = live_bad[0]
+        m = live_pages(ours["cache_seqlens_int32"][r], page_size)
+        theirs_row = _show(b[r, :m]) if b.shape[0] > r else "missing"
+        diffs.append(Diff("page_table[live]", f"row {r}: {_show(a[r, :m])}", f"row {r}: {theirs_row}"))
+    if dead_bad or a.shape[1] != b.shape[1]:
+        diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
+                          f"width {b.shape[1]}"))
+    return diffs

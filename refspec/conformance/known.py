@@ -1,0 +1,136 @@
+"""The documented differences: where refspec's metadata differs from upstream's, and why it is
+harmless.  The one committed table; ``docs/conformance.md`` reprints it.
+
+Only fields the FA3 MHA kernel does not read may appear here (``max_seq_len_k``, dead
+page-table columns), plus the *capture-time* contents of buffers every replay rewrites.  Upstream's FA3 call passes ``page_table``, ``cache_seqlens``,
+``cu_seqlens_q``, ``cu_seqlens_k_new`` and ``max_seqlen_q``, and ``max_seqlen_k`` only on the FA4
+static-grid path (``_decode_uses_static_max_seqlen_k``): 0.5.23
+``flashattention_backend.py:1789`` (extend) and ``:2285`` (decode).  The kernel reads page
+``j`` of row ``b`` only for ``j < ceil(cache_seqlens[b] / P)``.
+
+Line numbers are those of the files in the PyPI wheels (``sglang==0.5.23``,
+``sglang==0.5.12.post1``); neither release records a commit id, so links go to the release tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refspec.conformance.compare import KERNEL_FIELDS
+
+FA = "python/sglang/srt/layers/attention/flashattention_backend.py"
+KM = "python/sglang/kernels/ops/attention/metadata.py"
+NEW, OLD = ("0.5.23",), ("0.5.12.post1",)
+
+
+#: kernel-read fields every replay rewrites before the graph runs: their *capture-time* contents
+#: only feed the discarded capture run (a graph records addresses, not contents)
+REWRITTEN_AT_REPLAY = ("cache_seqlens_int32", "cu_seqlens_k", "page_table[live]")
+
+
+@dataclass(frozen=True)
+class Known:
+    """One documented difference: any of ``fields`` in ``modes`` x ``phases`` at ``pins``."""
+
+    key: str
+    fields: tuple[str, ...]
+    modes: tuple[str, ...]
+    phases: tuple[str, ...]
+    pins: tuple[str, ...]
+    upstream: tuple[tuple[str, str, int], ...]  #: (pin, file, line) where upstream sets it
+    refspec: str  #: what refspec does instead
+    why: str  #: why the kernel result cannot change
+
+    def __post_init__(self):
+        for f in self.fields:
+            if f in KERNEL_FIELDS and not (self.phases == ("capture",) and f in REWRITTEN_AT_REPLAY):
+                raise ValueError(f"{self.key}: {f} is read by the kernel; a difference there is a bug, never a "
+                                 f"documented difference (only its capture-time contents may differ)")
+
+
+_DECODE_MODES = ("decode", "draft_decode", "verify", "draft_extend", "draft_extend_v2")
+KNOWN: tuple[Known, ...] = (
+    Known("replay-max-k-context", ("max_seq_len_k",), ("decode", "draft_extend_v2"), ("replay", "replay-staged"), NEW,
+          (("0.5.23", FA, 741), ("0.5.23", FA, 3137), ("0.5.23", FA, 3289), ("0.5.23", FA, 541)),
+          "0: graph metadata keeps no max K (replay bounds the page copy by the CPU mirror)",
+          "replay passes no CPU mirror (sync-free), so upstream sets max_context_len; FA3 never reads "
+          "max_seqlen_k (only FA4's static grid does)"),
+    Known("capture-max-k-dummy", ("max_seq_len_k",), ("decode", "draft_extend_v2"), ("capture",), NEW,
+          (("0.5.23", FA, 648),),
+          "0: not set at capture",
+          "upstream takes max(seq_lens) of the capture-time dummy batch; FA3 does not read max_seqlen_k"),
+    Known("capture-max-k-dummy-legacy", ("max_seq_len_k",), _DECODE_MODES, ("capture",), OLD,
+          (("0.5.12.post1", FA, 1651), ("0.5.12.post1", FA, 1721), ("0.5.12.post1", FA, 1762),
+           ("0.5.12.post1", FA, 1854)),
+          "0: not set at capture",
+          "the legacy capture hook takes max(seq_lens) of the dummy batch (+ delta); FA3 does not read "
+          "max_seqlen_k"),
+    Known("replay-max-k-mirror", ("max_seq_len_k",), _DECODE_MODES, ("replay",), OLD,
+          (("0.5.12.post1", FA, 1920), ("0.5.12.post1", FA, 1997), ("0.5.12.post1", FA, 2042),
+           ("0.5.12.post1", FA, 2161), ("0.5.12.post1", FA, 2195)),
+          "0: graph metadata keeps no max K",
+          "the legacy replay hook keeps max(seq_lens_cpu) + delta as its host-side page bound; FA3 does "
+          "not read max_seqlen_k"),
+    Known("capture-contents-legacy", ("cache_seqlens_int32", "cu_seqlens_k"),
+          ("draft_decode", "verify", "draft_extend", "draft_extend_v2"), ("capture",), OLD,
+          (("0.5.12.post1", FA, 1648), ("0.5.12.post1", FA, 1657), ("0.5.12.post1", FA, 1774),
+           ("0.5.12.post1", FA, 1864)),
+          "fills the capture-time buffers from the dummy batch (K = fill + delta, their cumsum)",
+          "the legacy capture hook binds the buffers without filling them (zeros); a CUDA graph keeps "
+          "addresses, not contents, the capture run's output is discarded, and every replay rewrites "
+          "both before the graph runs (the replay rows compare the rewritten values)"),
+    Known("idle-context-width", ("max_seq_len_k",), ("idle",), ("eager",), NEW, (("0.5.23", FA, 905),),
+          "0: no requests",
+          "an empty batch has no CPU max, so upstream falls back to max_context_len; nothing is read"),
+    Known("idle-table-width", ("page_table[dead]",), ("idle",), ("eager",), NEW, (("0.5.23", FA, 1004),),
+          "a [0, 1] table",
+          "upstream slices req_to_token[[], :max_context_len]: zero rows either way, no page is ever read"),
+    Known("replay-dead-columns", ("page_table[dead]",), ("decode", "draft_decode", "verify", "draft_extend_v2"),
+          ("replay", "replay-staged"), NEW, (("0.5.23", KM, 256), ("0.5.23", KM, 265), ("0.5.23", KM, 383)),
+          "copies columns [0, ceil(max K / P)) of every row (graph_metadata._update_lengths), so a short "
+          "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
+          "upstream's replay kernel stores only each row's live pages (store mask cols < "
+          "ceil(K_b / P)); columns at or past ceil(K_b / P) are never read (PA-007)"),
+)
+
+
+def match(pin: str, mode: str, phase: str, field: str) -> Known | None:
+    """The entry documenting ``field`` differing for (pin, mode, phase), or None."""
+    for k in KNOWN:
+        if field in k.fields and pin in k.pins and mode in k.modes and phase in k.phases:
+            return k
+    return None
+
+
+def link(pin: str, file: str, line: int) -> str:
+    """A one-click GitHub link to ``file:line`` at the release tag of ``pin``."""
+    return f"https://github.com/sgl-project/sglang/blob/v{pin}/{file}#L{line}"
+
+
+#: where upstream builds each (mode, phase)'s metadata: the file:line a "differs" row points at
+SOURCES = {
+    "0.5.23": {
+        ("decode", "eager"): (FA, 995), ("draft_decode", "eager"): (FA, 909), ("verify", "eager"): (FA, 1036),
+        ("extend", "eager"): (FA, 1181), ("extend_prefix", "eager"): (FA, 1208),
+        ("draft_extend_v2", "eager"): (FA, 1194), ("idle", "eager"): (FA, 908),
+        ("decode", "capture"): (FA, 2798), ("draft_decode", "capture"): (FA, 2739), ("verify", "capture"): (FA, 2823),
+        ("draft_extend_v2", "capture"): (FA, 2905),
+        ("decode", "replay"): (FA, 3106), ("draft_decode", "replay"): (FA, 3027), ("verify", "replay"): (FA, 3170),
+        ("draft_extend_v2", "replay"): (FA, 3281), ("draft_extend_v2", "replay-staged"): (FA, 539),
+    },
+    "0.5.12.post1": {
+        ("decode", "eager"): (FA, 352), ("draft_decode", "eager"): (FA, 280), ("verify", "eager"): (FA, 374),
+        ("extend", "eager"): (FA, 501), ("extend_prefix", "eager"): (FA, 513), ("draft_extend", "eager"): (FA, 513),
+        ("draft_extend_v2", "eager"): (FA, 513),
+        ("decode", "capture"): (FA, 1712), ("draft_decode", "capture"): (FA, 1645), ("verify", "capture"): (FA, 1752),
+        ("draft_extend", "capture"): (FA, 1846), ("draft_extend_v2", "capture"): (FA, 1846),
+        ("decode", "replay"): (FA, 1993), ("draft_decode", "replay"): (FA, 1915), ("verify", "replay"): (FA, 2035),
+        ("draft_extend", "replay"): (FA, 2157), ("draft_extend_v2", "replay"): (FA, 2191),
+    },
+}
+
+
+def source(pin: str, mode: str, phase: str) -> str:
+    """``file:line`` (and link) of upstream's builder for (mode, phase) at ``pin``."""
+    f, line = SOURCES[pin][(mode, phase)]
+    return f"{f.split('/')[-1]}:{line} {link(pin, f, line)}"

@@ -1,0 +1,92 @@
+"""Result rows and the printed table (mode x P x phase -> same / differs)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from refspec.conformance.compare import Diff
+from refspec.conformance.known import KNOWN, link, source
+
+
+@dataclass
+class Row:
+    """One compared result: a job's (phase, draft step) on one pin."""
+
+    pin: str
+    job: str
+    mode: str
+    page_size: int
+    shape: str
+    phase: str
+    step: int | None
+    diffs: list[Diff] = field(default_factory=list)
+    error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.step is None else f"{self.mode} s={self.step}"
+
+    @property
+    def undocumented(self) -> list[Diff]:
+        return [d for d in self.diffs if d.documented is None]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.undocumented
+
+
+def _cell(rows: list[Row]) -> str:
+    if any(r.error for r in rows):
+        return "ERROR"
+    bad = sorted({d.field for r in rows for d in r.undocumented})
+    if bad:
+        return "DIFFERS: " + ",".join(bad)
+    doc = sorted({d.documented for r in rows for d in r.diffs})
+    return "same" + (f" (+{','.join(doc)})" if doc else "")
+
+
+def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
+    """One line per (mode, step, P, phase), shapes merged; then every failure in full (and, with
+    ``verbose``, every documented difference with both values)."""
+    groups: dict[tuple, list[Row]] = defaultdict(list)
+    for r in rows:
+        if r.pin == pin:
+            groups[(r.label, r.page_size, r.phase)].append(r)
+    w = max([len(k[0]) for k in groups] + [4])
+    lines = [f"{'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result"]
+    for (label, P, phase), rs in groups.items():
+        lines.append(f"{label:<{w}}  {P:>3}  {phase:<13} {len(rs):>5}  {_cell(rs)}")
+    for r in rows:
+        if r.pin != pin or (r.ok and not (verbose and r.diffs)):
+            continue
+        where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
+        if verbose:
+            lines += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
+                      for d in r.diffs if d.documented]
+        if r.error:
+            lines.append(f"  ERROR {where}: {r.error}")
+        for d in r.undocumented:
+            lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
+                         f"(upstream {source(r.pin, r.mode, r.phase)})")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row], pin: str) -> dict:
+    mine = [r for r in rows if r.pin == pin]
+    return {"cases": len(mine), "same": sum(not r.diffs and not r.error for r in mine),
+            "documented": sum(bool(r.diffs) and r.ok for r in mine),
+            "undocumented": sum(not r.ok for r in mine)}
+
+
+def known_table(used: set[str] | None = None) -> str:
+    """The documented-differences table (the ``used`` keys marked), with upstream links."""
+    lines = []
+    for k in KNOWN:
+        mark = "*" if used and k.key in used else " "
+        lines.append(f"{mark} {k.key}: {'/'.join(k.fields)} in {'/'.join(k.modes)} at {'/'.join(k.phases)} ({', '.join(k.pins)})")
+        for pin, f, line in k.upstream:
+            lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
+        lines.append(f"      refspec: {k.refspec}")
+        lines.append(f"      harmless: {k.why}")
+    return "\n".join(lines)

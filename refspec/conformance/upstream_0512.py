@@ -1,0 +1,101 @@
+"""SGLang 0.5.12.post1 (worker subprocess only): the newest release with ``ForwardMode.DRAFT_EXTEND``
+(v1) *and* the legacy graph hooks ``init_forward_metadata_capture_cuda_graph`` /
+``init_forward_metadata_replay_cuda_graph`` (0.5.13 dropped the hooks, 0.5.14 the v1 mode).
+
+Here v1 draft extend and its replay rule ``cu_seqlens_q[1:] = cumsum(spec_info.num_accept_tokens)``
+(``flashattention_backend.py`` ``init_forward_metadata_replay_cuda_graph``) run as upstream
+wrote them.  The model runner carries a real ``ServerArgs`` (dataclass defaults, no
+``__post_init__``: that validates a model path and probes the GPU), also published through
+upstream's ``set_global_server_args_for_scheduler``.
+IDLE is not compared: with an empty batch this release never builds attention metadata
+(``model_runner.py`` ``forward_idle``: ``if forward_batch.batch_size > 0``), and its eager
+builder would take the max of an empty ``seq_lens_cpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace as NS
+
+from refspec.conformance import upstream_common as uc
+
+MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2")
+
+
+def _server_args(ServerArgs, **over):
+    sa = ServerArgs.__new__(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            setattr(sa, f.name, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            setattr(sa, f.name, f.default_factory())
+    for k, v in over.items():
+        if not hasattr(sa, k):
+            raise AttributeError(f"ServerArgs has no field {k!r}")
+        setattr(sa, k, v)
+    return sa
+
+
+class Upstream:
+    def __init__(self, site: str):
+        uc.prepare(site)
+        import sglang.srt.layers.attention.flashattention_backend as fa
+        from sglang.srt.configs.model_config import AttentionArch
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.server_args import (
+            ServerArgs,
+            set_global_server_args_for_scheduler,
+        )
+
+        uc.finish_imports()
+        self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
+        self.ServerArgs, self.publish = ServerArgs, set_global_server_args_for_scheduler
+        self.kernels = {n: uc.interpreted(getattr(fa, n)) for n in
+                        ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa")}
+
+    def info(self) -> dict:
+        return {"replay kernels in Triton's interpreter": self.kernels}
+
+    def run(self, job: dict) -> dict:
+        """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
+        P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
+        if mode not in MODES:
+            raise ValueError(f"sglang 0.5.12.post1 is not compared on {mode!r}")
+        sa = _server_args(self.ServerArgs, page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1,
+                          speculative_num_steps=Sd, speculative_num_draft_tokens=N, device="cpu",
+                          attention_backend="fa3")
+        self.publish(sa)
+        R = job["req_to_token"]
+        rows = NS(req_to_token=R, size=R.shape[0] - 1)
+        mr = NS(server_args=sa, sliding_window_size=None, model_config=uc.model_config(job["context_len"], self.arch.MHA),
+                device="cpu", req_to_token_pool=rows, token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None,
+                page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None)
+        multi = mode == "draft_decode"
+        be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
+            self.fa.FlashAttentionBackend(mr)
+        steps = list(enumerate(be.attn_backends)) if multi else [(None, be)]
+
+        def fb(phase):
+            return uc.forward_batch(self.FM, mode, job[phase], N, req_to_token_pool=rows)
+
+        be.init_forward_metadata(fb("eager"))
+        out = {("eager", s): uc.fields(b.forward_metadata) for s, b in steps}
+        if "bs" not in job:
+            return out
+        bs = job["bs"]
+        be.init_cuda_graph_state(bs, job["capture"]["num_tokens"])
+        cap, rep = fb("capture"), fb("replay")
+        if multi:
+            be.init_forward_metadata_capture_cuda_graph(cap)
+        else:
+            be.init_forward_metadata_capture_cuda_graph(bs, job["capture"]["num_tokens"], cap.req_pool_indices,
+                                                        cap.seq_lens, None, cap.forward_mode, cap.spec_info)
+        out.update({("capture", s): uc.fields(b.forward_metadata) for s, b in steps})
+        if multi:
+            be.init_forward_metadata_replay_cuda_graph(rep, bs)
+        else:
+            be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
+                                                       rep.forward_mode, rep.spec_info, rep.seq_lens_cpu,
+                                                       rep.out_cache_loc)
+        out.update({("replay", s): uc.fields(b.forward_metadata) for s, b in steps})
+        return out

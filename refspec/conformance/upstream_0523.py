@@ -1,0 +1,94 @@
+"""SGLang 0.5.23 (worker subprocess only): capture = ``init_forward_metadata_out_graph(fb,
+in_capture=True)`` then ``init_forward_metadata_in_graph(fb)`` (the part a graph records);
+replay = ``init_forward_metadata_out_graph(fb)`` then the in-graph part again (a graph replay
+re-runs it).  ``DRAFT_EXTEND`` (v1) no longer exists in this release.
+
+DRAFT_EXTEND_V2 is replayed a second time the way a runner that stages draft-extend metadata
+does it (phase ``replay-staged``: out-of-graph step skipped, the Triton kernel alone).
+Draft decode runs through ``FlashAttentionMultiStepBackend`` (each step's inner DECODE view,
+``build_inner_fb_view``); step s is ``multi.attn_backends[s].forward_metadata``.
+Server args are upstream's real ``ServerArgs`` through its own test helper
+``runtime_context.get_context().override_server_args(...)``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from refspec.conformance import upstream_common as uc
+
+MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle")
+
+
+class Upstream:
+    def __init__(self, site: str):
+        uc.prepare(site)
+        import sglang.kernels.ops.attention.metadata as kmeta
+        import sglang.srt.layers.attention.flashattention_backend as fa
+        from sglang.srt.configs.model_config import AttentionArch
+        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.runtime_context import get_context
+
+        uc.finish_imports()
+        self.fa, self.FM, self.arch, self.translator, self.context = fa, ForwardMode, AttentionArch, KVIndexTranslator, get_context
+        self.kernels = {n: uc.interpreted(getattr(kmeta, n)) for n in
+                        ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel")}
+
+    def info(self) -> dict:
+        return {"replay kernels in Triton's interpreter": self.kernels}
+
+    def _runner(self, R, P: int, ctx: int, draft: bool):
+        pool = uc.KVPoolStub()
+        rows = NS(req_to_token=R, size=R.shape[0] - 1)
+        return NS(sliding_window_size=None, model_config=uc.model_config(ctx, self.arch.MHA), device="cpu",
+                  req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
+                  page_size=P, is_draft_worker=draft, attention_chunk_size=None,
+                  kv_index_translator=self.translator(req_to_token=R, token_to_kv_pool_allocator=None,
+                                                      token_to_kv_pool=pool, page_size=P, device="cpu",
+                                                      is_draft_worker=draft))
+
+    def run(self, job: dict) -> dict:
+        """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
+        P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
+        override = self.context().override_server_args(
+            page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=Sd,
+            speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        override.install()
+        try:
+            return self._run(job, mode, P, N, Sd)
+        finally:
+            override.restore()
+
+    def _run(self, job, mode, P, N, Sd) -> dict:
+        mr = self._runner(job["req_to_token"], P, job["context_len"], mode in uc.DRAFT_MODES)
+        multi = mode == "draft_decode"
+        be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
+            self.fa.FlashAttentionBackend(mr)
+        steps = list(enumerate(be.attn_backends)) if multi else [(None, be)]
+        out = {}
+        be.init_forward_metadata(uc.forward_batch(self.FM, mode, job["eager"], N))
+        out.update({("eager", s): uc.fields(b.forward_metadata) for s, b in steps})
+        if "bs" not in job:
+            return out
+        be.init_cuda_graph_state(job["bs"], job["capture"]["num_tokens"])
+        for phase in ("capture", "replay"):
+            fb = uc.forward_batch(self.FM, mode, job[phase], N)
+            be.init_forward_metadata_out_graph(fb, in_capture=phase == "capture")
+            be.init_forward_metadata_in_graph(fb)
+            out.update({(phase, s): uc.fields(b.forward_metadata) for s, b in steps})
+        if mode == "draft_extend_v2" and be.supports_draft_extend_metadata_staging:
+            out[("replay-staged", None)] = self._staged(mr, job, mode, N)
+        return out
+
+    def _staged(self, mr, job, mode, N) -> dict:
+        """DRAFT_EXTEND_V2 replay with the out-of-graph step skipped (``stage_draft_extend_metadata``:
+        the in-graph Triton kernel ``draft_extend_set_metadata`` alone writes the metadata), on a
+        second backend that only went through capture."""
+        be = self.fa.FlashAttentionBackend(mr)
+        be.init_cuda_graph_state(job["bs"], job["capture"]["num_tokens"])
+        cap = uc.forward_batch(self.FM, mode, job["capture"], N)
+        be.init_forward_metadata_out_graph(cap, in_capture=True)
+        be.init_forward_metadata_in_graph(cap)
+        be.stage_draft_extend_metadata(uc.forward_batch(self.FM, mode, job["replay"], N))
+        return uc.fields(be.forward_metadata)

@@ -1,0 +1,113 @@
+"""What both pinned SGLang releases need to import and run on a CPU (worker subprocess only).
+
+Nothing here imports refspec's production code: the worker sees refspec only through the plain
+tensors of :mod:`refspec.conformance.cases` jobs.  Upstream's own objects are used wherever the
+metadata path reads them (``ForwardMode``, ``AttentionArch``, ``ServerArgs``, the backends and
+their Triton replay kernels, run by Triton's interpreter: ``TRITON_INTERPRET=1``); the
+``ForwardBatch``, ``spec_info`` and model runner are namespaces carrying exactly the fields the
+metadata path reads, as upstream's own ``build_inner_fb_view`` does.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace as NS
+
+import torch
+
+from refspec.conformance import stubs
+
+#: top-level packages imported somewhere on the import chain but never called on this path
+ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq", "tqdm", "IPython", "aiohttp",
+          "transformers", "torchvision", "tvm_ffi", "huggingface_hub", "sentencepiece", "safetensors",
+          "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel")
+#: sglang modules whose class bodies need the real pydantic / openai types; never imported by
+#: the metadata path itself, only pulled in through ``sglang.srt.server_args``'s imports
+REPLACED = ("sglang.srt.entrypoints.openai.protocol", "sglang.srt.parser.reasoning_parser")
+#: names ``FlashAttentionBackend.__init__`` imports from ``sgl_kernel.flash_attn`` (stored,
+#: never called while building metadata).  ``get_scheduler_metadata = None`` switches off FA3's
+#: scheduler-metadata precompute, which would call the kernel library.
+KERNEL_NAMES = ("flash_attn_varlen_func", "flash_attn_with_kvcache")
+RUNTIME_SETTINGS = {"sgl_kernel.flash_attn.get_scheduler_metadata": None}
+DRAFT_MODES = ("draft_decode", "draft_extend", "draft_extend_v2")
+
+
+def prepare(site: str) -> None:
+    """Stubs in, ``sglang/__init__`` skipped (it patches Hugging Face and imports the frontend
+    language; its submodules still load from ``site``)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (replay kernels run "
+                           "in Triton's interpreter on CPU)")
+    stubs.install(ABSENT)
+    stubs.bare_package("sglang", os.path.join(site, "sglang"))
+    for name in REPLACED:
+        stubs.replace_module(name)
+
+
+def finish_imports() -> None:
+    """Bind the run-time names, then arm the stubs (any later use raises ``StubUsed``)."""
+    for name in KERNEL_NAMES:
+        stubs.provide("sgl_kernel.flash_attn", name)
+    for dotted, value in RUNTIME_SETTINGS.items():
+        module, _, name = dotted.rpartition(".")
+        __import__(module)
+        import sys
+        sys.modules[module].__dict__[name] = value
+    stubs.arm()
+
+
+def interpreted(fn) -> bool:
+    """Whether a ``@triton.jit`` kernel runs in Triton's interpreter (not replaced, not compiled)."""
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+def model_config(context_len: int, attention_arch):
+    return NS(is_encoder_decoder=False, context_len=context_len, attention_arch=attention_arch,
+              is_local_attention_model=False, head_dim=8, hf_text_config=NS(num_attention_heads=1),
+              get_num_kv_heads=lambda tp: 1)
+
+
+class KVPoolStub:
+    """``token_to_kv_pool``: a plain object (not an SWA / interleaved pool); never read for data."""
+
+
+def spec_info(mode: str, d: dict, num_draft_tokens: int):
+    """The ``spec_info`` namespace of ``mode`` (None for the non-speculative modes).
+
+    DRAFT_EXTEND_V2 carries ``extend_seq_lens_tensor`` / ``extend_seq_lens_cpu`` as upstream's
+    draft-extend graph runner sets them (``eagle_draft_extend_cuda_graph_runner.py`` replay).
+    """
+    if mode in ("decode", "extend", "extend_prefix", "idle"):
+        return None
+    draft = mode in DRAFT_MODES
+    ns = NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=None, ragged_verify_layout=None,
+            num_tokens_per_req={"draft_decode": 1, "verify": num_draft_tokens}.get(mode, num_draft_tokens))
+    if mode == "draft_extend":
+        ns.num_accept_tokens, ns.num_accept_tokens_cpu = d["num_accept_tokens"], d["num_accept_tokens_cpu"]
+    if mode == "draft_extend_v2":
+        ns.extend_seq_lens_tensor, ns.extend_seq_lens_cpu = d["extend_seq_lens"], d["extend_seq_lens_cpu"]
+    return ns
+
+
+def forward_batch(FM, mode: str, d: dict, num_draft_tokens: int, **extra):
+    """A ``ForwardBatch`` namespace from a job's batch dict ``d`` (``cases.snapshot_batch``)."""
+    seq_cpu = d["seq_lens_cpu"]
+    ext_cpu = d["extend_seq_lens_cpu"]
+    prefix_cpu = None
+    if mode in ("extend", "extend_prefix", "draft_extend", "draft_extend_v2") and ext_cpu is not None:
+        prefix_cpu = [int(s) - int(e) for s, e in zip(seq_cpu.tolist(), ext_cpu)]
+    return NS(forward_mode=FM[d["forward_mode"]], batch_size=int(d["req_pool_indices"].numel()),
+              req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"], seq_lens_cpu=seq_cpu,
+              seq_lens_sum=int(seq_cpu.sum()), extend_seq_lens=d["extend_seq_lens"], extend_seq_lens_cpu=ext_cpu,
+              extend_prefix_lens_cpu=prefix_cpu, encoder_lens=None, out_cache_loc=d["out_cache_loc"],
+              positions=d["positions"], kv_loc_plan=None, kv_loc_cols=None,
+              spec_info=spec_info(mode, d, num_draft_tokens), **extra)
+
+
+def fields(md) -> dict:
+    """Copies of the metadata fields the comparison reads (upstream ``FlashAttentionMetadata``)."""
+    out = {}
+    for f in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q", "max_seq_len_k", "page_table"):
+        x = getattr(md, f)
+        out[f] = x.clone() if isinstance(x, torch.Tensor) else (None if x is None else int(x))
+    return out

@@ -1,0 +1,158 @@
+"""The conformance harness's own logic, without upstream installed (part of ``make test``).
+
+The field comparison, the documented-differences matcher and table, the report table and the
+raising stubs are checked on hand-written inputs; the runs against SGLang itself are in
+``test_conformance_upstream.py`` (marker ``conformance``, run by ``make conformance``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from refspec.conformance import known
+from refspec.conformance.compare import KERNEL_FIELDS, Diff, compare
+from refspec.conformance.report import Row, summary, table
+
+i32 = lambda *x: torch.tensor(x, dtype=torch.int32)
+
+
+def md(K, cu_q, table_rows, max_q=1, max_k=0):
+    """Metadata fields for K (tokens per row) with ``cu_seqlens_k`` written out by hand."""
+    cu_k = [0]
+    for k in K:
+        cu_k.append(cu_k[-1] + k)
+    return {"cache_seqlens_int32": i32(*K), "cu_seqlens_q": i32(*cu_q), "cu_seqlens_k": i32(*cu_k),
+            "max_seq_len_q": max_q, "max_seq_len_k": max_k, "page_table": torch.tensor(table_rows, dtype=torch.int32)}
+
+
+# P = 4, K = [5, 9]: rows read 2 and 3 pages; column 3 of row 0 and column 3 of row 1 are dead
+OURS = md([5, 9], [0, 1, 2], [[7, 3, 11, 0], [2, 9, 4, 0]])
+
+
+def test_identical_metadata_has_no_difference():
+    assert compare(OURS, md([5, 9], [0, 1, 2], [[7, 3, 11, 0], [2, 9, 4, 0]]), page_size=4) == []
+
+
+def test_a_live_page_difference_names_the_row_and_both_values():
+    theirs = md([5, 9], [0, 1, 2], [[7, 3, 11, 0], [2, 8, 4, 0]])  # row 1, page 1 of 3 differs
+    (d,) = compare(OURS, theirs, page_size=4)
+    assert (d.field, d.ours, d.theirs) == ("page_table[live]", "row 1: [2, 9, 4]", "row 1: [2, 8, 4]")
+
+
+def test_dead_columns_and_a_wider_table_are_the_dead_field_only():
+    theirs = md([5, 9], [0, 1, 2], [[7, 3, 0, 0, 0], [2, 9, 4, 0, 0]])  # row 0 column 2 is dead (K=5: 2 pages)
+    assert [d.field for d in compare(OURS, theirs, page_size=4)] == ["page_table[dead]"]
+
+
+def test_each_kernel_scalar_and_vector_is_compared():
+    theirs = md([5, 10], [0, 1, 2], [[7, 3, 11, 0], [2, 9, 4, 0]], max_q=2, max_k=64)
+    fields = [d.field for d in compare(OURS, theirs, page_size=4)]
+    assert fields == ["cache_seqlens_int32", "cu_seqlens_k", "max_seq_len_q", "max_seq_len_k"]
+
+
+def test_upstream_buffers_longer_than_the_batch_are_cut_not_compared():
+    theirs = dict(md([5, 9, 1], [0, 1, 2, 3], [[7, 3, 11, 0], [2, 9, 4, 0], [0, 0, 0, 0]]))
+    assert compare(OURS, theirs, page_size=4) == []
+
+
+def test_a_missing_upstream_row_is_a_live_difference():
+    theirs = md([5], [0, 1], [[7, 3, 11, 0]])
+    assert "page_table[live]" in [d.field for d in compare(OURS, theirs, page_size=4)]
+
+
+def test_documented_differences_match_only_their_pin_mode_and_phase():
+    assert known.match("0.5.23", "decode", "replay", "max_seq_len_k").key == "replay-max-k-context"
+    assert known.match("0.5.23", "decode", "eager", "max_seq_len_k") is None
+    assert known.match("0.5.12.post1", "decode", "replay", "page_table[dead]") is None
+    for f in KERNEL_FIELDS:
+        assert known.match("0.5.23", "decode", "replay", f) is None
+
+
+def test_a_kernel_read_field_cannot_be_documented():
+    with pytest.raises(ValueError, match="read by the kernel"):
+        known.Known("x", ("cu_seqlens_q",), ("decode",), ("replay",), ("0.5.23",), (), "", "")
+    with pytest.raises(ValueError, match="read by the kernel"):  # not even at capture: replay keeps it
+        known.Known("x", ("cu_seqlens_q",), ("verify",), ("capture",), ("0.5.23",), (), "", "")
+
+
+def test_every_documented_difference_cites_an_upstream_line_of_its_pins():
+    for k in known.KNOWN:
+        assert k.upstream and {pin for pin, _, _ in k.upstream} <= set(k.pins), k.key
+        assert all(f.startswith("python/sglang/") and line > 0 for _, f, line in k.upstream), k.key
+    assert known.link("0.5.23", known.FA, 741) == (
+        "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/"
+        "flashattention_backend.py#L741")
+
+
+def test_table_cells_say_same_documented_differs_and_error():
+    rows = [Row("0.5.23", "decode/P4/a", "decode", 4, "a", "eager", None),
+            Row("0.5.23", "decode/P4/a", "decode", 4, "a", "replay", None,
+                [Diff("max_seq_len_k", "0", "320", "replay-max-k-context")]),
+            Row("0.5.23", "verify/P4/a", "verify", 4, "a", "replay", None,
+                [Diff("cu_seqlens_q", "[0, 4]", "[0, 1]")]),
+            Row("0.5.23", "idle/P4/a", "idle", 4, "a", "eager", None, error="StubUsed at x.py:1: boom")]
+    lines = table(rows, "0.5.23").splitlines()
+    assert lines[1].split()[-1] == "same"
+    assert lines[2].endswith("same (+replay-max-k-context)")
+    assert lines[3].endswith("DIFFERS: cu_seqlens_q")
+    assert lines[4].endswith("ERROR")
+    assert "cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[5] and "flashattention_backend.py:3170" in lines[5]
+    assert "StubUsed at x.py:1: boom" in lines[6]
+    assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2}
+    verbose = table(rows, "0.5.23", verbose=True)
+    assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in verbose
+
+
+def test_stubs_hand_out_placeholders_at_import_and_raise_at_run_time():
+    script = textwrap.dedent("""
+        from refspec.conformance import stubs
+        stubs.install(["refspec_absent_pkg"])
+        from refspec_absent_pkg.sub import thing          # import time: a placeholder
+        logger = thing.get_logger("x")                     # import-time call: another one
+        class Derived(thing): pass                         # import-time subclass
+        stubs.provide("refspec_absent_pkg.sub", "kernel")
+        import refspec_absent_pkg.sub as sub
+        kernel = sub.kernel                                # bound explicitly: storable
+        stubs.arm()
+        for what, fn in [("call", lambda: kernel()), ("read", lambda: kernel.x), ("module read", lambda: sub.other),
+                         ("call", lambda: thing()), ("instance", lambda: Derived()), ("truth", lambda: bool(thing)),
+                         ("import", lambda: __import__("refspec_absent_pkg.fresh"))]:
+            try:
+                fn()
+            except stubs.StubUsed:
+                continue
+            raise SystemExit(f"{what} of a stub did not raise")
+        print("ok", len(stubs.handed_out()))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == "ok" and int(proc.stdout.split()[1]) >= 3
+
+
+def test_the_docs_page_reprints_every_documented_difference_with_its_links():
+    page = (Path(__file__).parent.parent / "docs" / "conformance.md").read_text()
+    for k in known.KNOWN:
+        row = next((line for line in page.splitlines() if line.startswith(f"| `{k.key}` |")), None)
+        assert row is not None, f"docs/conformance.md has no row for {k.key}"
+        for pin, f, line in k.upstream:
+            assert known.link(pin, f, line) in row, (k.key, pin, line)
+
+
+def test_an_upstream_error_or_a_missing_phase_is_a_failure_never_same():
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import rows_for
+
+    ref = {("eager", None): OURS, ("replay", None): OURS}
+    jobs = [Job("decode/P4/x", "decode", 4, "x", True, {}, ref), Job("verify/P4/x", "verify", 4, "x", True, {}, ref)]
+    results = {"decode/P4/x": "StubUsed at sglang/x.py:3: read of sgl_kernel.flash_attn.foo",
+               "verify/P4/x": {("eager", None): OURS}}  # no replay result
+    rows = rows_for("0.5.23", jobs, results)
+    assert [(r.job, r.phase, r.ok) for r in rows] == [("decode/P4/x", "eager", False), ("decode/P4/x", "replay", False),
+                                                      ("verify/P4/x", "eager", True), ("verify/P4/x", "replay", False)]
+    assert rows[0].error.startswith("StubUsed") and "no replay" in rows[3].error

@@ -1,0 +1,85 @@
+"""Negative controls against SGLang's own backend (marker ``conformance``: ``make conformance``).
+
+These install the pinned releases (``refspec.conformance.install``, cached in ``.conformance/``)
+and run upstream in a worker, so they are not part of ``make test``.  Each known-wrong refspec
+variant must make the comparison fail *and* name the field it breaks, in the modes and phases
+where the bug lives, and nowhere else; the same cases without the variant conform.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from refspec.conformance import run
+
+pytestmark = pytest.mark.conformance
+
+
+def failing(out) -> dict[tuple[str, str], set[str]]:
+    """(mode, phase) -> the undocumented fields that differ there."""
+    got: dict[tuple[str, str], set[str]] = {}
+    for r in out.rows:
+        assert r.error is None, f"{r.job} {r.phase}: upstream raised: {r.error}"
+        for d in r.undocumented:
+            got.setdefault((r.mode, r.phase), set()).add(d.field)
+    return got
+
+
+def quiet(*_):
+    pass
+
+
+#: upstream results shared by the tests (keyed by the inputs' digest: a variant that changes only
+#: refspec's metadata reuses them; one that changes the inputs runs the worker again)
+UPSTREAM: dict = {}
+NEW = {"pins": ("0.5.23",), "page_sizes": (1, 4), "modes": ("decode", "verify", "draft_decode", "draft_extend_v2"),
+       "log": quiet, "cache": UPSTREAM}
+OLD = {"pins": ("0.5.12.post1",), "page_sizes": (4,), "modes": ("draft_extend",), "log": quiet, "cache": UPSTREAM}
+
+
+@pytest.fixture(scope="module")
+def clean_new():
+    out = run.run(**NEW)
+    assert out.ok, run.render(out)
+    return out
+
+
+@pytest.mark.spec("MD-005")
+def test_draft_extend_v2_double_count_fails_on_cache_seqlens(clean_new):
+    """#26512: ``cache_seqlens = seq_lens + N`` in DRAFT_EXTEND_V2 (seq_lens already counts N)."""
+    out = run.run(variant="de-v2-k-double-count", **NEW)
+    assert out.info["0.5.23"]["reused"] == len({r.job for r in out.rows})  # same inputs, refspec side differs
+    assert not out.ok
+    got = failing(out)
+    assert set(got) == {("draft_extend_v2", p) for p in ("eager", "capture", "replay", "replay-staged")}
+    assert all("cache_seqlens_int32" in f and "cu_seqlens_k" in f for f in got.values())
+    assert "cache_seqlens_int32" in out.failing_fields()
+
+
+@pytest.mark.spec("PA-002")
+def test_seed_page_table_fails_on_the_live_page_table_only_for_paged_replay(clean_new):
+    """The seed's page table (token slots copied as page ids) at verify / draft-decode replay."""
+    out = run.run(variant="seed-page-table", **NEW)
+    got = failing(out)
+    assert set(got) == {("verify", "replay"), ("draft_decode", "replay")}
+    assert all(f == {"page_table[live]"} for f in got.values())
+    assert {r.page_size for r in out.rows if not r.ok} == {4}  # P = 1: slots are page ids, so it conforms
+
+
+@pytest.mark.spec("CG-003")
+def test_v1_accept_length_rule_is_checked_against_the_legacy_replay_hook():
+    """v1 DRAFT_EXTEND replay ``cu_seqlens_q`` from n instead of a = n + 1, against 0.5.12.post1."""
+    clean = run.run(**OLD)
+    assert clean.ok and {r.phase for r in clean.rows} == {"eager", "capture", "replay"}
+    got = failing(run.run(variant="de-v1-accept-off-by-one", **OLD))
+    # the variant lives in the write shared by capture and replay (graph_metadata._update_lengths)
+    assert got == {("draft_extend", "capture"): {"cu_seqlens_q"}, ("draft_extend", "replay"): {"cu_seqlens_q"}}
+
+
+def test_upstream_replay_kernels_run_in_tritons_interpreter_and_stubs_were_armed(clean_new):
+    old = run.run(**OLD)
+    for pin, out in (("0.5.23", clean_new), ("0.5.12.post1", old)):
+        info = out.info[pin]
+        kernels = info["replay kernels in Triton's interpreter"]
+        assert kernels and all(kernels.values()), (pin, kernels)
+        assert info["placeholders"] > 0
