@@ -97,12 +97,15 @@ def _id_index(ctx: Context, arg: str) -> str:
 
 
 def _bug_zoo(ctx: Context, arg: str) -> str:
-    # "caught by" second: it is what a reviewer looks for, and it stays on screen at 1280 px
-    rows = ["| variant | caught by | what it changes | symptom | seen in |", "|---|---|---|---|---|"]
+    # a narrow table first ("caught by" second: what a reviewer looks for, on screen at 1280 px),
+    # then the long columns (symptom, where it was seen) as one paragraph per variant
+    rows = ["| variant | caught by | what it changes |", "|---|---|---|"]
     for b in bugs.BUGS.values():
         caught = ", ".join(id_link(i, ctx.src_uri) for i in b.caught_by)
-        rows.append(f"| `{b.name}` | {caught} | {b.changes} | {b.symptom} | {b.source} |")
-    return "\n".join(rows)
+        rows.append(f"| [`{b.name}`](#{b.name}) | {caught} | {b.changes} |")
+    details = [f'<a id="{b.name}"></a>\n**`{b.name}`** — {b.symptom}. *Seen in:* {b.source}.'
+               for b in bugs.BUGS.values()]
+    return "\n".join(rows) + "\n\n**Symptoms and sources**\n\n" + "\n\n".join(details)
 
 
 def _t1_floors(ctx: Context, arg: str) -> str:
