@@ -17,7 +17,8 @@
   ``tutorials/NN_name/`` rendered by the ``mkdocs-jupyter`` plugin, appended to the "Tutorials"
   nav section. The plugin executes the notebooks (outputs and figures on the page) when the
   environment variable ``REFSPEC_DOCS_EXECUTE=true`` (``make docs``); otherwise it renders them
-  without outputs (the strict build in ``make test``).
+  without outputs (the strict build in ``make test``). IDs in the rendered notebook text are
+  linked too (:func:`linkify_html`, on the HTML: those pages skip ``on_page_markdown``).
 
 An unknown marker or an ID that does not exist is a warning, so ``mkdocs build --strict`` fails.
 """
@@ -25,6 +26,7 @@ An unknown marker or an ID that does not exist is a warning, so ``mkdocs build -
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
 import sys
 from pathlib import Path
@@ -198,6 +200,40 @@ def on_pre_build(config, **kw):
         log.warning(f"tests cite unknown invariant {inv_id}: {nodes}")
     if _index.uncovered():
         log.info(f"invariants no test cites yet: {', '.join(_index.uncovered())}")
+
+
+_SKIP_TAGS = {"a", "code", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "style", "script", "textarea"}
+_TAG_RE = re.compile(r"<(/?)([A-Za-z][\w-]*)[^>]*?(/?)>|<!--.*?-->", re.S)
+
+
+def linkify_html(html: str, page_url: str) -> str:
+    """IDs in the text of rendered HTML (the notebook pages, which skip ``on_page_markdown``)
+    become links to their spec entries; text inside links, code, headings, styles is left alone."""
+    id_re = _id_re()
+    depth = 0  # nesting inside skipped tags
+    here = posixpath.dirname(page_url.rstrip("/") + "/x")  # the page's directory URL
+
+    def link(m):
+        target = posixpath.relpath(f"spec/{spec_index.family_page(m.group(1)).removesuffix('.md')}/", here or ".")
+        return f'<a href="{target}/#{m.group(1).lower()}">{m.group(1)}</a>'
+
+    out, pos = [], 0
+    for m in _TAG_RE.finditer(html):
+        text = html[pos:m.start()]
+        out.append(text if depth else id_re.sub(lambda x: link(x) if x.group(1) in INVARIANTS else x.group(0), text))
+        out.append(m.group(0))
+        if m.group(2) and m.group(2).lower() in _SKIP_TAGS and not m.group(3):
+            depth = max(0, depth - 1) if m.group(1) else depth + 1
+        pos = m.end()
+    rest = html[pos:]
+    out.append(rest if depth else id_re.sub(lambda x: link(x) if x.group(1) in INVARIANTS else x.group(0), rest))
+    return "".join(out)
+
+
+def on_page_content(html, page, config, files, **kw):
+    if page.file.src_uri.endswith(".ipynb"):
+        return linkify_html(html, page.url)
+    return html
 
 
 def on_page_markdown(markdown, page, config, files, **kw):

@@ -118,6 +118,11 @@ def test_prose_ids_and_upstream_refs_are_links(site):
     assert '<a href="https://github.com/sgl-project/sglang/pull/26512">#26512</a>' in v2
     pa = (site / "spec/paging-attention/index.html").read_text()
     assert '<a href="https://github.com/sgl-project/sglang/commit/188f0955f"><code>188f0955f</code></a>' in pa
+    tut = (site / "tutorials/01_paged_kv_cache/index.html").read_text()
+    assert '<a href="../../spec/paging-attention/#pa-008">PA-008</a>' in tut  # notebook pages too
+    for page in (site / "tutorials").glob("*/index.html"):  # every injected link has its target
+        for family, anchor in re.findall(r'href="\.\./\.\./spec/([\w-]+)/#([\w-]+)"', page.read_text()):
+            assert f'id="{anchor}"' in (site / "spec" / family / "index.html").read_text(), (page, anchor)
     home = (site / "index.html").read_text()
     assert 'href="https://github.com/refspec/refspec"' in home
     assert "https://refspec.github.io/refspec/" in home  # site_url: canonical links
