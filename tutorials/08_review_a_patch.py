@@ -44,7 +44,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from refspec import bugs
 from refspec.core import tolerance
