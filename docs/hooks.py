@@ -238,6 +238,10 @@ def on_page_content(html, page, config, files, **kw):
 
 def on_page_markdown(markdown, page, config, files, **kw):
     src = page.file.src_uri
+    if src.endswith(".ipynb"):  # rendered by mkdocs-jupyter from the file; edit its jupytext source
+        if config.get("repo_url"):
+            page.edit_url = f"{config['repo_url'].rstrip('/')}/edit/main/tutorials/{Path(src).stem}.py"
+        return markdown
     try:
         markdown = generated.sync_text(markdown, generated.Context(src, _index, "site"))
     except ValueError as e:

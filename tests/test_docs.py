@@ -126,6 +126,10 @@ def test_prose_ids_and_upstream_refs_are_links(site):
     home = (site / "index.html").read_text()
     assert 'href="https://github.com/refspec/refspec"' in home
     assert "https://refspec.github.io/refspec/" in home  # site_url: canonical links
+    assert 'href="https://github.com/refspec/refspec/edit/main/docs/spec/graphs.md"' in \
+        (site / "spec/graphs/index.html").read_text()  # edit_uri
+    assert 'href="https://github.com/refspec/refspec/edit/main/tutorials/08_review_a_patch.py"' in \
+        (site / "tutorials/08_review_a_patch/index.html").read_text()  # a notebook edits its source
 
 
 def test_linkify_rules():
