@@ -63,7 +63,10 @@ PROJECT_RE = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, PROJECTS)) + r"
 PR_RE = re.compile(r"(?<![\w/#&\[])#(\d{3,6})\b")
 HASH = r"(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{9,40}"
 HASH_RE = re.compile(r"(?<![\w/@.-])" + HASH + r"(?![\w-])")
-CODE_HASH_RE = re.compile(r"^(?:(?P<path>[\w./-]+\.\w+)(?::[\w.]+)?)?@(?P<hash>" + HASH + r")$|^(?P<bare>" + HASH + r")$")
+#: in inline code a 9-digit hash may be all digits (`631950280`); in prose that is a number
+CODE_HASH = HASH + r"|\d{9}"
+CODE_HASH_RE = re.compile(r"^(?:(?P<path>[\w./-]+\.\w+)(?::[\w.]+)?)?@(?P<hash>" + CODE_HASH + r")$"
+                          r"|^(?P<bare>" + CODE_HASH + r")$")
 #: clause boundaries: the project context goes back to SGLang after one
 CLAUSE_RE = re.compile(r"[.;|](?=\s|$)")
 

@@ -138,7 +138,7 @@ def test_linkify_rules():
     md = "\n".join([
         "### CG-004 heading stays",
         "CG-004 and `MD-008`, see [CG-001](graphs.md#cg-001). SGLang #26512 (`e5f5d8478`), reverted by #26628;",
-        "vLLM #16087, #7999. Plain 188f0955f; tokenspeed #913 stays text.",
+        "vLLM #16087, #7999. Plain 188f0955f; tokenspeed #913 stays text. A2 `631950280`, 123456789 tokens.",
         "```",
         "CG-004 #5090 in code",
         "```",
@@ -154,7 +154,8 @@ def test_linkify_rules():
     assert out[2].startswith("vLLM [#16087](https://github.com/vllm-project/vllm/issues/16087), "
                              "[#7999](https://github.com/vllm-project/vllm/issues/7999).")
     assert "[188f0955f](https://github.com/sgl-project/sglang/commit/188f0955f)" in out[2]
-    assert out[2].endswith("tokenspeed #913 stays text.")
+    assert "tokenspeed #913 stays text." in out[2]
+    assert "[`631950280`](https://github.com/sgl-project/sglang/commit/631950280), 123456789 tokens." in out[2]
     assert out[3:6] == ["```", "CG-004 #5090 in code", "```"]
     assert out[6].startswith("[`python/sglang/srt/layers/attention/flashattention_backend.py@188f0955f`]"
                              "(https://github.com/sgl-project/sglang/commit/188f0955f)")
