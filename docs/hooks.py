@@ -85,37 +85,50 @@ def _repo_for(context: str | None) -> str | None:
     return SGLANG if context is None else PROJECTS[context.lower()]
 
 
+def link_text(s: str, context: list, id_target, fmt) -> str:
+    """Plain text ``s`` with IDs, ``#NNNN`` and commit hashes linked: ``fmt(label, url)`` writes
+    a link, ``id_target(ID)`` gives an ID's URL. ``context`` is a one-element list holding the
+    project named last in the current clause (carried across a paragraph's lines)."""
+    id_re = _id_re()
+    out, pos = [], 0
+    tokens = sorted([(m.start(), m.end(), "id", m) for m in id_re.finditer(s) if m.group(1) in INVARIANTS]
+                    + [(m.start(), m.end(), "pr", m) for m in PR_RE.finditer(s)]
+                    + [(m.start(), m.end(), "hash", m) for m in HASH_RE.finditer(s)]
+                    + [(m.start(), m.end(), "project", m) for m in PROJECT_RE.finditer(s)]
+                    + [(m.start(), m.end(), "clause", m) for m in CLAUSE_RE.finditer(s)],
+                    key=lambda t: t[0])
+    for start, end, kind, m in tokens:
+        if start < pos:
+            continue
+        out.append(s[pos:start])
+        piece = m.group(0)
+        if kind == "id":
+            piece = fmt(piece, id_target(m.group(1)))
+        elif kind == "pr" and (repo := _repo_for(context[0])):
+            piece = fmt(piece, f"{repo}/{'pull' if repo == SGLANG else 'issues'}/{m.group(1)}")
+        elif kind == "hash" and (repo := _repo_for(context[0])):
+            piece = fmt(piece, f"{repo}/commit/{piece}")
+        elif kind == "project":
+            context[0] = m.group(1)
+        elif kind == "clause":
+            context[0] = None
+        out.append(piece)
+        pos = end
+    out.append(s[pos:])
+    return "".join(out)
+
+
+def _md_id_target(src_uri: str):
+    here = posixpath.dirname(src_uri) or "."
+    return lambda i: f"{posixpath.relpath('spec/' + spec_index.family_page(i), here)}#{i.lower()}"
+
+
 def linkify_line(line: str, src_uri: str, id_re: re.Pattern, context: list) -> str:
-    """One prose line with IDs, ``#NNNN`` and commit hashes linked. ``context`` is a one-element
-    list holding the project named last in the current clause (carried across the paragraph's lines)."""
+    """One prose line of Markdown with IDs, ``#NNNN`` and commit hashes linked (see :func:`link_text`)."""
+    target = _md_id_target(src_uri)
 
     def text_part(s: str) -> str:
-        out, pos = [], 0
-        tokens = sorted([(m.start(), m.end(), "id", m) for m in id_re.finditer(s) if m.group(1) in INVARIANTS]
-                        + [(m.start(), m.end(), "pr", m) for m in PR_RE.finditer(s)]
-                        + [(m.start(), m.end(), "hash", m) for m in HASH_RE.finditer(s)]
-                        + [(m.start(), m.end(), "project", m) for m in PROJECT_RE.finditer(s)]
-                        + [(m.start(), m.end(), "clause", m) for m in CLAUSE_RE.finditer(s)],
-                        key=lambda t: t[0])
-        for start, end, kind, m in tokens:
-            if start < pos:
-                continue
-            out.append(s[pos:start])
-            piece = m.group(0)
-            if kind == "id":
-                piece = generated.id_link(m.group(1), src_uri)
-            elif kind == "pr" and (repo := _repo_for(context[0])):
-                piece = f"[#{m.group(1)}]({repo}/{'pull' if repo == SGLANG else 'issues'}/{m.group(1)})"
-            elif kind == "hash" and (repo := _repo_for(context[0])):
-                piece = f"[{piece}]({repo}/commit/{piece})"
-            elif kind == "project":
-                context[0] = m.group(1)
-            elif kind == "clause":
-                context[0] = None
-            out.append(piece)
-            pos = end
-        out.append(s[pos:])
-        return "".join(out)
+        return link_text(s, context, target, lambda label, url: f"[{label}]({url})")
 
     out, pos = [], 0
     for m in PROTECTED_RE.finditer(line):
@@ -210,26 +223,28 @@ _TAG_RE = re.compile(r"<(/?)([A-Za-z][\w-]*)[^>]*?(/?)>|<!--.*?-->", re.S)
 
 
 def linkify_html(html: str, page_url: str) -> str:
-    """IDs in the text of rendered HTML (the notebook pages, which skip ``on_page_markdown``)
-    become links to their spec entries; text inside links, code, headings, styles is left alone."""
-    id_re = _id_re()
+    """IDs and upstream references in the text of rendered HTML (the notebook pages, which skip
+    ``on_page_markdown``) become links; text inside links, code, headings, styles is left alone."""
     depth = 0  # nesting inside skipped tags
     here = posixpath.dirname(page_url.rstrip("/") + "/x")  # the page's directory URL
 
-    def link(m):
-        target = posixpath.relpath(f"spec/{spec_index.family_page(m.group(1)).removesuffix('.md')}/", here or ".")
-        return f'<a href="{target}/#{m.group(1).lower()}">{m.group(1)}</a>'
+    def target(i):
+        family = spec_index.family_page(i).removesuffix(".md")
+        return f"{posixpath.relpath('spec/' + family, here or '.')}/#{i.lower()}"
+
+    def text(s):
+        if depth or not s.strip():
+            return s
+        return link_text(s, [None], target, lambda label, url: f'<a href="{url}">{label}</a>')
 
     out, pos = [], 0
     for m in _TAG_RE.finditer(html):
-        text = html[pos:m.start()]
-        out.append(text if depth else id_re.sub(lambda x: link(x) if x.group(1) in INVARIANTS else x.group(0), text))
+        out.append(text(html[pos:m.start()]))
         out.append(m.group(0))
         if m.group(2) and m.group(2).lower() in _SKIP_TAGS and not m.group(3):
             depth = max(0, depth - 1) if m.group(1) else depth + 1
         pos = m.end()
-    rest = html[pos:]
-    out.append(rest if depth else id_re.sub(lambda x: link(x) if x.group(1) in INVARIANTS else x.group(0), rest))
+    out.append(text(html[pos:]))
     return "".join(out)
 
 

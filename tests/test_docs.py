@@ -57,6 +57,8 @@ def test_strict_build_has_every_page(site):
                  "fa3-contract/index.html", "glossary/index.html", "bug-zoo/index.html", "citing/index.html",
                  "tolerance-policy/index.html", "tutorials/index.html"]:
         assert (site / page).is_file(), page
+    css = (site / "stylesheets/extra.css").read_text()  # field names in tables never break mid-word
+    assert "white-space: nowrap" in css and "stylesheets/extra.css" in (site / "modes/decode/index.html").read_text()
 
 
 def test_generated_parts_are_filled(site):
