@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 
-.PHONY: venv test demo check mutants conformance docs clean
+.PHONY: venv test demo check mutants conformance docs lab clean
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-$(EXTRAS): pyproject.toml
@@ -34,8 +34,14 @@ conformance: venv
 	$(PY) -m refspec conformance
 	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py
 
+# executes the tutorials while building, so their pages show outputs and figures (a few
+# minutes: 05 and 06 load the real model); make test's strict build does not execute them
 docs: venv
-	$(PY) -m mkdocs build --strict
+	REFSPEC_DOCS_EXECUTE=true $(PY) -m mkdocs build --strict
+
+lab:
+	$(MAKE) venv EXTRAS=$(EXTRAS),lab
+	$(VENV)/bin/jupyter lab tutorials/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance

@@ -9,6 +9,7 @@ argv is ``sys.executable``), so they see exactly the refspec being tested.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -95,3 +96,24 @@ def test_executes_top_to_bottom(path, kernel_manager_factory):
     assert len(ran) == len(code), f"{path.name}: {len(code) - len(ran)} code cells did not run"
     errors = [o for c in code for o in c.outputs if o.output_type == "error"]
     assert not errors, errors
+
+
+#: tutorials without exercises (none: a new tutorial gets 2-3 before it is merged)
+NO_EXERCISES: set[str] = set()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_exercises_have_hidden_checks(path):
+    """2-3 exercises: an ``answer_x = ...`` cell, a collapsed solution, and a check cell tagged
+    ``check`` with its source hidden that calls ``exercises.check``."""
+    if path.stem in NO_EXERCISES:
+        pytest.skip(f"{path.stem} has no exercises yet (listed in NO_EXERCISES)")
+    nb = nbformat.read(path, as_version=4)
+    answers = [c for c in nb.cells if c.cell_type == "code" and re.search(r"^answer_\w+ = \.\.\.", c.source, re.M)]
+    checks = [c for c in nb.cells if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
+    solutions = [c for c in nb.cells if c.cell_type == "markdown" and "<details><summary>Solution" in c.source]
+    assert 2 <= len(answers) <= 3, f"{path.name}: {len(answers)} exercises"
+    assert len(checks) == len(answers) == len(solutions), (path.name, len(checks), len(answers), len(solutions))
+    for c in checks:
+        assert c.metadata.get("jupyter", {}).get("source_hidden") is True, f"{path.name}: a check cell is not hidden"
+        assert "exercises.check(" in c.source, f"{path.name}: a check cell does not call exercises.check"

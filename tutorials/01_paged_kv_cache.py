@@ -191,6 +191,73 @@ for r, n in zip(rows, [7, 8, 12]):
 print("free pages after every request finished:", kv.allocator.num_free_pages)
 
 # %% [markdown]
+# ## Exercises
+#
+# **1a.** A request's `req_to_token` row is `[8, 9, 10, 11, 44, 45, 46, 47, 40]` (`P = 4`,
+# `K = 9` positions). What is its page-table row (the strided rule, `ceil(K / P)` entries)?
+
+# %%
+answer_1a = ...  # a list of page ids
+
+# %% [markdown]
+# <details><summary>Solution 1a</summary>
+#
+# One entry per page: the slot of the page's first position, divided by `P` (MD-007):
+# `[8 // 4, 44 // 4, 40 // 4] = [2, 11, 10]`.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+
+ex_row, ex_P = [8, 9, 10, 11, 44, 45, 46, 47, 40], 4
+# the rule read off the row: the page holding each page-start position
+expected_1a = [ex_row[j] // ex_P for j in range(0, len(ex_row), ex_P)]
+exercises.check("1a", answer_1a, expected_1a, solution=[2, 11, 10],
+                hint="take every P-th slot of the row, then // P")
+
+# %% [markdown]
+# **1b.** Through that page table, which slot does the kernel read for position `p = 6`
+# (`page_table[p // P] * P + p % P`)? Check it against the row.
+
+# %%
+answer_1b = ...  # a slot id
+
+# %% [markdown]
+# <details><summary>Solution 1b</summary>
+#
+# `page_table[1] * 4 + 2 = 11 * 4 + 2 = 46`, which is `req_to_token[r, 6]`: the page table is
+# right because the row is page-contiguous (PA-001, PA-002).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# the oracle reads keys by slot: position p of the request lives in req_to_token[r, p]
+exercises.check("1b", answer_1b, ex_row[6], solution=46, hint="page 1 of the table holds positions 4..7")
+
+# %% [markdown]
+# **1c.** A v1 round leaves a request with `alloc_len = 12` slots reserved and `keep_len = 7`
+# committed (`P = 4`). How many pages does `free_tail` give back (KV-002, KV-004)?
+
+# %%
+answer_1c = ...  # an int
+
+# %% [markdown]
+# <details><summary>Solution 1c</summary>
+#
+# Positions 0..6 use pages of positions 0..3 and 4..7; positions 8..11 fill a third page that
+# no committed position needs, so **1** page is freed; position 7 stays (its page holds
+# position 6).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+# pages are freed whole: count the pages used by positions < alloc_len but by none < keep_len
+ex_pages = lambda n: {p // 4 for p in range(n)}  # page index (within the request) of each position
+exercises.check("1c", answer_1c, len(ex_pages(12) - ex_pages(7)), solution=1,
+                hint="a page is freed only when no committed position is on it")
+
+# %% [markdown]
 # ## Checks
 
 # %%

@@ -243,6 +243,68 @@ else:
     print("real FA3 vs fp32 oracle:", tolerance.assert_t1(g.run_fa3(provider="fa3"), ref32, ref_low, "verify"))
 
 # %% [markdown]
+# ## Exercises
+#
+# **2a.** A request has `K = 9` keys and `q = 4` query rows. Which key positions does row
+# `i = 1` see (bottom-right causal, PA-004)? `answer_2a = [...]`.
+
+# %%
+answer_2a = ...  # a list of key positions
+
+# %% [markdown]
+# <details><summary>Solution 2a</summary>
+#
+# Row `i` sees `p <= i + K - q = 1 + 9 - 4 = 6`: `[0, 1, 2, 3, 4, 5, 6]`.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+import torch
+
+from refspec.harness import exercises
+from refspec.oracle.attention import attention_by_slot
+
+
+def ex_visible_keys(K: int, q: int, row: int) -> list[int]:
+    """Measured on the oracle: zero queries (uniform softmax), value of key p = one-hot(p)."""
+    r2t = torch.zeros(2, 16, dtype=torch.int32)
+    r2t[1, :K] = torch.arange(K, dtype=torch.int32)  # slot = position
+    k = torch.randn(16, 1, 16)
+    v = torch.eye(16)[:, None, :]  # [slots, Hkv = 1, D = 16]
+    out = attention_by_slot(torch.zeros(q, 1, 16), k, v, r2t, [1], [K], [0, q])
+    return [p for p in range(16) if out[row, 0, p] > 0]
+
+
+exercises.check("2a", answer_2a, ex_visible_keys(9, 4, 1), solution=[0, 1, 2, 3, 4, 5, 6],
+                hint="row i sees keys p <= i + K - q")
+
+# %% [markdown]
+# **2b.** GQA with `H = 8` query heads and `Hkv = 2` KV heads: which KV head does query head
+# `h = 5` read (PA-006)?
+
+# %%
+answer_2b = ...  # an int
+
+# %% [markdown]
+# <details><summary>Solution 2b</summary>
+#
+# `h // (H / Hkv) = 5 // 4 = 1`: heads 0..3 share KV head 0, heads 4..7 KV head 1.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+def ex_kv_head_of(h: int, H: int = 8, Hkv: int = 2) -> int:
+    """Measured on the oracle: the value of KV head j is the constant j."""
+    r2t = torch.zeros(2, 4, dtype=torch.int32)
+    r2t[1, :1] = 0
+    v = torch.arange(Hkv, dtype=torch.float32)[None, :, None].expand(4, Hkv, 8).contiguous()
+    out = attention_by_slot(torch.randn(1, H, 8), torch.randn(4, Hkv, 8), v, r2t, [1], [1], [0, 1])
+    return int(out[0, h, 0].round())
+
+
+exercises.check("2b", answer_2b, ex_kv_head_of(5), solution=1, hint="H / Hkv query heads share one KV head")
+
+# %% [markdown]
 # ## Checks
 
 # %%

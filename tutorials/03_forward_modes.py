@@ -171,6 +171,72 @@ print("v1 vs v2 kept rows:", tolerance.t1(kept_v1, kept_v2))
 assert tolerance.t1(kept_v1, kept_v2).ok
 
 # %% [markdown]
+# ## Exercises
+#
+# The check cells build the batch with refspec and ask the **oracle** (`oracle_metadata`, which
+# reads `K` off the positions the batch writes, not off the FA3 rules) for the answer.
+#
+# **3a.** TARGET_VERIFY, committed lengths `L = [3, 10]`, `N = 4`. What are `cache_seqlens` and
+# `cu_seqlens_q`? `answer_3a = (cache_seqlens, cu_seqlens_q)`.
+
+# %%
+answer_3a = ...
+
+# %% [markdown]
+# <details><summary>Solution 3a</summary>
+#
+# `K = L + N = [7, 14]`, `N` rows each: `([7, 14], [0, 4, 8])` (MD-011).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+from refspec.oracle.backend import oracle_metadata
+
+
+def ex_oracle(**kw):
+    om = oracle_metadata(Scenario(page_size=4, seed=0, **kw).build().fb)
+    return om.cache_seqlens, om.cu_seqlens_q
+
+
+exercises.check("3a", answer_3a, ex_oracle(mode=M.TARGET_VERIFY, lens=[3, 10]), solution=([7, 14], [0, 4, 8]),
+                hint="verify appends N chained tokens to the committed L")
+
+# %% [markdown]
+# **3b.** Draft decode step `s = 2` with committed `L = [5, 8]`: `cache_seqlens`?
+
+# %%
+answer_3b = ...
+
+# %% [markdown]
+# <details><summary>Solution 3b</summary>
+#
+# Step `s` sees the committed tokens, the root and `s` drafts: `K = L + s + 1 = [8, 11]` (MD-010).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+exercises.check("3b", answer_3b, ex_oracle(mode=M.DECODE, lens=[5, 8], draft_step=2)[0], solution=[8, 11],
+                hint="K = L + s + 1")
+
+# %% [markdown]
+# **3c.** DRAFT_EXTEND (v1) with `L = [5, 8, 12]` and accepted `a = [3, 1, 2]`: `cu_seqlens_q`?
+
+# %%
+answer_3c = ...
+
+# %% [markdown]
+# <details><summary>Solution 3c</summary>
+#
+# v1 packs the `a_b` accepted tokens back to back: `[0, 3, 4, 6]` (MD-009).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+exercises.check("3c", answer_3c, ex_oracle(mode=M.DRAFT_EXTEND, lens=[5, 8, 12], num_accept_tokens=[3, 1, 2])[1],
+                solution=[0, 3, 4, 6], hint="packed: [0, cumsum(a)]")
+
+# %% [markdown]
 # ## Checks
 
 # %%

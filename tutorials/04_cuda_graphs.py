@@ -209,6 +209,50 @@ with bugs.enabled("de-v1-uniform-cu-q"):
 print("full acceptance, v2 rule on v1 vs correct:", tolerance.t0(bad, good))
 
 # %% [markdown]
+# ## Exercises
+#
+# **4a.** A DRAFT_EXTEND_V2 graph captured at `Bg = 4` replays 3 live requests with `W = N = 4`
+# rows each. What `cu_seqlens_q` must the replay write (all `Bg + 1` entries)?
+
+# %%
+answer_4a = ...
+
+# %% [markdown]
+# <details><summary>Solution 4a</summary>
+#
+# Uniform, the padded row included: `[0, 4, 8, 12, 16]` (CG-004).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+
+ex_Bg, ex_W = 4, 4
+# CG-004 written out: the runner lays out W rows per (padded) request
+exercises.check("4a", answer_4a, [ex_W * i for i in range(ex_Bg + 1)], solution=[0, 4, 8, 12, 16],
+                hint="v2 lays out W rows for every request, padded ones too")
+
+# %% [markdown]
+# **4b.** The same graph replays **v1** with accepted `a = [2, 4, 1]`; the padded row's fill is
+# `W = 4`. What `cu_seqlens_q` must the replay write?
+
+# %%
+answer_4b = ...
+
+# %% [markdown]
+# <details><summary>Solution 4b</summary>
+#
+# v1 packs: `[0, cumsum(a + [4])] = [0, 2, 6, 7, 11]` (CG-003). The uniform rule would give
+# `[0, 4, 8, 12, 16]` and misalign every request after the first (the `de-v1-uniform-cu-q` bug).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+ex_counts = [2, 4, 1, ex_W]  # live a_b, then the padded row's fill
+exercises.check("4b", answer_4b, [sum(ex_counts[:i]) for i in range(len(ex_counts) + 1)],
+                solution=[0, 2, 6, 7, 11], hint="[0, cumsum(num_accept_tokens)], padded row last")
+
+# %% [markdown]
 # ## Checks
 
 # %%

@@ -367,7 +367,55 @@ print("a histogram (a = 1..N):", hist, " accept length:", round(prod["v1"].accep
 # this CPU that is no speed-up — a verify of 4 tokens costs more than one decode step, and a
 # 25-layer draft is nearly as expensive as the target — but the *mechanics* are exactly those
 # of a GPU run, where a cheap trained EAGLE head makes the same accounting pay.
+
+# %% [markdown]
+# ## Exercises
 #
+# **5a.** Greedy verification: the drafts are `[5, 9, 2]` and the target's argmax at the root and
+# after each draft is `[5, 9, 7, 3]`. How many drafts are accepted (`n`), and which tokens are
+# committed this round? `answer_5a = (n, committed)`.
+
+# %%
+answer_5a = ...
+
+# %% [markdown]
+# <details><summary>Solution 5a</summary>
+#
+# Drafts 5 and 9 match, 2 does not (the target says 7): `n = 2`, and the round commits the two
+# drafts plus the target's own token at the first mismatch: `(2, [5, 9, 7])`, `a = n + 1 = 3`
+# (SD-001, SD-002).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+
+ex_drafts, ex_target = [5, 9, 2], [5, 9, 7, 3]
+ex_n = next((i for i, (d, t) in enumerate(zip(ex_drafts, ex_target)) if d != t), len(ex_drafts))
+exercises.check("5a", answer_5a, (ex_n, ex_target[:ex_n + 1]), solution=(2, [5, 9, 7]),
+                hint="accept the longest matching prefix, then take the target's token")
+
+# %% [markdown]
+# **5b.** In v2, the draft extend runs all `N = 4` rows of each request. For a batch with accept
+# lengths `a = [3, 1]`, which rows are kept (SD-005)?
+
+# %%
+answer_5b = ...
+
+# %% [markdown]
+# <details><summary>Solution 5b</summary>
+#
+# Row `b * N + a_b - 1`: `[0 * 4 + 2, 1 * 4 + 0] = [2, 4]`.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+ex_N, ex_a = 4, [3, 1]
+# the kept row is the last accepted token of request b inside its block of N rows
+exercises.check("5b", answer_5b, [b * ex_N + a - 1 for b, a in enumerate(ex_a)], solution=[2, 4],
+                hint="request b owns rows b*N .. b*N + N - 1")
+
+# %% [markdown]
 # ## Checks
 
 # %%

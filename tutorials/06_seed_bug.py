@@ -248,7 +248,58 @@ print(f"P = 1, bug on: ran in {time.perf_counter() - t0:.1f} s; tokens == oracle
 # A test matrix that never leaves `P = 1` cannot see a page-table bug. refspec runs its loop
 # suites at `P = 1` and `P > 1`, and `python -m refspec mutants` checks that this variant is
 # caught (by PA-002 at the metadata level, and by token mismatches at the loop level).
+
+# %% [markdown]
+# ## Exercises
 #
+# **6a.** Request row `[8, 9, 10, 11, 44, 45, 46, 47, 40]`, `P = 4`. With the seed bug the page
+# table holds the row's *slots* (`[8, 9, 10, ...]`) instead of page ids. Which slot does the
+# kernel read for position `p = 5`, and which slot holds position 5? `answer_6a = (read, right)`.
+
+# %%
+answer_6a = ...
+
+# %% [markdown]
+# <details><summary>Solution 6a</summary>
+#
+# The kernel computes `table[p // P] * P + p % P = table[1] * 4 + 1 = 9 * 4 + 1 = 37`; position 5
+# is in slot `45`: `(37, 45)` (PA-002).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+
+ex_row, ex_P, ex_p = [8, 9, 10, 11, 44, 45, 46, 47, 40], 4, 5
+ex_read = ex_row[ex_p // ex_P] * ex_P + ex_p % ex_P  # what FA3 does with a table of slots
+exercises.check("6a", answer_6a, (ex_read, ex_row[ex_p]), solution=(37, 45),
+                hint="the kernel multiplies the table entry by P")
+
+# %% [markdown]
+# **6b.** For which of the page sizes `P = 1, 2, 4, 16` is the seed bug invisible (the slot table
+# reads the same slots as the page table for every position)? `answer_6b = [...]`.
+
+# %%
+answer_6b = ...
+
+# %% [markdown]
+# <details><summary>Solution 6b</summary>
+#
+# Only `P = 1`, where a slot *is* a page id: `[1]`. That is why CI, run at `P = 1`, passed.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+def ex_invisible(P: int) -> bool:
+    row = list(range(3 * P, 3 * P + 2 * P)) + list(range(7 * P, 8 * P))  # 3 page-contiguous pages
+    slot_table = row  # the bug: slots where page ids belong
+    return all(slot_table[p // P] * P + p % P == row[p] for p in range(len(row)))
+
+
+exercises.check("6b", answer_6b, [P for P in (1, 2, 4, 16) if ex_invisible(P)], solution=[1],
+                hint="a slot equals its page id only when a page holds one slot")
+
+# %% [markdown]
 # ## Checks
 
 # %%

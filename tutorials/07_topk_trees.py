@@ -242,6 +242,71 @@ axes[1].legend()
 fig.tight_layout()
 show(fig)
 
+# %% [markdown]
+# ## Exercises
+#
+# **7a.** In the tree part of the verify mask, which nodes does row 5 (token 22) see (TR-004)?
+# `answer_7a = [...]` (node indices, ascending).
+
+# %%
+answer_7a = ...
+
+# %% [markdown]
+# <details><summary>Solution 7a</summary>
+#
+# Itself and its ancestors: node 5's parent is node 2 (token 11), whose parent is the root:
+# `[0, 2, 5]`. Not its siblings 3 and 4, nor node 1.
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+from refspec.harness import exercises
+
+
+def ex_ancestors_and_self(parent: list[int], i: int) -> list[int]:
+    """The rule from the parent pointers alone (not from tree.mask)."""
+    out = [i]
+    while parent[out[-1]] >= 0:
+        out.append(parent[out[-1]])
+    return sorted(out)
+
+
+exercises.check("7a", answer_7a, ex_ancestors_and_self(tree.parent, 5), solution=[0, 2, 5],
+                hint="follow tree.parent from node 5 up to the root")
+
+# %% [markdown]
+# **7b.** This time the target's argmax is 11 at the root, 22 after `root 11`, and 7 after
+# `root 11 22` (`predict = [11, 0, 22, 0, 0, 7, 0]` per node). Which path is accepted and which
+# tokens are emitted? `answer_7b = (path, emitted)`.
+
+# %%
+answer_7b = ...
+
+# %% [markdown]
+# <details><summary>Solution 7b</summary>
+#
+# Root's child 11 is node 2; node 2's child 22 is node 5; node 5 has no children, so the bonus is
+# the target's 7: `([0, 2, 5], [11, 22, 7])` (TR-006).
+#
+# </details>
+
+# %% tags=["check"] jupyter={"source_hidden": true}
+def ex_greedy_walk(tokens: list[int], parent: list[int], predict: list[int]):
+    """Greedy tree acceptance written out: follow the child whose token is the target's argmax."""
+    path = [0]
+    while True:
+        kids = [j for j, p in enumerate(parent) if p == path[-1] and tokens[j] == predict[path[-1]]]
+        if not kids:
+            return path, [tokens[j] for j in path[1:]] + [predict[path[-1]]]
+        path.append(kids[0])
+
+
+exercises.check("7b", answer_7b, ex_greedy_walk(tree.tokens, tree.parent, [11, 0, 22, 0, 0, 7, 0]),
+                solution=([0, 2, 5], [11, 22, 7]), hint="walk from the root; the bonus is the last argmax")
+
+# %% [markdown]
+# ## Checks
+
 # %%
 assert tree.tokens == [ROOT, 10, 11, 20, 21, 22, 30] and tree.parent == [-1, 0, 0, 1, 1, 2, 3]   # TR-003
 assert tree.positions == [5, 6, 6, 7, 7, 7, 8]                                                  # TR-005
