@@ -1,4 +1,4 @@
-"""The bug zoo is caught: every variant of ``refspec.bugs.BUGS`` is detected on CPU, by the ID
+"""The bug zoo is caught: every variant of ``refspec.variants.VARIANTS`` is detected on CPU, by the ID
 its docs name, while the same probe with no variant on passes (``python -m refspec mutants``).
 
 One module-scoped run of all probes (a few seconds) feeds the per-variant tests, so a failure
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.cli.mutants import main as mutants_main
 from refspec.mutants import runner as mutants
 from refspec.mutants.checks import Symptom
@@ -39,25 +39,25 @@ def assert_caught(report, name, validated_ids, symptom_ids):
 
 
 def test_every_variant_is_caught_on_cpu_and_every_baseline_passes(report):
-    assert report.total == len(bugs.BUGS) and set(PROBES) == set(bugs.BUGS)
+    assert report.total == len(variants.VARIANTS) and set(PROBES) == set(variants.VARIANTS)
     text = mutants.format_report(report, verbose=True)
     assert all(r.baseline_ok for r in report.results), text
-    assert sorted(report.caught) == sorted(bugs.BUGS), text
+    assert sorted(report.caught) == sorted(variants.VARIANTS), text
     assert report.silent == [], text
-    assert text.splitlines()[-1] == f"caught {len(bugs.BUGS)}/{len(bugs.BUGS)}"
+    assert text.splitlines()[-1] == f"caught {len(variants.VARIANTS)}/{len(variants.VARIANTS)}"
 
 
-@pytest.mark.parametrize("name", sorted(bugs.BUGS))
+@pytest.mark.parametrize("name", sorted(variants.VARIANTS))
 def test_variant_docs_name_what_catches_it(report, name):
     """``Bug.caught_by`` is accurate (the validated run's ID is listed) and complete (every listed
     ID is seen by some run on CPU, save the device-only ones)."""
-    bug = bugs.BUGS[name]
+    bug = variants.VARIANTS[name]
     seen = report.observed_ids(name)
     for r in results(report, name):
         assert r.caught, mutants.format_report(mutants.Report("cpu", [r]), verbose=True)
         assert r.symptom.detected, f"{name} / {r.probe.label}: no symptom with validation off"
     assert set(bug.caught_by) - DEVICE_ONLY_IDS.get(name, set()) <= seen, (bug.caught_by, seen)
-    assert bug.changes and bug.source and bug.symptom and bug.hook
+    assert bug.changes and bug.source and bug.symptom and bug.seam
 
 
 # ---- one test per family: a failure names the variant and the rule -------------------------
@@ -143,7 +143,7 @@ def test_case_B20_step_major_is_invisible_at_batch_size_1():
     b = Scenario(ForwardMode.DECODE, page_size=4, lens=[9], draft_step=1).build()
     fb = draft_decode_steps_batch(b.kv, b.fb.req_pool_indices.tolist(), [9], 3)
     right = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
-    with bugs.enabled("draft-loc-step-major"):
+    with variants.enabled("draft-loc-step-major"):
         wrong = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
     assert right == wrong == [[int(b.kv.req_to_token[1, 9])], [int(b.kv.req_to_token[1, 10])]]
 
@@ -151,7 +151,7 @@ def test_case_B20_step_major_is_invisible_at_batch_size_1():
 # ---- the harness itself -------------------------------------------------------------------
 
 def _fake_variant(monkeypatch, name, probe):
-    monkeypatch.setitem(bugs.BUGS, name, bugs.Bug(name, "nothing", "test", "nothing", ("CG-002",), "nowhere"))
+    monkeypatch.setitem(variants.VARIANTS, name, variants.Variant(name, "nothing", "test", "nothing", ("CG-002",), "nowhere"))
     monkeypatch.setitem(PROBES, name, [probe])
 
 
@@ -184,19 +184,19 @@ def test_cli_prints_the_table_and_the_final_line(capsys):
 def test_cli_rejects_an_unknown_variant_and_a_variant_already_on():
     with pytest.raises(SystemExit):
         mutants_main(["--only", "no-such-variant"])
-    with bugs.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
+    with variants.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
         mutants.run("cpu", ["seed-page-table"])
-    with bugs.enabled("seed-page-table"):
-        with bugs.disabled():
-            assert bugs.active() == set()
-        assert bugs.active() == {"seed-page-table"}
+    with variants.enabled("seed-page-table"):
+        with variants.disabled():
+            assert variants.active() == set()
+        assert variants.active() == {"seed-page-table"}
 
 
 @pytest.mark.spec("TOL-002")
 def test_every_variant_is_caught_in_bf16_through_the_t1_budget():
     """The GPU comparison path (bf16, budget from the oracle's own bf16 error) on the emulator."""
     rep = mutants.run("cpu", low_precision=True)
-    assert sorted(rep.caught) == sorted(bugs.BUGS) and rep.silent == [], mutants.format_report(rep, True)
+    assert sorted(rep.caught) == sorted(variants.VARIANTS) and rep.silent == [], mutants.format_report(rep, True)
 
 
 @pytest.mark.spec("SD-004", "MD-005")
@@ -223,4 +223,4 @@ def test_every_variant_is_caught_on_cuda_with_real_fa3_and_cuda_graphs():
     rep = mutants.run("cuda")
     text = mutants.format_report(rep, verbose=True)
     assert all(r.baseline_ok for r in rep.results), text
-    assert sorted(rep.caught) == sorted(bugs.BUGS), text
+    assert sorted(rep.caught) == sorted(variants.VARIANTS), text

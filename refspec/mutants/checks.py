@@ -1,6 +1,6 @@
 """The test-suite side of the mutant harness: references, output comparisons, independent checks.
 
-Nothing here reads :mod:`refspec.bugs` or the production metadata builders' formulas: every
+Nothing here reads :mod:`refspec.mutants.variants` or the production metadata builders' formulas: every
 expected value comes from the oracle wing (``oracle_metadata``, ``OracleBackend``), from the
 spec's stated fills (§4.1), or from a hand formula (the horizon probe, case B14).  A probe
 reports what it sees as :class:`Symptom` s in a list (``found``); an exception raised by the
@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.batch import ForwardBatch
 from refspec.oracle.backend import OracleBackend, oracle_metadata
 from refspec.harness.scenario import Built, Scenario
@@ -113,7 +113,7 @@ def oracle(env: Env, case: Case, idx: list[int] | None = None, upcast: bool = Tr
     fp32 math unless ``upcast=False`` (the T1 budget run), in the scenario's dtype."""
     key = (case.label, repr(case.sc), None if idx is None else tuple(idx), upcast)
     if key not in env._refs:
-        with bugs.disabled():
+        with variants.disabled():
             b = case.build()
             fb, q, k, v = live(b, idx)
             be = OracleBackend(b.pool, b.kv, upcast=upcast)

@@ -1,4 +1,4 @@
-"""The probes: for each wrong variant of :data:`refspec.bugs.BUGS`, the scenario(s) that expose it.
+"""The probes: for each wrong variant of :data:`refspec.variants.VARIANTS`, the scenario(s) that expose it.
 
 A probe is ``run(env, found, validate)``: it drives the production wing (eager FA3 metadata,
 or a :class:`~refspec.graphs.runner.GraphRunner` replay; the KV allocator for the accounting
