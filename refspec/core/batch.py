@@ -256,12 +256,12 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
         if L < 0 or L + S1 > W:
             raise ValueError(f"draft decode request {b}: seq_len {L} with {S1} steps needs positions "
                              f"{L}..{L + S1 - 1} inside the req_to_token width {W}")
-    idx = [L + s for L in seq_lens for s in range(S1)]
     rows = [r for r in req_pool_indices for _ in range(S1)]
     fb = _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [], [])
-    fb.positions = torch.as_tensor(idx, dtype=torch.long, device=dev)
-    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long() \
-        if idx else torch.zeros(0, dtype=torch.long, device=dev)
+    if not rows:
+        return fb
+    fb.positions = torch.cat([tail_positions(L, S1, dev) for L in seq_lens])  # step s of request b: L_b + s
+    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long()
     return fb
 
 

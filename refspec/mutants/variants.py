@@ -126,7 +126,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "docs/spec/kv.md#kv-004 (sglang speculative/spec_utils.py align_evict_mask_to_page_size)",
             "a committed token's page goes back to the free list: the next request to allocate gets it "
             "and overwrites committed KV; finishing both requests frees that page twice",
-            ("KV-004", "KV-003", "MD-012")),
+            ("KV-004", "KV-003")),
     Variant("de-v1-attend-rejected", md.eager_cache_seqlens, R.v1_k_includes_rejected,
             "eager v1 draft extend uses K = L + N (all verify slots) instead of L' = L + a",
             "docs/spec/metadata.md#md-003; docs/modes/draft-extend-v1.md",
@@ -159,14 +159,14 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "(layer.sliding_window_size, 0)",
             "every row whose window is cut by the window loses its oldest visible key: wrong outputs "
             "for sliding-window layers once the context passes w, no error",
-            ("PA-004", "TOL-002")),
+            ("PA-004",)),
     Variant("emulator-window-edge", emulator.visible_keys, R.window_edge_exclusive,
             "the emulator's left window edge is exclusive: key p visible iff p > t - w (w keys, not w + 1)",
             "docs/spec/paging-attention.md#pa-004; https://github.com/Dao-AILab/flash-attention/blob/main/"
             "hopper/flash_attn_interface.py (window_size: both edges inclusive)",
             "on CPU the emulated FA3 drops the window's oldest key, so a wing with the real rule would "
             "look wrong next to it; no error",
-            ("PA-004", "TOL-002")),
+            ("PA-004",)),
     Variant("replay-skips-validate-batch", validate.validate_batch, R.skip_replay_validate_batch,
             "graph replay builds metadata without validate_batch (the live batch is never checked)",
             "docs/spec/metadata.md#md-006 (seq_lens_cpu mirrors seq_lens: replay reads max K from it)",

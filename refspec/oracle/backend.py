@@ -18,8 +18,9 @@ and derives the rest itself:
 * its own INV-TAIL check (MD-005): ``out_cache_loc[i] == req_to_token[r_b, t_i]`` and a request's
   positions are consecutive, so that a wrong builder (a shifted cut, a mixed layout) is refused
   here instead of being attended the same wrong way by both wings;
-* MD-012: distinct rows, no slot written twice, and no token writing a slot that is another
-  request's key (what a page freed too early and handed to another request looks like).
+* MD-012: distinct rows, no slot written twice, no slot twice among one request's keys, and no
+  token writing a slot that is another request's key (what a page freed too early and handed
+  out again looks like).
 
 It shares with the FA3 wing only the core's data structures (``ForwardBatch``, ``KVCache``,
 ``KVPool``, ``AttentionLayer``): no builder-derived field (``seq_lens``, ``q_lens_cpu``), and
@@ -35,7 +36,7 @@ from itertools import accumulate
 import torch
 
 from refspec.core.batch import ForwardBatch, check_batch_shapes
-from refspec.core.invariants import require
+from refspec.core.invariants import InvariantError, require
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
 from refspec.oracle.attention import attention_by_position
@@ -108,20 +109,27 @@ def check_tail(tw: OracleMetadata, loc: list[int], req_to_token: torch.Tensor) -
         mine = tw.positions[tw.cu_seqlens_q[b]:tw.cu_seqlens_q[b + 1]]
         if not mine:
             continue
-        require(mine == list(range(mine[0], mine[0] + len(mine))) and 0 <= mine[0] and mine[-1] < width, "MD-005",
-                lambda: f"request {b} (row {r}): positions {mine} are not consecutive inside [0, {width})")
+        if not (mine == list(range(mine[0], mine[0] + len(mine))) and 0 <= mine[0] and mine[-1] < width):
+            raise InvariantError("MD-005", f"request {b} (row {r}): positions {mine} are not consecutive "
+                                 f"inside [0, {width})")
         want = req_to_token[r, mine[0]:mine[-1] + 1].tolist()
         got = loc[tw.cu_seqlens_q[b]:tw.cu_seqlens_q[b + 1]]
-        require(got == want, "MD-005", lambda: f"request {b} (row {r}): out_cache_loc {got} != req_to_token[{r}, "
-                f"{mine[0]}:{mine[-1] + 1}] {want} (the slots of its own positions)")
-        keys[b] = set(req_to_token[r, :mine[-1] + 1].tolist())
+        if got != want:
+            raise InvariantError("MD-005", f"request {b} (row {r}): out_cache_loc {got} != req_to_token[{r}, "
+                                 f"{mine[0]}:{mine[-1] + 1}] {want} (the slots of its own positions)")
+        slots = req_to_token[r, :mine[-1] + 1].tolist()
+        if len(set(slots)) != len(slots):
+            raise InvariantError("MD-012", f"request {b} (row {r}): a slot appears twice among its keys "
+                                 f"0..{mine[-1]} (a page handed out twice)")
+        keys[b] = set(slots)
     require(len(set(loc)) == len(loc), "MD-012", lambda: f"out_cache_loc {loc} writes a slot twice")
     for b, ks in keys.items():
         for c in keys:
             written = set(loc[tw.cu_seqlens_q[c]:tw.cu_seqlens_q[c + 1]])
             clash = sorted(written & ks) if c != b else []
-            require(not clash, "MD-012", lambda: f"request {c} writes slot(s) {clash[:4]} that request {b} "
-                    f"(row {tw.req_pool_indices[b]}) reads as its keys")
+            if clash:
+                raise InvariantError("MD-012", f"request {c} writes slot(s) {clash[:4]} that request {b} "
+                                     f"(row {tw.req_pool_indices[b]}) reads as its keys")
 
 
 class OracleBackend:
