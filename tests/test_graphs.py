@@ -16,10 +16,12 @@ from graph_kit import (FROZEN_MAX_Q, K_DELTA, MODES, N, PAD_SEQ_LEN, PAGE_SIZES,
                        Requests, assert_real_rows_metadata_equal, captured_key, poison_dummy_page, poison_padding,
                        real_rows_differ, scenario)
 
-from refspec.mutants import variants
 from refspec.core import tolerance as tol
-from refspec.graphs.capture import EmulatedGraph, launch
 from refspec.core.invariants import InvariantError
+from refspec.core.modes import ForwardMode
+from refspec.graphs.capture import EmulatedGraph, launch
+from refspec.harness.scenario import Scenario
+from refspec.mutants import variants
 
 ALL = list(MODES)
 
@@ -348,13 +350,30 @@ def test_rebinding_a_captured_buffer(name, bug):
 @pytest.mark.parametrize("validate", [False, True])
 @pytest.mark.parametrize("name", ["draft_extend", "draft_extend_v2"])
 def test_live_query_longer_than_frozen_max_seqlen_q(name, validate):
-    """Bug "capture-max-seqlen-q-small" (case B08): the draft-extend graph freezes max_seqlen_q = 1;
-    a live request with more rows raises PA-010, from the validation or, without it, from the
-    emulated kernel that the frozen scalar reaches."""
+    """Variant "capture-max-seqlen-q-small" (case B08): the draft-extend graph freezes
+    max_seqlen_q = 1 while its requests have W rows.  The emulated kernel refuses it (PA-010) as
+    soon as a forward runs under the frozen scalar: already the capture-time forward of the
+    dummy batch (W rows per request); with a real kernel the replay's validation says PA-010."""
     reqs = Requests(scenario(name, 4))
-    with variants.enabled("capture-max-seqlen-q-small"):
+    with pytest.raises(InvariantError) as e, variants.enabled("capture-max-seqlen-q-small"):
         runner = reqs.runner(capture_bs=(4,), validate=validate)
-    fb, x, _ = reqs.live([0, 1, 2])
-    with pytest.raises(InvariantError) as e:
+        fb, x, _ = reqs.live([0, 1, 2])
         runner.replay(fb, x)
     assert e.value.inv_id == "PA-010"
+
+
+@pytest.mark.spec("MD-006")
+def test_replay_validates_the_live_batch_first():
+    """Every validated replay runs :func:`refspec.fa3.validate.validate_batch` on the live batch:
+    a CPU mirror ``seq_lens_cpu`` one token ahead of ``seq_lens`` (max K and the page-table width
+    come from it) is refused with MD-006.  The ``replay-skips-validate-batch`` variant makes the
+    same replay go through, which is what this test exists to notice."""
+    b = Scenario(ForwardMode.TARGET_VERIFY, page_size=4, lens=[9, 14, 5], num_draft_tokens=4).build()
+    runner = b.graph_runner(capture_bs=(4,))
+    bad = b.fb.replace(seq_lens_cpu=b.fb.seq_lens_cpu + 1)
+    inputs = dict(q=b.q, k=b.k, v=b.v)
+    with pytest.raises(InvariantError) as e:
+        runner.replay(bad, inputs)
+    assert e.value.inv_id == "MD-006" and "mirror" in str(e.value)
+    with variants.enabled("replay-skips-validate-batch"):
+        assert runner.replay(bad, inputs).shape == b.q.shape  # no check left to refuse it
