@@ -27,7 +27,10 @@
 # passed. With `P > 1` the kernel takes column `j` to be page `slot(j)` and reads position `p`
 # from slot `slot(p // P) * P + p % P`: about `P` times too far into the pool (spec §2.3).
 # Tutorial 01 showed this for one position; here it runs in the whole speculative loop on the
-# real model (bug variant `seed-page-table` of `refspec.mutants.variants`):
+# real model. The bug is the variant `seed-page-table` of `refspec.mutants.variants`: a
+# replacement for the production seam `refspec.fa3.graph_metadata.replay_page_table`, applied
+# from outside for the duration of a `with variants.enabled(...)` block (the production module
+# holds only the correct rule):
 #
 # 1. with refspec's replay validation on, the first replay is refused with **PA-002**;
 # 2. with validation off, the loop runs and prints garbage;
