@@ -96,6 +96,24 @@ def _id_index(ctx: Context, arg: str) -> str:
     return "\n".join(rows)
 
 
+_URL = re.compile(r"https://github\.com/([\w.-]+/[\w.-]+)/(?:pull|issues)/(\d+)")
+_DOC = re.compile(r"\bdocs/([\w/.-]+\.md)(#[\w-]+)?")
+
+
+def _seam(v) -> str:
+    """The production function a variant replaces, as markdown (and the one module it is limited to)."""
+    where = f" (in `{v.within.removeprefix('refspec.')}` only)" if v.within else ""
+    return f"`{v.seam.removeprefix('refspec.')}`{where}"
+
+
+def _source_links(text: str, src_uri: str) -> str:
+    """Upstream PR / issue URLs as ``owner/repo#N`` links, ``docs/...md`` as relative links."""
+    here = posixpath.dirname(src_uri)
+    text = _URL.sub(lambda m: f"[{m.group(1)}#{m.group(2)}]({m.group(0)})", text)
+    return _DOC.sub(lambda m: f"[{m.group(1)}{m.group(2) or ''}]"
+                    f"({posixpath.relpath(m.group(1), here or '.')}{m.group(2) or ''})", text)
+
+
 def _bug_zoo(ctx: Context, arg: str) -> str:
     # a narrow table first ("caught by" second: what a reviewer looks for, on screen at 1280 px),
     # then the long columns (symptom, where it was seen) as one paragraph per variant
@@ -103,8 +121,8 @@ def _bug_zoo(ctx: Context, arg: str) -> str:
     for b in variants.VARIANTS.values():
         caught = ", ".join(id_link(i, ctx.src_uri) for i in b.caught_by)
         rows.append(f"| [`{b.name}`](#{b.name}) | {caught} | {b.changes} |")
-    details = [f'<a id="{b.name}"></a>\n**`{b.name}`** — {b.symptom}. *Seen in:* {b.source}.'
-               for b in variants.VARIANTS.values()]
+    details = [f'<a id="{b.name}"></a>\n**`{b.name}`** replaces {_seam(b)} — {b.symptom}. '
+               f'*Seen in:* {_source_links(b.source, ctx.src_uri)}.' for b in variants.VARIANTS.values()]
     return "\n".join(rows) + "\n\n**Symptoms and sources**\n\n" + "\n\n".join(details)
 
 
