@@ -91,3 +91,20 @@ def test_shared_core_variant_is_seen_by_the_paged_oracle(name, case):
         assert seen == ("compared", False)
     if name == "draft-loc-step-major":  # out_cache_loc of another request: the oracle's INV-TAIL
         assert seen == ("refused", "MD-005")
+
+
+@pytest.mark.spec("MD-005", "SD-002")
+def test_engine_with_paged_oracle_attention_refuses_the_step_major_draft_layout():
+    """The audit's probe, at the level of the whole loop: with ``draft-loc-step-major`` on and
+    validation off, the production loop with paged-oracle attention used to agree with the FA3
+    loop exactly (both attended the same wrong slots).  Now its own INV-TAIL check stops it."""
+    from refspec.model.llama import LlamaModel, init_random_, tiny_config
+    from refspec.speculative.api import generate
+    model = init_random_(LlamaModel(tiny_config()), seed=0).eval()
+    kw = dict(version="v1", page_size=2, num_steps=3, max_new_tokens=[8, 6], draft="early-exit:2", validate=False)
+    prompts = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12]]
+    clean = generate(model, prompts, backend="paged-oracle", **kw)
+    assert clean.tokens == generate(model, prompts, backend="fa3", **kw).tokens
+    with variants.enabled("draft-loc-step-major"), pytest.raises(InvariantError) as e:
+        generate(model, prompts, backend="paged-oracle", **kw)
+    assert e.value.inv_id == "MD-005" and "out_cache_loc" in str(e.value)

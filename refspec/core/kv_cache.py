@@ -147,13 +147,9 @@ class PagedAllocator:
 
 
 def first_freeable_position(keep_len: int, page_size: int) -> int:
-    """The first position whose page v1 may free after verify: ``ceil(keep_len / P) * P`` (tokens).
-
-    symbolic   keep positions 0 .. keep_len - 1; the page holding keep_len - 1 stays (KV-004)
-    example    P = 4, keep_len = 6 (positions 0..5): pages of positions 0-3 and 4-7 stay, the
-               first freeable position is 8; keep_len = 8 -> 8; keep_len = 9 -> 12
-    Upstream: sglang ``python/sglang/srt/speculative/spec_utils.py`` ``align_evict_mask_to_page_size``.
-    """
+    """First position whose page v1 may free after verify: ``ceil(keep_len / P) * P`` (tokens);
+    the page of position keep_len - 1 stays (KV-004).  P = 4: keep_len 6 -> 8, 8 -> 8, 9 -> 12.
+    Upstream: sglang ``speculative/spec_utils.py`` ``align_evict_mask_to_page_size``."""
     return -(-keep_len // page_size) * page_size
 
 

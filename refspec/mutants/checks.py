@@ -171,7 +171,7 @@ def check_metadata(found: list, md, fb: ForwardBatch, req_to_token: torch.Tensor
 
 
 def check_padding(found: list, runner, n_real: int, n_real_tokens: int, bs: int) -> None:
-    """Padded rows ``n_real..bs-1`` of the static batch against the fills of spec §4.1 (CG-005)
+    """Padded rows ``n_real..bs-1`` of the static batch against the fills of docs/spec/graphs.md#cg-005 (CG-005)
     and their metadata against K >= q (CG-010), independent of the runner's own fill logic."""
     fb, W = runner.static[bs], runner.W
     fill = W if runner.mode.is_draft_extend(include_v2=True) else 1

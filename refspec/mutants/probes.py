@@ -160,7 +160,7 @@ def draft_steps_view(b):
 # ---- the KV accounting probe (KV-004) ---------------------------------------------------
 
 def free_tail_probe(env: Env, found: list, validate: bool) -> None:
-    """v1 P > 1 rejected-slot free (spec §5.1 step 3), P = 4, N = 4, L = 5, no draft accepted.
+    """v1 P > 1 rejected-slot free (docs/spec/kv.md#kv-004), P = 4, N = 4, L = 5, no draft accepted.
 
     Request A holds positions 0..8 (pages X0: 0-3, X1: 4-7, X2: 8); it commits 6 tokens
     (0..5), so only X2 may be freed.  With ``validate``: the page holding position 5 must still
@@ -208,7 +208,7 @@ def _case(label, mode, prepare=None, **kw):
 
 
 # seed-page-table: slot ids < NP, so the slot-as-page reads hit real pages (no crash); poison off,
-# so the symptom is the finite garbage of spec §2.3, not NaN
+# so the symptom is finite garbage (docs/spec/paging-attention.md#pa-002), not NaN
 SEED_VERIFY = _case("seed/verify", M.TARGET_VERIFY, page_size=2, lens=[3, 5], num_draft_tokens=4,
                     shuffle_pages=False, extra_pages=12, poison=False)
 SEED_DRAFT = _case("seed/draft", M.DECODE, draft_step=1, page_size=2, lens=[3, 5], shuffle_pages=False,
