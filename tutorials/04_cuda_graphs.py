@@ -110,16 +110,14 @@ assert tolerance.t0(replayed, eager).ok
 # The kernel plans its query tiles from `max_seqlen_q`, a Python int baked into the graph. The
 # runner captures each mode at its bound: 1 for decode and draft decode, `N` for verify, `Sd + 1`
 # for draft extend — never the (smaller) query length of the dummy capture batch (CG-006, public
-# case B08). The bug variant `capture-max-seqlen-q-small` freezes 1 for draft extend (it replaces
-# the seam `refspec.fa3.graph_metadata.capture_max_seqlen_q`); the emulated kernel refuses the
-# first forward that runs under it — already the capture run, whose dummy batch has `W` rows per
-# request (a real kernel would not complain there; the replay's validation says PA-010):
+# case B08). The bug variant `capture-max-seqlen-q-small` captures draft extend with 1:
 
 # %%
 de1 = Scenario(M.DRAFT_EXTEND, page_size=P, lens=L, num_draft_tokens=N, num_accept_tokens=A, seed=0).build()
+with variants.enabled("capture-max-seqlen-q-small"):
+    small = de1.graph_runner(capture_bs=(4,))
 try:
-    with variants.enabled("capture-max-seqlen-q-small"):
-        de1.run_fa3_graph(de1.graph_runner(capture_bs=(4,)))
+    de1.run_fa3_graph(small)
     frozen_error = None
 except InvariantError as e:
     frozen_error = e

@@ -98,17 +98,11 @@ class GraphMetadataMixin:
 
         ``fb`` is the runner's static batch (dummy values).  Capture-time outputs are discarded.
         """
-        gs, m = self.graph_state, fb.forward_mode
-        if m.is_decode():
-            tokens_per_req = 1  # one query row per step, whatever the runner's token layout
-        elif m.is_target_verify():
-            tokens_per_req = fb.num_draft_tokens
-        else:
-            tokens_per_req = num_tokens // bs  # draft extend: W = Sd + 1
+        gs = self.graph_state
+        q = capture_query_rows(fb, bs, num_tokens)  # frozen as max_seqlen_q (CG-006)
         cu_q = gs.cu_seqlens_q[: bs + 1]
-        cu_q.copy_(torch.arange(0, bs * tokens_per_req + 1, tokens_per_req, dtype=torch.int32))
-        max_q = capture_max_seqlen_q(fb, tokens_per_req)
-        md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], max_q, 0,
+        cu_q.copy_(torch.arange(0, bs * q + 1, q, dtype=torch.int32))
+        md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], q, 0,
                                     gs.page_table[:bs, :])
         self._update_lengths(md, fb, bs)
         gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
@@ -134,6 +128,8 @@ class GraphMetadataMixin:
         if self.validate:
             validate_batch(fb, self.kv.req_to_token, num_real=num_real)
         self._update_lengths(md, fb, bs)
+        if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
+            write_draft_extend_cu_q(md, draft_extend_rows(fb, bs))
         for name, t in bound.items():
             now = getattr(md, name)
             if self.validate and (now is not t or now.data_ptr() != t.data_ptr()):
@@ -148,14 +144,11 @@ class GraphMetadataMixin:
 
     def _update_lengths(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
         """The in-place writes shared by capture (dummy values) and replay, one rule each:
-        ``cache_seqlens`` and ``cu_seqlens_k`` (:func:`write_cache_seqlens`), the draft-extend
-        rows (:func:`draft_extend_rows`, :func:`write_draft_extend_cu_q`), the page table
+        ``cache_seqlens`` and ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table
         (:func:`replay_page_table`), after the CG-008 width check."""
-        gs, m, P = self.graph_state, fb.forward_mode, self.page_size
+        gs, P = self.graph_state, self.page_size
         delta = mode_delta(fb, self.speculative_step_id)
         write_cache_seqlens(md, (fb.seq_lens[:bs] + delta).to(torch.int32))
-        if m.is_draft_extend(include_v2=True):
-            write_draft_extend_cu_q(md, draft_extend_rows(fb, bs))
         max_k = int(fb.seq_lens_cpu[:bs].max()) + delta
         m_pages = -(-max_k // P)
         require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
@@ -174,10 +167,12 @@ def graph_table_width(req_to_token: torch.Tensor, max_context_len: int, page_siz
     return -(-req_to_token.shape[1] // page_size)
 
 
-def capture_max_seqlen_q(fb: ForwardBatch, tokens_per_req: int) -> int:
-    """The ``max_seqlen_q`` frozen at capture (CG-006): 1 for DECODE, N for TARGET_VERIFY, and
-    W = Sd + 1 (the runner's rows per request) for DRAFT_EXTEND / DRAFT_EXTEND_V2.
+def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:
+    """Query rows per request of the capture-time batch, frozen as ``max_seqlen_q`` (CG-006).
 
+    DECODE (and draft decode): 1, one row per step whatever the runner's token layout.
+    TARGET_VERIFY: N.  DRAFT_EXTEND / DRAFT_EXTEND_V2: W = ``num_tokens // bs`` = Sd + 1, the
+    bound on live rows, never a (smaller) dummy batch's query length (case B08).
     Raises: ValueError for a mode that is not graphed.
     """
     m = fb.forward_mode
@@ -186,7 +181,7 @@ def capture_max_seqlen_q(fb: ForwardBatch, tokens_per_req: int) -> int:
     if m.is_target_verify():
         return fb.num_draft_tokens
     if m.is_draft_extend(include_v2=True):
-        return tokens_per_req
+        return num_tokens // bs
     raise ValueError(f"{m.name} is not a graphed mode")
 
 

@@ -1,8 +1,9 @@
 """The test-suite side of the mutant harness: references, output comparisons, independent checks.
 
-Nothing here reads :mod:`refspec.mutants.variants` or the production metadata builders' formulas: every
-expected value comes from the oracle wing (``oracle_metadata``, ``OracleBackend``), from the
-spec's stated fills (§4.1), or from a hand formula (the horizon probe, case B14).  A probe
+Nothing here reads a variant's replacement or the production metadata builders' formulas (the
+references are computed under :func:`refspec.mutants.variants.disabled`): every expected value
+comes from the oracle wing (``oracle_metadata``, ``OracleBackend``), from the stated padding
+fills (docs/spec/graphs.md#cg-005), or from a hand formula (the horizon probe, case B14).  A probe
 reports what it sees as :class:`Symptom` s in a list (``found``); an exception raised by the
 production wing (an ``InvariantError`` from a validator, the emulator or a guard, or a crash)
 propagates instead and is recorded by the runner.

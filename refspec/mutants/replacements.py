@@ -18,7 +18,7 @@ from refspec.graphs import runner as graph_runner
 _orig = dict(mode_delta=md.mode_delta, draft_extend_rows=gm.draft_extend_rows,
              write_draft_extend_cu_q=gm.write_draft_extend_cu_q, replay_page_table=gm.replay_page_table,
              eager_cache_seqlens=md.eager_cache_seqlens, eager_query_layout=md.eager_query_layout,
-             capture_max_seqlen_q=gm.capture_max_seqlen_q, pad_rows=graph_runner.pad_rows,
+             capture_query_rows=gm.capture_query_rows, pad_rows=graph_runner.pad_rows,
              tail_positions=core_batch.tail_positions)
 
 
@@ -84,11 +84,11 @@ def verify_as_decode(fb, cu_k, max_k):
     return _orig["eager_query_layout"](fb, cu_k, max_k)
 
 
-def capture_q_of_dummy_batch(fb, tokens_per_req):
-    """capture-max-seqlen-q-small: draft extend frozen with the dummy batch's q = 1."""
+def capture_q_of_dummy_batch(fb, bs, num_tokens):
+    """capture-max-seqlen-q-small: draft extend captured with the dummy batch's q = 1 (frozen)."""
     if fb.forward_mode.is_draft_extend(include_v2=True):
         return 1
-    return _orig["capture_max_seqlen_q"](fb, tokens_per_req)
+    return _orig["capture_query_rows"](fb, bs, num_tokens)
 
 
 def width_from_context(req_to_token, max_context_len, page_size):

@@ -107,7 +107,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "padded draft-extend rows have K = 0 < q = W, an empty causal span (B10: huge activations "
             "and non-finite dummy KV across layers); real rows unchanged at the attention level",
             ("CG-010", "CG-005")),
-    Variant("capture-max-seqlen-q-small", gm.capture_max_seqlen_q, R.capture_q_of_dummy_batch,
+    Variant("capture-max-seqlen-q-small", gm.capture_query_rows, R.capture_q_of_dummy_batch,
             "draft-extend graph captured with max_seqlen_q = the dummy batch's q (1), not Sd + 1",
             "case B08, https://github.com/huggingface/transformers/pull/45323; docs/spec/graphs.md#cg-006",
             "live requests with more query rows than the frozen max_seqlen_q: undefined kernel result "
