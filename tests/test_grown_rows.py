@@ -57,6 +57,21 @@ def test_oracle_lengths_from_positions_equal_the_fa3_formula(mode, step, P, vers
     assert tw.cache_seqlens == b.extra["metadata"].cache_seqlens_int32.tolist() == b.K
 
 
+@pytest.mark.spec("PA-004", "MD-003")
+@pytest.mark.parametrize("mode,step,P,version", CASES[1::7])
+def test_the_paged_oracle_reads_no_builder_derived_field(mode, step, P, version, monkeypatch):
+    """``seq_lens`` (the FA3 wing's K formula input) set to nonsense and ``q_lens_cpu`` removed:
+    the paged oracle's output is bitwise unchanged, so it cannot inherit a wrong formula."""
+    b = GrownScenario(mode, P, version=version, draft_step=step).build()
+    ref = b.run_oracle()
+    b.fb = b.fb.replace(seq_lens=b.fb.seq_lens * 0 + 999, seq_lens_cpu=b.fb.seq_lens_cpu * 0 + 999)
+
+    def gone(self):
+        raise AssertionError("the oracle called ForwardBatch.q_lens_cpu")
+    monkeypatch.setattr(type(b.fb), "q_lens_cpu", gone)
+    assert torch.equal(b.run_oracle(), ref)
+
+
 # ---- shared-core variants: the comparison (or the oracle's own check) catches them ----------
 
 SHARED_CORE = {  # variant -> the grown scenarios that run it (mode, draft step, P, version)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from refspec.core import batch as core_batch, kv_cache
 from refspec.fa3 import backend as fa3_backend, emulator, graph_metadata as gm, metadata as md, validate
@@ -35,8 +36,8 @@ class Variant:
     (in every module that binds it, or only in module ``within``)."""
 
     name: str
-    target: object  #: the production function (seam) replaced
-    replacement: object
+    target: Callable  #: the production function (seam) replaced
+    replacement: Callable
     changes: str  #: what the variant changes (the one-line diff)
     source: str  #: where it was seen: upstream PR / commit links, or the docs page of the rule
     symptom: str  #: what it does when it runs
@@ -157,8 +158,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "the FA3 wing passes window_size = (w - 1, 0) for a left window of w tokens",
             "docs/spec/paging-attention.md#pa-004; sglang flashattention_backend.py passes "
             "(layer.sliding_window_size, 0)",
-            "every row whose window is cut by the window loses its oldest visible key: wrong outputs "
-            "for sliding-window layers once the context passes w, no error",
+            "each row at position t >= w loses its oldest key t - w: wrong outputs for sliding-window "
+            "layers once the context passes w, no error",
             ("PA-004",)),
     Variant("emulator-window-edge", emulator.visible_keys, R.window_edge_exclusive,
             "the emulator's left window edge is exclusive: key p visible iff p > t - w (w keys, not w + 1)",
