@@ -8,7 +8,9 @@ global bound to the original is rebound, except inside :mod:`refspec.mutants` it
 replacements call the original through names bound there, which must keep pointing at it.
 
 A variant whose seam has no call site (renamed, inlined, or already replaced by another active
-variant) raises instead of silently changing nothing.
+variant) raises instead of silently changing nothing.  Only modules already imported are
+rebound: :mod:`refspec.mutants.variants` imports every module that defines a seam, and a module
+that is first imported inside the block would bind the original (import it before).
 """
 
 from __future__ import annotations
