@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_window import CASES, scenario
 
 from refspec.core.tolerance import assert_t1
-from test_window import CASES, scenario
 
 pytestmark = pytest.mark.gpu
 

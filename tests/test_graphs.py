@@ -371,7 +371,7 @@ def test_replay_validates_the_live_batch_first():
     b = Scenario(ForwardMode.TARGET_VERIFY, page_size=4, lens=[9, 14, 5], num_draft_tokens=4).build()
     runner = b.graph_runner(capture_bs=(4,))
     bad = b.fb.replace(seq_lens_cpu=b.fb.seq_lens_cpu + 1)
-    inputs = dict(q=b.q, k=b.k, v=b.v)
+    inputs = {"q": b.q, "k": b.k, "v": b.v}
     with pytest.raises(InvariantError) as e:
         runner.replay(bad, inputs)
     assert e.value.inv_id == "MD-006" and "mirror" in str(e.value)

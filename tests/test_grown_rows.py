@@ -116,7 +116,8 @@ def test_engine_with_paged_oracle_attention_refuses_the_step_major_draft_layout(
     from refspec.model.llama import LlamaModel, init_random_, tiny_config
     from refspec.speculative.api import generate
     model = init_random_(LlamaModel(tiny_config()), seed=0).eval()
-    kw = dict(version="v1", page_size=2, num_steps=3, max_new_tokens=[8, 6], draft="early-exit:2", validate=False)
+    kw = {"version": "v1", "page_size": 2, "num_steps": 3, "max_new_tokens": [8, 6], "draft": "early-exit:2",
+          "validate": False}
     prompts = [[1, 5, 9, 3, 7], [2, 4, 6, 8, 10, 12]]
     clean = generate(model, prompts, backend="paged-oracle", **kw)
     assert clean.tokens == generate(model, prompts, backend="fa3", **kw).tokens

@@ -15,9 +15,9 @@ from refspec.cli.mutants import main as mutants_main
 from refspec.fa3 import graph_metadata, metadata
 from refspec.mutants import replacements, variants
 from refspec.mutants import runner as mutants
-from refspec.mutants.replace import NoCallSite, replaced
 from refspec.mutants.checks import Symptom
 from refspec.mutants.probes import PROBES, Probe
+from refspec.mutants.replace import NoCallSite, replaced
 
 #: IDs of ``caught_by`` that only a real kernel can show (the emulator refuses the input first)
 DEVICE_ONLY_IDS = {"capture-max-seqlen-q-small": {"CG-006"}}

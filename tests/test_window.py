@@ -17,20 +17,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from refspec.core.layer import AttentionLayer
 from refspec.core.modes import ForwardMode as M
 from refspec.core.tolerance import assert_t1
 from refspec.fa3.backend import kernel_window_size
-from refspec.core.layer import AttentionLayer
 from refspec.harness.scenario import Scenario
 from refspec.mutants import variants
 
 #: label -> Scenario kwargs (contexts 13..41 tokens, longer than every window)
 MODES = {
-    "verify": dict(mode=M.TARGET_VERIFY, lens=[13, 30, 21]),
-    "decode": dict(mode=M.DECODE, lens=[14, 31, 22]),
-    "draft_decode": dict(mode=M.DECODE, lens=[13, 30, 21], draft_step=1),
-    "draft_extend_v1": dict(mode=M.DRAFT_EXTEND, lens=[13, 30, 21], num_accept_tokens=[2, 4, 1]),
-    "draft_extend_v2": dict(mode=M.DRAFT_EXTEND_V2, lens=[13, 30, 21], num_accept_tokens=[2, 4, 1]),
+    "verify": {"mode": M.TARGET_VERIFY, "lens": [13, 30, 21]},
+    "decode": {"mode": M.DECODE, "lens": [14, 31, 22]},
+    "draft_decode": {"mode": M.DECODE, "lens": [13, 30, 21], "draft_step": 1},
+    "draft_extend_v1": {"mode": M.DRAFT_EXTEND, "lens": [13, 30, 21], "num_accept_tokens": [2, 4, 1]},
+    "draft_extend_v2": {"mode": M.DRAFT_EXTEND_V2, "lens": [13, 30, 21], "num_accept_tokens": [2, 4, 1]},
 }
 GQA = {"gqa4": (8, 2), "gqa16": (16, 1)}
 CASES = [pytest.param(label, P, g, w, id=f"{label}-P{P}-{g}-w{w}")
@@ -45,7 +45,7 @@ def scenario(label, P, gqa, w, **kw) -> Scenario:
 
 def test_window_size_passed_to_fa3_is_w_comma_0():
     """The worked values of the mapping (upstream ``window_size = (layer.sliding_window_size, 0)``)."""
-    layer = lambda w: AttentionLayer(0, 8, 2, 32, sliding_window_size=w)  # noqa: E731
+    layer = lambda w: AttentionLayer(0, 8, 2, 32, sliding_window_size=w)
     assert [kernel_window_size(layer(w)) for w in (-1, 0, 5)] == [(-1, -1), (0, 0), (5, 0)]
 
 
@@ -68,7 +68,7 @@ def test_window_horizon_probe_by_hand(label, w):
     """No oracle: q = 0 and V[slot of key p] = p, so the row at position t reads back the mean
     of its visible positions, ``(max(0, t - w) + t) / 2``, on the emulator through the FA3 wing."""
     b = scenario(label, 4, "gqa4", w).build()
-    kf, vf = b.pool.get_flat_kv(0)
+    _, vf = b.pool.get_flat_kv(0)
     for r, K in zip(b.fb.req_pool_indices.tolist(), b.K):
         slots = b.kv.req_to_token[r, :K].long()
         vf[slots] = torch.arange(K, dtype=vf.dtype)[:, None, None].expand(K, *vf.shape[1:])

@@ -87,7 +87,7 @@ class GrownScenario:
                       fill=float("nan"))
         kf, vf = pool.get_flat_kv(0)
         g = torch.Generator(device=dev).manual_seed(self.seed)
-        rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(self.dtype)  # noqa: E731
+        rnd = lambda *s: torch.randn(*s, generator=g, device=dev).to(self.dtype)
 
         def write(r, start, stop):
             slots = kv.req_to_token[r, start:stop].long()

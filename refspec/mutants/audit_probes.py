@@ -40,7 +40,7 @@ def replay_validation_probe(case_fn, capture_bs=(4,)):
         case = case_fn(env)
         b = case.build()
         runner = b.graph_runner(capture_bs=capture_bs, provider=env.provider, validate=validate)
-        inputs = dict(q=b.q, k=b.k, v=b.v)
+        inputs = {"q": b.q, "k": b.k, "v": b.v}
         if not validate:
             compare(env, found, runner.replay(b.fb, inputs), case, inv="CG-002", what="replay")
             return

@@ -16,8 +16,8 @@ that is first imported inside the block would bind the original (import it befor
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 PREFIX = "refspec."  #: the production package
 SKIP = "refspec.mutants"  #: never rebound: the replacements' own references to the originals

@@ -11,15 +11,18 @@ from __future__ import annotations
 import torch
 
 from refspec.core import batch as core_batch
-from refspec.fa3 import graph_metadata as gm, metadata as md
+from refspec.fa3 import graph_metadata as gm
+from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
 
 # the originals, bound once here (never rebound: the replacements call them)
-_orig = dict(mode_delta=md.mode_delta, draft_extend_rows=gm.draft_extend_rows,
-             write_draft_extend_cu_q=gm.write_draft_extend_cu_q, replay_page_table=gm.replay_page_table,
-             eager_cache_seqlens=md.eager_cache_seqlens, eager_query_layout=md.eager_query_layout,
-             capture_query_rows=gm.capture_query_rows, pad_rows=graph_runner.pad_rows,
-             tail_positions=core_batch.tail_positions)
+_orig = {
+    "mode_delta": md.mode_delta, "eager_cache_seqlens": md.eager_cache_seqlens,
+    "eager_query_layout": md.eager_query_layout, "draft_extend_rows": gm.draft_extend_rows,
+    "write_draft_extend_cu_q": gm.write_draft_extend_cu_q, "replay_page_table": gm.replay_page_table,
+    "capture_query_rows": gm.capture_query_rows, "pad_rows": graph_runner.pad_rows,
+    "tail_positions": core_batch.tail_positions,
+}
 
 
 def slots_as_pages(mdata, fb, req_to_token, strided_indices, max_k, page_size):

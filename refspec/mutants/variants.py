@@ -17,12 +17,16 @@ names bound at import (:data:`refspec.mutants.replacements._orig`): :mod:`refspe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
-from refspec.core import batch as core_batch, kv_cache
-from refspec.fa3 import backend as fa3_backend, emulator, graph_metadata as gm, metadata as md, validate
+from refspec.core import batch as core_batch
+from refspec.core import kv_cache
+from refspec.fa3 import backend as fa3_backend
+from refspec.fa3 import emulator, validate
+from refspec.fa3 import graph_metadata as gm
+from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
 from refspec.mutants import replacements as R
 from refspec.mutants.replace import replaced
