@@ -37,10 +37,10 @@ TUTORIALS = ROOT / "tutorials"
 if str(ROOT) not in sys.path:  # `python docs/generated.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
-from refspec.mutants import variants  # noqa: E402
 from refspec.core import tolerance  # noqa: E402
 from refspec.core.invariants import INVARIANTS  # noqa: E402
 from refspec.harness import spec_index  # noqa: E402
+from refspec.mutants import variants  # noqa: E402
 
 COMMAND = "python docs/generated.py --write"
 OPEN = re.compile(r"<!--\s*refspec:([\w-]+)[ \t]*([^>]*?)\s*-->")

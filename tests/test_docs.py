@@ -62,8 +62,8 @@ def test_strict_build_has_every_page(site):
 
 
 def test_generated_parts_are_filled(site):
-    from refspec.mutants import variants
     from refspec.core.invariants import INVARIANTS
+    from refspec.mutants import variants
 
     index = (site / "spec/index.html").read_text()
     missing = [i for i in INVARIANTS if f'href="{_family(i)}/#{i.lower()}"' not in index]
