@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 
 from refspec.harness import viz
 from refspec.core.modes import ForwardMode as M
@@ -152,7 +152,7 @@ def _replay_cu_q(name: str, variant: str | None):
     built = build(name)
     runner = built.graph_runner(capture_bs=(GRAPH_BS,), validate=False)
     if variant:
-        with bugs.enabled(variant):
+        with variants.enabled(variant):
             built.run_fa3_graph(runner)
     else:
         built.run_fa3_graph(runner)

@@ -11,7 +11,7 @@ A generated part is an opening marker, the generated text, and a closing marker:
 
 Kinds: ``tests ID`` (the test node ids citing ``ID`` via ``@pytest.mark.spec``, from the ast scan
 of ``tests/`` in :mod:`refspec.harness.spec_index`), ``id-index`` (the ID | rule | tests table),
-``bug-zoo`` (the table of :data:`refspec.bugs.BUGS`), ``t1-floors``
+``bug-zoo`` (the table of :data:`refspec.variants.VARIANTS`), ``t1-floors``
 (:data:`refspec.core.tolerance.T1_FLOOR`, ``T2_DELTA``) and ``tutorial-list``.
 
 The build always renders the current text, whatever is committed; ``tests/test_docs.py`` fails
@@ -37,10 +37,10 @@ TUTORIALS = ROOT / "tutorials"
 if str(ROOT) not in sys.path:  # `python docs/generated.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
-from refspec import bugs  # noqa: E402
 from refspec.core import tolerance  # noqa: E402
 from refspec.core.invariants import INVARIANTS  # noqa: E402
 from refspec.harness import spec_index  # noqa: E402
+from refspec.mutants import variants  # noqa: E402
 
 COMMAND = "python docs/generated.py --write"
 OPEN = re.compile(r"<!--\s*refspec:([\w-]+)[ \t]*([^>]*?)\s*-->")
@@ -96,15 +96,33 @@ def _id_index(ctx: Context, arg: str) -> str:
     return "\n".join(rows)
 
 
+_URL = re.compile(r"https://github\.com/([\w.-]+/[\w.-]+)/(?:pull|issues)/(\d+)")
+_DOC = re.compile(r"\bdocs/([\w/.-]+\.md)(#[\w-]+)?")
+
+
+def _seam(v) -> str:
+    """The production function a variant replaces, as markdown (and the one module it is limited to)."""
+    where = f" (in `{v.within.removeprefix('refspec.')}` only)" if v.within else ""
+    return f"`{v.seam.removeprefix('refspec.')}`{where}"
+
+
+def _source_links(text: str, src_uri: str) -> str:
+    """Upstream PR / issue URLs as ``owner/repo#N`` links, ``docs/...md`` as relative links."""
+    here = posixpath.dirname(src_uri)
+    text = _URL.sub(lambda m: f"[{m.group(1)}#{m.group(2)}]({m.group(0)})", text)
+    return _DOC.sub(lambda m: f"[{m.group(1)}{m.group(2) or ''}]"
+                    f"({posixpath.relpath(m.group(1), here or '.')}{m.group(2) or ''})", text)
+
+
 def _bug_zoo(ctx: Context, arg: str) -> str:
     # a narrow table first ("caught by" second: what a reviewer looks for, on screen at 1280 px),
     # then the long columns (symptom, where it was seen) as one paragraph per variant
     rows = ["| variant | caught by | what it changes |", "|---|---|---|"]
-    for b in bugs.BUGS.values():
+    for b in variants.VARIANTS.values():
         caught = ", ".join(id_link(i, ctx.src_uri) for i in b.caught_by)
         rows.append(f"| [`{b.name}`](#{b.name}) | {caught} | {b.changes} |")
-    details = [f'<a id="{b.name}"></a>\n**`{b.name}`** — {b.symptom}. *Seen in:* {b.source}.'
-               for b in bugs.BUGS.values()]
+    details = [f'<a id="{b.name}"></a>\n**`{b.name}`** replaces {_seam(b)} — {b.symptom}. '
+               f'*Seen in:* {_source_links(b.source, ctx.src_uri)}.' for b in variants.VARIANTS.values()]
     return "\n".join(rows) + "\n\n**Symptoms and sources**\n\n" + "\n\n".join(details)
 
 

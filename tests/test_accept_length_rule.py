@@ -3,7 +3,7 @@
 
 v1 (DRAFT_EXTEND) packs the a_b = n_b + 1 accepted tokens of each request:
 ``cu_seqlens_q = [0, cumsum(num_accept_tokens)]``; v2 (DRAFT_EXTEND_V2) runs all N rows of each
-request: ``cu_seqlens_q = [0, N, 2N, ...]``.  Each wrong rule kept in :mod:`refspec.bugs` (the
+request: ``cu_seqlens_q = [0, N, 2N, ...]``.  Each wrong rule kept in :mod:`refspec.mutants.variants` (the
 other mode's rule, and n instead of n + 1) must change at least one real row even at batch size 1
 (shown with ``validate=False``, so the output difference itself is what is asserted) and must be
 flagged by the replay validation (``validate=True``) with its invariant ID.
@@ -18,7 +18,7 @@ from graph_kit import N, Requests, real_rows_differ, scenario
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core import tolerance as tol
 from refspec.core.invariants import InvariantError
 
@@ -65,10 +65,10 @@ def test_wrong_accept_rule_changes_a_real_row_and_is_flagged(name, bug, inv, idx
     """a = [2, 3, 1] (< N = 4): the wrong rule changes at least one real row (batch size 1
     included), and with validation the replay raises the rule's ID."""
     reqs = Requests(scenario(name, 4, lens=[9, 14, 5], accept=[2, 3, 1]))
-    with bugs.enabled(bug):
+    with variants.enabled(bug):
         out, ref = _replay(reqs, idx, validate=False)
     assert real_rows_differ(out, ref), f"{bug} left every real row unchanged"
-    with bugs.enabled(bug), pytest.raises(InvariantError) as e:
+    with variants.enabled(bug), pytest.raises(InvariantError) as e:
         _replay(reqs, idx, validate=True)
     assert e.value.inv_id == inv
 
@@ -79,7 +79,7 @@ def test_cross_applied_rule_is_invisible_at_full_acceptance(name, bug):
     """Why the tests above use a_b < N: with every a_b = N the two layouts coincide (spec §4.6),
     so the cross-applied rule gives the right output; only mixed counts expose it."""
     reqs = Requests(scenario(name, 4, lens=[9, 14, 5], accept=[N, N, N]))
-    with bugs.enabled(bug):
+    with variants.enabled(bug):
         out, ref = _replay(reqs, [0, 1, 2], validate=False)
     tol.assert_t1(out, ref, what=f"{bug} at full acceptance")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from graph_kit import N, DraftSteps, Requests, captured_key, poison_dummy_page, real_rows_differ, scenario
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core import tolerance as tol
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.core.invariants import InvariantError
@@ -78,7 +78,7 @@ def test_case_B04_verify_padded_tail_and_buckets():
     _raises("CG-007", runner.replay, fb, x)
     tol.assert_t1(reqs.eager(fb, x)[0], ref, what="B04 bs 9 eager")
     runner.replay(*reqs.live([0, 1, 2, 3])[:2])
-    with bugs.enabled("stale-padded-rows"):
+    with variants.enabled("stale-padded-rows"):
         _raises("CG-005", runner.replay, *reqs.live([0, 1, 2])[:2])
 
 
@@ -116,7 +116,7 @@ def test_case_B05_v2_cu_seqlens_q_stride_matches_layout(B, cu):
     later = slice(N, B * N)  # rows of requests 1..B-1
     assert tol.t0(out[later], reqs.eager(fb, x)[0][later]).ok
     tol.assert_t1(out[later], ref[later], what=f"B05 bs {B}")
-    with bugs.enabled("de-v2-packed-cu-q"):
+    with variants.enabled("de-v2-packed-cu-q"):
         bad = reqs.runner(capture_bs=(1, 2, 4), validate=False).replay(fb, x)
     assert real_rows_differ(bad[N:2 * N], ref[N:2 * N])
 
@@ -147,7 +147,7 @@ def test_case_B07_page_table_width_at_the_context_wall():
     reqs = Requests(scenario("verify", 16, lens=[61, 20]))
     kv, pool = reqs.built.kv, reqs.built.pool
     fb, x, ref = reqs.live([0, 1])
-    with bugs.enabled("page-table-width-from-context"):
+    with variants.enabled("page-table-width-from-context"):
         narrow = reqs.runner_with(FlashAttentionBackend(pool, kv, max_context_len=64), capture_bs=(2,))
         assert narrow.backend.graph_state.width == 4
         _raises("CG-008", narrow.replay, fb, x)
@@ -168,7 +168,7 @@ def test_case_B07_draft_step_2_fits_four_columns():
                   head_dim=32)
     reqs = Requests(sc)
     fb, x, ref = reqs.live([0, 1])
-    with bugs.enabled("page-table-width-from-context"):
+    with variants.enabled("page-table-width-from-context"):
         be = FlashAttentionBackend(reqs.built.pool, reqs.built.kv, speculative_step_id=2, max_context_len=64)
         runner = reqs.runner_with(be, capture_bs=(2,))
         out = runner.replay(fb, x)
@@ -194,7 +194,7 @@ def test_case_B08_frozen_max_seqlen_q(H, Hkv):
     assert [s["max_seqlen_q"] for _, _, s in runner.graphs[3]._tape if "max_seqlen_q" in s] == [4]
     assert tol.t0(out, reqs.eager(fb, x)[0]).ok
     tol.assert_t1(out, ref, what=f"B08 H={H} Hkv={Hkv}")
-    with bugs.enabled("capture-max-seqlen-q-small"):
+    with variants.enabled("capture-max-seqlen-q-small"):
         bad = reqs.runner(capture_bs=(3,))
     _raises("PA-010", bad.replay, fb, x)
 
@@ -225,7 +225,7 @@ def test_case_B10_capture_metadata_has_no_empty_causal_span(name):
     K = {"verify": [4, 9], "draft_extend": [1, 9], "draft_extend_v2": [4, 9]}[name]
     assert runner.backend.forward_metadata.cache_seqlens_int32.tolist() == K
     tol.assert_t1(out, ref, what=f"B10 {name}")
-    with bugs.enabled("pad-seq-lens-zero"):
+    with variants.enabled("pad-seq-lens-zero"):
         if name == "verify":
             r = reqs.runner(capture_bs=(1, 2, 4))
             assert r.backend.graph_state.captured[("target_verify", 4)][0].cache_seqlens_int32.tolist() == [N] * 4
@@ -259,7 +259,7 @@ def test_case_B11_replay_copies_in_place(P):
     fb, x, ref = reqs.live([4, 5, 6, 7])
     stale = reqs.runner(capture_bs=(4,), validate=False)
     poison_dummy_page(reqs.built.pool, 1e4)
-    with bugs.enabled("replay-rebind-page-table"):
+    with variants.enabled("replay-rebind-page-table"):
         out = stale.replay(fb, x)
         assert float(out.abs().max()) > 1e3
         _raises("CG-001", reqs.runner(capture_bs=(4,)).replay, fb, x)

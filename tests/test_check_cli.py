@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.cli.check import GRAPHED, MODES, main
 
 
@@ -25,7 +25,7 @@ def test_check_quick_passes_and_lists_every_mode(capsys):
 
 def test_check_fails_on_a_bug_variant(capsys):
     """The table is not decorative: the v2 double-counted K (spec §3.8) makes it exit 1."""
-    with bugs.enabled("de-v2-k-double-count"):
+    with variants.enabled("de-v2-k-double-count"):
         rc, out = _table(capsys, ["--quick", "--page-sizes", "4", "--sections", "eager"])
     assert rc == 1
     failing = [line for line in out.splitlines() if " FAIL " in line]

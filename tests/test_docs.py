@@ -62,14 +62,14 @@ def test_strict_build_has_every_page(site):
 
 
 def test_generated_parts_are_filled(site):
-    from refspec import bugs
     from refspec.core.invariants import INVARIANTS
+    from refspec.mutants import variants
 
     index = (site / "spec/index.html").read_text()
     missing = [i for i in INVARIANTS if f'href="{_family(i)}/#{i.lower()}"' not in index]
     assert not missing, f"the ID index does not link {missing}"
     zoo = (site / "bug-zoo/index.html").read_text()
-    assert all(f"<code>{name}</code>" in zoo for name in bugs.BUGS)
+    assert all(f"<code>{name}</code>" in zoo for name in variants.VARIANTS)
     graphs = (site / "spec/graphs/index.html").read_text()
     assert "tests/test_graphs.py::" in graphs  # a Tests list rendered on its entry
 

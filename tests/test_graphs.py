@@ -16,10 +16,12 @@ from graph_kit import (FROZEN_MAX_Q, K_DELTA, MODES, N, PAD_SEQ_LEN, PAGE_SIZES,
                        Requests, assert_real_rows_metadata_equal, captured_key, poison_dummy_page, poison_padding,
                        real_rows_differ, scenario)
 
-from refspec import bugs
 from refspec.core import tolerance as tol
-from refspec.graphs.capture import EmulatedGraph, launch
 from refspec.core.invariants import InvariantError
+from refspec.core.modes import ForwardMode
+from refspec.graphs.capture import EmulatedGraph, launch
+from refspec.harness.scenario import Scenario
+from refspec.mutants import variants
 
 ALL = list(MODES)
 
@@ -270,7 +272,7 @@ def test_stale_padded_rows_are_caught(name):
     reqs = Requests(scenario(name, 4))
     runner = reqs.runner(capture_bs=(4,))
     runner.replay(*reqs.live([5, 6, 7, 3])[:2])
-    with bugs.enabled("stale-padded-rows"), pytest.raises(InvariantError) as e:
+    with variants.enabled("stale-padded-rows"), pytest.raises(InvariantError) as e:
         runner.replay(*reqs.live([0, 1, 2])[:2])
     assert e.value.inv_id == "CG-005"
 
@@ -335,11 +337,11 @@ def test_rebinding_a_captured_buffer(name, bug):
     reqs = Requests(scenario(name, 4))
     fb, x, ref = reqs.live([0, 1, 2])
     runner = reqs.runner(capture_bs=(4,), validate=False)
-    with bugs.enabled(bug):
+    with variants.enabled(bug):
         out = runner.replay(fb, x)
     assert real_rows_differ(out, ref)
     runner = reqs.runner(capture_bs=(4,), validate=True)
-    with bugs.enabled(bug), pytest.raises(InvariantError) as e:
+    with variants.enabled(bug), pytest.raises(InvariantError) as e:
         runner.replay(fb, x)
     assert e.value.inv_id == "CG-001"
 
@@ -352,9 +354,26 @@ def test_live_query_longer_than_frozen_max_seqlen_q(name, validate):
     a live request with more rows raises PA-010, from the validation or, without it, from the
     emulated kernel that the frozen scalar reaches."""
     reqs = Requests(scenario(name, 4))
-    with bugs.enabled("capture-max-seqlen-q-small"):
+    with variants.enabled("capture-max-seqlen-q-small"):
         runner = reqs.runner(capture_bs=(4,), validate=validate)
     fb, x, _ = reqs.live([0, 1, 2])
     with pytest.raises(InvariantError) as e:
         runner.replay(fb, x)
     assert e.value.inv_id == "PA-010"
+
+
+@pytest.mark.spec("MD-006")
+def test_replay_validates_the_live_batch_first():
+    """Every validated replay runs :func:`refspec.fa3.validate.validate_batch` on the live batch:
+    a CPU mirror ``seq_lens_cpu`` one token ahead of ``seq_lens`` (max K and the page-table width
+    come from it) is refused with MD-006.  The ``replay-skips-validate-batch`` variant makes the
+    same replay go through, which is what this test exists to notice."""
+    b = Scenario(ForwardMode.TARGET_VERIFY, page_size=4, lens=[9, 14, 5], num_draft_tokens=4).build()
+    runner = b.graph_runner(capture_bs=(4,))
+    bad = b.fb.replace(seq_lens_cpu=b.fb.seq_lens_cpu + 1)
+    inputs = {"q": b.q, "k": b.k, "v": b.v}
+    with pytest.raises(InvariantError) as e:
+        runner.replay(bad, inputs)
+    assert e.value.inv_id == "MD-006" and "mirror" in str(e.value)
+    with variants.enabled("replay-skips-validate-batch"):
+        assert runner.replay(bad, inputs).shape == b.q.shape  # no check left to refuse it

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.invariants import InvariantError
 from refspec.core.kv_cache import KVCache, PagedAllocator
 
@@ -188,7 +188,7 @@ def test_free_tail_bug_variant_frees_a_committed_page():
     kv = KVCache(max_reqs=2, max_context=16, num_pages=6, page_size=4)
     r = kv.alloc_req()
     kv.alloc_extend([r], [0], [13])
-    with bugs.enabled("free-last-committed-page"):
+    with variants.enabled("free-last-committed-page"):
         kv.free_tail(r, keep_len=6, alloc_len=13)
     assert not kv.allocator.is_in_use(2)  # what the KV-004 assertion above would catch
 

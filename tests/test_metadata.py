@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from refspec.core import batch as B
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.cli.check import MODES, mode_scenarios
 from refspec.fa3 import kernel
 from refspec.fa3.backend import FlashAttentionBackend
@@ -261,7 +261,7 @@ def test_non_page_contiguous_row_is_refused(swap, inv_id):
 def test_v2_double_counted_k_is_refused():
     """#26512 (reverted by #26628): K = seq_lens + extend = L + 2N reads N unwritten positions."""
     kv, fb, _, _, _ = example("DRAFT_EXTEND_V2")
-    with bugs.enabled("de-v2-k-double-count"):
+    with variants.enabled("de-v2-k-double-count"):
         md = init_forward_metadata(fb, kv.req_to_token, 4)
         assert md.cache_seqlens_int32.tolist() == [13, 17]
         with raises("MD-005"):
@@ -445,6 +445,6 @@ def test_case_B14_random_qkv_and_the_decode_path_bug():
     built = Scenario(ForwardMode.TARGET_VERIFY, 16, [30, 45], num_draft_tokens=4, head_dim=64,
                      dtype=torch.bfloat16).build()
     assert_t1(built.run_fa3(provider="emulator"), built.run_oracle(), built.run_oracle(upcast=False), "B14")
-    with bugs.enabled("verify-as-decode"):
+    with variants.enabled("verify-as-decode"):
         with raises("MD-002"):
             built.run_fa3(provider="emulator")

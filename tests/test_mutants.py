@@ -1,4 +1,4 @@
-"""The bug zoo is caught: every variant of ``refspec.bugs.BUGS`` is detected on CPU, by the ID
+"""The bug zoo is caught: every variant of ``refspec.mutants.variants.VARIANTS`` is detected on CPU, by the ID
 its docs name, while the same probe with no variant on passes (``python -m refspec mutants``).
 
 One module-scoped run of all probes (a few seconds) feeds the per-variant tests, so a failure
@@ -7,13 +7,17 @@ names the variant; the harness itself is tested on variants it must *not* call c
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from refspec import bugs
 from refspec.cli.mutants import main as mutants_main
+from refspec.fa3 import graph_metadata, metadata
+from refspec.mutants import replacements, variants
 from refspec.mutants import runner as mutants
 from refspec.mutants.checks import Symptom
 from refspec.mutants.probes import PROBES, Probe
+from refspec.mutants.replace import NoCallSite, replaced
 
 #: IDs of ``caught_by`` that only a real kernel can show (the emulator refuses the input first)
 DEVICE_ONLY_IDS = {"capture-max-seqlen-q-small": {"CG-006"}}
@@ -39,25 +43,25 @@ def assert_caught(report, name, validated_ids, symptom_ids):
 
 
 def test_every_variant_is_caught_on_cpu_and_every_baseline_passes(report):
-    assert report.total == len(bugs.BUGS) and set(PROBES) == set(bugs.BUGS)
+    assert report.total == len(variants.VARIANTS) and set(PROBES) == set(variants.VARIANTS)
     text = mutants.format_report(report, verbose=True)
     assert all(r.baseline_ok for r in report.results), text
-    assert sorted(report.caught) == sorted(bugs.BUGS), text
+    assert sorted(report.caught) == sorted(variants.VARIANTS), text
     assert report.silent == [], text
-    assert text.splitlines()[-1] == f"caught {len(bugs.BUGS)}/{len(bugs.BUGS)}"
+    assert text.splitlines()[-1] == f"caught {len(variants.VARIANTS)}/{len(variants.VARIANTS)}"
 
 
-@pytest.mark.parametrize("name", sorted(bugs.BUGS))
+@pytest.mark.parametrize("name", sorted(variants.VARIANTS))
 def test_variant_docs_name_what_catches_it(report, name):
     """``Bug.caught_by`` is accurate (the validated run's ID is listed) and complete (every listed
     ID is seen by some run on CPU, save the device-only ones)."""
-    bug = bugs.BUGS[name]
+    bug = variants.VARIANTS[name]
     seen = report.observed_ids(name)
     for r in results(report, name):
         assert r.caught, mutants.format_report(mutants.Report("cpu", [r]), verbose=True)
-        assert r.symptom.detected, f"{name} / {r.probe.label}: no symptom with validation off"
+        assert r.symptom.detected or bug.only_with_validation, f"{name} / {r.probe.label}: no symptom with validation off"
     assert set(bug.caught_by) - DEVICE_ONLY_IDS.get(name, set()) <= seen, (bug.caught_by, seen)
-    assert bug.changes and bug.source and bug.symptom and bug.hook
+    assert bug.changes and bug.source and bug.symptom and bug.seam
 
 
 # ---- one test per family: a failure names the variant and the rule -------------------------
@@ -117,7 +121,10 @@ def test_case_B07_page_table_width_at_the_context_wall(report):
 
 @pytest.mark.spec("KV-004", "KV-003")
 def test_free_last_committed_page_lets_another_request_overwrite_committed_kv(report):
-    assert_caught(report, "free-last-committed-page", {"KV-004"}, {"KV-004", "KV-003"})
+    assert_caught(report, "free-last-committed-page", {"KV-004", "KV-003"}, {"KV-003"})
+    first, grown = results(report, "free-last-committed-page")
+    assert first.caught_by.first_id == "KV-004" and "KV-004" in first.symptom.ids
+    assert grown.caught_by.first_id == "KV-003"  # a grown history double-frees the page
 
 
 @pytest.mark.spec("MD-005", "MD-003")
@@ -132,7 +139,34 @@ def test_case_B14_verify_as_decode_fails_the_horizon_probe(report):
 
 @pytest.mark.spec("MD-005")
 def test_case_B20_step_major_draft_locations(report):
-    assert_caught(report, "draft-loc-step-major", {"MD-005"}, {"MD-005", "TOL-002"})
+    assert_caught(report, "draft-loc-step-major", {"MD-005"}, {"MD-005"})
+    eager, paired = results(report, "draft-loc-step-major")
+    assert "TOL-002" in eager.symptom.ids  # FA3 on the wrong slots vs the correct reference
+    # both wings on the same wrong batch: the paged oracle's own INV-TAIL refuses it
+    assert [s.kind for s in paired.symptom.symptoms] == ["check"] and paired.symptom.ids == ["MD-005"]
+
+
+@pytest.mark.spec("PA-004", "TOL-002")
+@pytest.mark.parametrize("name", ["fa3-window-minus-one", "emulator-window-edge"])
+def test_window_off_by_one_in_the_fa3_wing_and_in_the_emulator(report, name):
+    assert_caught(report, name, {"PA-004"}, {"PA-004"})
+
+
+@pytest.mark.spec("MD-006")
+def test_replay_that_skips_validate_batch_is_caught(report):
+    """Graph replay must validate the live batch (a bad CPU mirror) before it builds metadata."""
+    (r,) = results(report, "replay-skips-validate-batch")
+    assert r.baseline_ok and r.caught_by.first_id == "MD-006"
+    assert not r.symptom.detected and not r.silent  # it only removes a check: nothing to see unvalidated
+
+
+@pytest.mark.spec("MD-005", "TOL-002")
+def test_positions_one_early_in_the_shared_core_is_caught_by_the_comparison(report):
+    """The builders shift both out_cache_loc and positions, consistently with req_to_token: the
+    paged oracle accepts the batch, and with validation off only its disagreement with FA3 shows."""
+    assert_caught(report, "positions-one-early", {"MD-005"}, {"TOL-002"})
+    for r in results(report, "positions-one-early"):
+        assert [s.kind for s in r.symptom.symptoms] == ["mismatch"] and r.symptom.error is None
 
 
 def test_case_B20_step_major_is_invisible_at_batch_size_1():
@@ -143,7 +177,7 @@ def test_case_B20_step_major_is_invisible_at_batch_size_1():
     b = Scenario(ForwardMode.DECODE, page_size=4, lens=[9], draft_step=1).build()
     fb = draft_decode_steps_batch(b.kv, b.fb.req_pool_indices.tolist(), [9], 3)
     right = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
-    with bugs.enabled("draft-loc-step-major"):
+    with variants.enabled("draft-loc-step-major"):
         wrong = [draft_step_view(fb, s, 3).out_cache_loc.tolist() for s in range(2)]
     assert right == wrong == [[int(b.kv.req_to_token[1, 9])], [int(b.kv.req_to_token[1, 10])]]
 
@@ -151,8 +185,46 @@ def test_case_B20_step_major_is_invisible_at_batch_size_1():
 # ---- the harness itself -------------------------------------------------------------------
 
 def _fake_variant(monkeypatch, name, probe):
-    monkeypatch.setitem(bugs.BUGS, name, bugs.Bug(name, "nothing", "test", "nothing", ("CG-002",), "nowhere"))
+    original = metadata.mode_delta
+    same = lambda fb, step: original(fb, step)  # replaces the seam, changes nothing
+    monkeypatch.setitem(variants.VARIANTS, name, variants.Variant(name, original, same, "nothing", "test", "nothing",
+                                                                  ("CG-002",)))
     monkeypatch.setitem(PROBES, name, [probe])
+
+
+def test_replaced_rebinds_every_import_site_and_restores_them():
+    """``mode_delta`` is bound in fa3.metadata and, by ``from ... import``, in fa3.graph_metadata:
+    a variant must reach both (the replay path too), and leave both as they were."""
+    original = metadata.mode_delta
+    calls = []
+
+    def spy(fb, step):
+        calls.append(step)
+        return original(fb, step)
+    with replaced(original, spy) as sites:
+        assert {m.__name__ for m, _ in sites} >= {"refspec.fa3.metadata", "refspec.fa3.graph_metadata"}
+        assert metadata.mode_delta is spy and graph_metadata.mode_delta is spy
+        assert replacements._orig["mode_delta"] is original  # refspec.mutants is never rebound
+    assert metadata.mode_delta is original and graph_metadata.mode_delta is original
+
+
+def test_replaced_refuses_a_seam_with_no_call_site_and_two_variants_on_one_seam():
+    with pytest.raises(NoCallSite, match="bound nowhere"), replaced(lambda: None, lambda: None):
+        pass
+    # both replace graph_metadata.draft_extend_rows
+    with pytest.raises(NoCallSite), variants.enabled("de-v2-packed-cu-q", "de-v1-accept-off-by-one"):
+        pass
+    assert variants.active() == set() and graph_metadata.draft_extend_rows is replacements._orig["draft_extend_rows"]
+
+
+def test_production_modules_hold_no_variant_switch():
+    """No production module mentions the bug zoo's machinery (issue 13)."""
+    root = Path(__file__).resolve().parents[1] / "refspec"
+    for path in root.rglob("*.py"):
+        if path.relative_to(root).parts[0] in ("mutants", "cli", "conformance"):
+            continue
+        text = path.read_text()
+        assert "is_on(" not in text and "variants.enabled" not in text and "refspec.bugs" not in text, path
 
 
 def test_a_variant_that_changes_nothing_survives_and_main_fails(monkeypatch, capsys):
@@ -184,19 +256,19 @@ def test_cli_prints_the_table_and_the_final_line(capsys):
 def test_cli_rejects_an_unknown_variant_and_a_variant_already_on():
     with pytest.raises(SystemExit):
         mutants_main(["--only", "no-such-variant"])
-    with bugs.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
+    with variants.enabled("seed-page-table"), pytest.raises(RuntimeError, match="already on"):
         mutants.run("cpu", ["seed-page-table"])
-    with bugs.enabled("seed-page-table"):
-        with bugs.disabled():
-            assert bugs.active() == set()
-        assert bugs.active() == {"seed-page-table"}
+    with variants.enabled("seed-page-table"):
+        with variants.disabled():
+            assert variants.active() == set()
+        assert variants.active() == {"seed-page-table"}
 
 
 @pytest.mark.spec("TOL-002")
 def test_every_variant_is_caught_in_bf16_through_the_t1_budget():
     """The GPU comparison path (bf16, budget from the oracle's own bf16 error) on the emulator."""
     rep = mutants.run("cpu", low_precision=True)
-    assert sorted(rep.caught) == sorted(bugs.BUGS) and rep.silent == [], mutants.format_report(rep, True)
+    assert sorted(rep.caught) == sorted(variants.VARIANTS) and rep.silent == [], mutants.format_report(rep, True)
 
 
 @pytest.mark.spec("SD-004", "MD-005")
@@ -223,4 +295,4 @@ def test_every_variant_is_caught_on_cuda_with_real_fa3_and_cuda_graphs():
     rep = mutants.run("cuda")
     text = mutants.format_report(rep, verbose=True)
     assert all(r.baseline_ok for r in rep.results), text
-    assert sorted(rep.caught) == sorted(bugs.BUGS), text
+    assert sorted(rep.caught) == sorted(variants.VARIANTS), text

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.speculative import generate, greedy_reference
 
@@ -158,7 +158,7 @@ def test_case_B20_metamorphic_check_catches_step_major_draft_locations():
     """With the step-major bug variant and validation off, only the batch-invariance comparison
     is left to notice: bs = 2 drafts differ from bs = 1 drafts (acceptance at bs = 2 drops)."""
     alone = {**_b20_run([0], "v1", False, validate=False), **_b20_run([1], "v1", False, validate=False)}
-    with bugs.enabled("draft-loc-step-major"):  # bs = 1 is immune: one request, one layout
+    with variants.enabled("draft-loc-step-major"):  # bs = 1 is immune: one request, one layout
         assert {**_b20_run([0], "v1", False, validate=False), **_b20_run([1], "v1", False, validate=False)} == alone
         together = _b20_run([0, 1], "v1", False, validate=False)
     assert together != alone

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.cli import replay as replay_mod
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
@@ -107,7 +107,7 @@ def test_replay_bf16_uses_t2_against_fp32_greedy():
 def test_replay_exits_nonzero_when_production_breaks(tmp_path):
     """The seed's page-table bug at P = 4: the replay reports what stopped production, exit 1."""
     path = save_trace(recorded(), tmp_path / "t.json")
-    with bugs.enabled("seed-page-table"):
+    with variants.enabled("seed-page-table"):
         rc = replay_main([str(path), "--page-sizes", "4", "--out", str(tmp_path / "r.md")])
     assert rc == 1
     md = (tmp_path / "r.md").read_text()

@@ -32,7 +32,7 @@
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 
 from refspec.core import tolerance
 
@@ -114,7 +114,7 @@ assert tolerance.t0(replayed, eager).ok
 
 # %%
 de1 = Scenario(M.DRAFT_EXTEND, page_size=P, lens=L, num_draft_tokens=N, num_accept_tokens=A, seed=0).build()
-with bugs.enabled("capture-max-seqlen-q-small"):
+with variants.enabled("capture-max-seqlen-q-small"):
     small = de1.graph_runner(capture_bs=(4,))
 try:
     de1.run_fa3_graph(small)
@@ -150,7 +150,7 @@ cases = [("v1", None), ("v1", "de-v1-uniform-cu-q"), ("v1", "de-v1-accept-off-by
 def replay(which, variant, validate=False):
     built = de1 if which == "v1" else de2
     r = built.graph_runner(capture_bs=(4,), validate=validate)
-    with bugs.enabled(*([variant] if variant else [])):
+    with variants.enabled(*([variant] if variant else [])):
         out = built.run_fa3_graph(r)
     return out, r.backend.forward_metadata.cu_seqlens_q[:5].tolist()
 
@@ -204,7 +204,7 @@ print(caught)
 full = Scenario(M.DRAFT_EXTEND, page_size=P, lens=L, num_draft_tokens=N, num_accept_tokens=[4, 4, 4],
                 seed=0).build()
 good = full.run_fa3_graph(full.graph_runner(capture_bs=(4,)))
-with bugs.enabled("de-v1-uniform-cu-q"):
+with variants.enabled("de-v1-uniform-cu-q"):
     bad = full.run_fa3_graph(full.graph_runner(capture_bs=(4,), validate=False))
 print("full acceptance, v2 rule on v1 vs correct:", tolerance.t0(bad, good))
 

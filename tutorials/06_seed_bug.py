@@ -27,7 +27,10 @@
 # passed. With `P > 1` the kernel takes column `j` to be page `slot(j)` and reads position `p`
 # from slot `slot(p // P) * P + p % P`: about `P` times too far into the pool (spec §2.3).
 # Tutorial 01 showed this for one position; here it runs in the whole speculative loop on the
-# real model (bug variant `seed-page-table` of `refspec.bugs`):
+# real model. The bug is the variant `seed-page-table` of `refspec.mutants.variants`: a
+# replacement for the production seam `refspec.fa3.graph_metadata.replay_page_table`, applied
+# from outside for the duration of a `with variants.enabled(...)` block (the production module
+# holds only the correct rule):
 #
 # 1. with refspec's replay validation on, the first replay is refused with **PA-002**;
 # 2. with validation off, the loop runs and prints garbage;
@@ -47,7 +50,7 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 
 from refspec.harness import viz
 from refspec.harness.viz import show
@@ -91,7 +94,7 @@ print("oracle loop (dense KV, no pages, no graphs): accepts", oracle.accepts)
 # budget), so `W` is about `max_k / P`: outcome one.
 
 # %%
-with bugs.enabled("seed-page-table"):
+with variants.enabled("seed-page-table"):
     try:
         generate(model, prompts, backend="fa3", version="v1", page_size=P, graphs=True, capture_bs=(2,),
                  draft=DRAFT, num_steps=SD, max_new_tokens=BUDGETS)
@@ -148,7 +151,7 @@ def outputs(eng):
 
 # %%
 eng = make_engine(validate=True)
-with bugs.enabled("seed-page-table"):
+with variants.enabled("seed-page-table"):
     try:
         eng.run()
         flagged = None
@@ -198,7 +201,7 @@ for p in (0, 1, 5, 17, K0 - 1):
 
 # %%
 t0 = time.perf_counter()
-with bugs.enabled("seed-page-table"):
+with variants.enabled("seed-page-table"):
     eng_bad = make_engine(validate=False)
     eng_bad.run()
 bad, bad_accepts = outputs(eng_bad)
@@ -238,7 +241,7 @@ for i in range(B):
 
 # %%
 t0 = time.perf_counter()
-with bugs.enabled("seed-page-table"):
+with variants.enabled("seed-page-table"):
     eng_p1 = make_engine(page_size=1, validate=True)
     eng_p1.run()
 p1, p1_accepts = outputs(eng_p1)

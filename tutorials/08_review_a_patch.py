@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core import tolerance
 from refspec.core.invariants import INVARIANTS, InvariantError
 from refspec.core.modes import ForwardMode as M
@@ -75,13 +75,15 @@ print("fa3 vs oracle:", tolerance.t1(out, ref))
 # %% [markdown]
 # ## 2. With the patch: the `InvariantError`
 #
-# `bugs.enabled("de-v2-k-double-count")` turns on exactly the patched line in
-# `refspec/fa3/metadata.py`. Validation runs before the kernel and stops the forward:
+# `variants.enabled("de-v2-k-double-count")` swaps in exactly the patched rule: the bug-zoo
+# variant replaces the one-rule function `refspec.fa3.metadata.mode_delta` (from outside, for the
+# `with` block; the production module holds only the correct rule). Validation runs before the
+# kernel and stops the forward:
 
 # %%
 patched = scenario.build()
 try:
-    with bugs.enabled("de-v2-k-double-count"):
+    with variants.enabled("de-v2-k-double-count"):
         patched.run_fa3()
     err = None
 except InvariantError as e:
@@ -101,7 +103,7 @@ print("\nID:", err.inv_id, "| detail:", err.detail)
 
 # %%
 unchecked = scenario.build()
-with bugs.enabled("de-v2-k-double-count"):
+with variants.enabled("de-v2-k-double-count"):
     out_bug = unchecked.run_fa3(validate=False)
 verdict = tolerance.t1(out_bug, unchecked.run_oracle())
 print("patched fa3 vs oracle:", verdict)
@@ -118,7 +120,7 @@ for inv_id in ("MD-005", "MD-008"):
     print(f"{inv_id}: {INVARIANTS[inv_id]}")
     print(f"  spec:  docs/spec/{spec_index.family_page(inv_id)}#{inv_id.lower()}")
     print(f"  tests: {len(index.tests.get(inv_id, []))}, e.g. {index.tests.get(inv_id, ['-'])[0]}")
-print("variant caught by:", bugs.BUGS["de-v2-k-double-count"].caught_by)
+print("variant caught by:", variants.VARIANTS["de-v2-k-double-count"].caught_by)
 
 # %% [markdown]
 # ## 4. The review line
@@ -142,7 +144,7 @@ print(textwrap.fill(review, 100))
 # %%
 TEST = '''
 import pytest
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.invariants import InvariantError
 from refspec.core.modes import ForwardMode as M
 from refspec.harness.scenario import Scenario
@@ -163,7 +165,7 @@ def test_draft_extend_v2_k_is_seq_lens():
 
 @pytest.mark.spec("MD-008", "MD-005")
 def test_double_counted_k_is_refused():
-    with bugs.enabled("de-v2-k-double-count"), pytest.raises(InvariantError) as e:
+    with variants.enabled("de-v2-k-double-count"), pytest.raises(InvariantError) as e:
         _scenario().build().run_fa3()
     assert e.value.inv_id == "MD-005"
 '''
@@ -198,7 +200,7 @@ answer_8a = ...
 # %% tags=["check"] jupyter={"source_hidden": true}
 b8 = scenario.build()
 runner = b8.graph_runner(capture_bs=(4,))
-with bugs.enabled("de-v2-packed-cu-q"), pytest.raises(InvariantError) as raised_8a:
+with variants.enabled("de-v2-packed-cu-q"), pytest.raises(InvariantError) as raised_8a:
     b8.run_fa3_graph(runner)
 exercises.check("8a", answer_8a, raised_8a.value.inv_id, solution="CG-004",
                 hint="the rule of the v2 draft-extend replay is in docs/spec/graphs.md")
@@ -256,7 +258,7 @@ exercises.check("8c", ... if answer_8c is ... else quotes_the_rule(answer_8c, ra
 
 # %%
 assert tolerance.t1(out, ref).ok                                      # unpatched: production == oracle
-assert err is not None and err.inv_id in bugs.BUGS["de-v2-k-double-count"].caught_by
+assert err is not None and err.inv_id in variants.VARIANTS["de-v2-k-double-count"].caught_by
 assert err.inv_id == "MD-005" and "K=13" in err.detail                 # K = L + 2N for request 0
 assert not verdict.ok                                                  # unchecked, the patch is wrong
 assert "MD-008" in review and INVARIANTS["MD-008"] in review

@@ -17,7 +17,7 @@ COMMANDS = {
     "record": ("refspec.cli.record", "run the real model once and write its speculative schedule as a trace (JSON)"),
     "replay": ("refspec.cli.replay", "replay a trace through production (graphs) vs the oracle loop (--device cuda)"),
     "conformance": ("refspec.cli.conformance", "refspec's FA3 metadata vs SGLang's own backend (pinned releases, CPU)"),
-    "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant of refspec.bugs is caught (--device cpu|cuda)"),
+    "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant of refspec.mutants.variants is caught (--device cpu|cuda)"),
 }
 
 

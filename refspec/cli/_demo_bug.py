@@ -1,6 +1,6 @@
 """``python -m refspec demo --bug seed-page-table``: a bug-zoo variant live on the real model.
 
-The seed's bug (``refspec.bugs``, SGLang #5090, fixed by #5318): the draft-decode and
+The seed's bug (``refspec.mutants.variants``, SGLang #5090, fixed by #5318): the draft-decode and
 target-verify graph replays copy *token slots* ``req_to_token[r, :max_k]`` into the page table
 instead of page ids ``req_to_token[r, ::P] // P``.  With P = 1 a slot is a page id, so CI passed;
 with P > 1 FA3 reads column c as page ``slot(c)``, about P times too far into the pool.
@@ -20,7 +20,7 @@ where every slot id of a used page is itself a valid page id (pages handed out i
 table (width ``ceil(columns / P)``) holds ``max K`` slot ids.  The wrongly addressed pages then
 hold other requests' KV or zeros: finite garbage.  Should an error surface anyway (an emulator
 PA-011 out-of-range page, or any exception), it is printed as the symptom.  Works for any
-variant in ``refspec.bugs.BUGS``; the pool set-up is what the seed's bug needs.
+variant in ``refspec.variants.VARIANTS``; the pool set-up is what the seed's bug needs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 
 from tqdm import tqdm
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.invariants import InvariantError
 from refspec.real.run import capture_sizes, first_diff
 from refspec.model.drafts import make_draft
@@ -81,7 +81,7 @@ def run_bug_demo(model, questions, prompts, max_new, name, *, page_size=4, versi
     """The three runs of the module doc on the first ``n_requests`` prompts; returns 0 when the
     variant was flagged with validation on and changed (or broke) the output with it off, else 1.
     Raises KeyError for an unknown variant name."""
-    bug = bugs.BUGS[name]
+    bug = variants.VARIANTS[name]
     prompts, max_new, questions = prompts[:n_requests], max_new[:n_requests], questions[:n_requests]
     kw = dict(page_size=page_size, version=version, num_steps=num_steps, draft=draft, eos=eos, progress=progress)
     from refspec.real import decode
@@ -96,7 +96,7 @@ def run_bug_demo(model, questions, prompts, max_new, name, *, page_size=4, versi
         out(f"the CORRECT loop failed: {type(err).__name__}: {err}")
         return 1
     out(f"1. correct loop: accept length {good_acc:.2f} ({time.perf_counter() - t:.1f} s)")
-    with bugs.enabled(name):
+    with variants.enabled(name):
         _, _, flagged = run_once(model, prompts, max_new, validate=True, desc="bug, validated", **kw)
         out(f"\n2. {name} on, validation on -> " + (
             f"stopped by {type(flagged).__name__}:\n   {flagged}" if flagged is not None else "NOT flagged"))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.mutants.runner import format_report, run
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m refspec mutants", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--only", nargs="+", metavar="NAME", choices=sorted(bugs.BUGS), help="variants to run")
+    ap.add_argument("--only", nargs="+", metavar="NAME", choices=sorted(variants.VARIANTS), help="variants to run")
     ap.add_argument("--engine", action="store_true", help="add the token-level probes (whole spec loops; slow)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every detection's full message")
     ns = ap.parse_args(argv)

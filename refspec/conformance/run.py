@@ -33,15 +33,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _variant(name: str | None):
-    """The one place that switches a refspec bug variant on (refspec's side only).
+    """The one place that applies a refspec bug variant (refspec's side only; a negative control).
 
     Returns a context manager; ``None`` -> no variant.  Raises KeyError for an unknown name.
     """
     if name is None:
         return nullcontext()
-    from refspec import bugs
+    from refspec.mutants import variants
 
-    return bugs.enabled(name)
+    return variants.enabled(name)
 
 
 @dataclass

@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refspec import bugs
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache
 from refspec.core.modes import ForwardMode
@@ -144,7 +143,7 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
     dev = kv.device
     locs, pos = [], []
     for r, q, p0 in zip(req_pool_indices, q_lens, written_prefix):
-        idx = torch.arange(p0, p0 + q, device=dev)
+        idx = tail_positions(p0, q, dev)
         locs.append(kv.req_to_token[r, idx].long())
         pos.append(idx)
     cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
@@ -157,6 +156,13 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
         positions=cat(pos),
         **fields,
     )
+
+
+def tail_positions(first: int, q: int, device) -> torch.Tensor:
+    """KV indices (= positions, SD-007) of a request's q query tokens: ``first .. first + q - 1``,
+    int64 ``[q]``, where ``first = K_b - q_b`` is the count of keys already written (INV-TAIL,
+    MD-005: the query tokens are the request's last q keys)."""
+    return torch.arange(first, first + q, device=device)
 
 
 def _count(name: str, n: int, least: int = 1) -> None:
@@ -250,12 +256,12 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
         if L < 0 or L + S1 > W:
             raise ValueError(f"draft decode request {b}: seq_len {L} with {S1} steps needs positions "
                              f"{L}..{L + S1 - 1} inside the req_to_token width {W}")
-    idx = [L + s for L in seq_lens for s in range(S1)]
     rows = [r for r in req_pool_indices for _ in range(S1)]
     fb = _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [], [])
-    fb.positions = torch.as_tensor(idx, dtype=torch.long, device=dev)
-    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long() \
-        if idx else torch.zeros(0, dtype=torch.long, device=dev)
+    if not rows:
+        return fb
+    fb.positions = torch.cat([tail_positions(L, S1, dev) for L in seq_lens])  # step s of request b: L_b + s
+    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long()
     return fb
 
 
@@ -268,8 +274,16 @@ def draft_step_view(fb: ForwardBatch, step: int, num_steps: int) -> ForwardBatch
     if not 0 <= step < S1:
         raise ValueError(f"draft step {step} outside [0, {S1}) for num_steps = {num_steps}")
     B = fb.batch_size
-    loc = fb.out_cache_loc.view(B, S1)[:, step]
-    if bugs.is_on("draft-loc-step-major"):
-        loc = fb.out_cache_loc.view(S1, B)[step]  # B20 variant: step-major cut of a request-major layout
-    return fb.replace(out_cache_loc=loc,
+    return fb.replace(out_cache_loc=draft_step_cut(fb.out_cache_loc, B, S1, step),
                       positions=fb.positions.view(B, S1)[:, step], draft_step=step)
+
+
+def draft_step_cut(x: torch.Tensor, B: int, S1: int, step: int) -> torch.Tensor:
+    """Step ``s`` of a request-major ``[B * (Sd - 1)]`` per-token tensor: a ``[B]`` view.
+
+    symbolic   x = [b0s0, b0s1, ..., b1s0, b1s1, ...]   (entry b * (Sd - 1) + s)
+               step s -> x.view(B, Sd - 1)[:, s] = [b0s, b1s, ...]
+    example    B = 2, Sd - 1 = 2, x = [10, 11, 20, 21]:  step 0 -> [10, 20], step 1 -> [11, 21]
+    Used for ``out_cache_loc`` (case B20, sglang #7239: the draft cache locations are request-major).
+    """
+    return x.view(B, S1)[:, step]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec import bugs
 from refspec.core.invariants import InvariantError, require
 
 
@@ -145,6 +144,13 @@ class PagedAllocator:
 
     def restore_state(self, state: _AllocatorState) -> None:
         self._free, self._in_use = deque(state.free), state.in_use.clone()
+
+
+def first_freeable_position(keep_len: int, page_size: int) -> int:
+    """First position whose page v1 may free after verify: ``ceil(keep_len / P) * P`` (tokens);
+    the page of position keep_len - 1 stays (KV-004).  P = 4: keep_len 6 -> 8, 8 -> 8, 9 -> 12.
+    Upstream: sglang ``speculative/spec_utils.py`` ``align_evict_mask_to_page_size``."""
+    return -(-keep_len // page_size) * page_size
 
 
 class KVCache:
@@ -278,10 +284,9 @@ class KVCache:
         self._check_row(r)
         self._check_len("keep_len", keep_len)
         self._check_len("alloc_len", alloc_len)
-        if bugs.is_on("free-last-committed-page"):
-            keep_len = (keep_len - 1) // self.page_size * self.page_size  # frees the committed page too
-        if alloc_len > keep_len:
-            self.allocator.free_pages(self.row_pages(r, alloc_len, start=keep_len))
+        start = first_freeable_position(keep_len, self.page_size)
+        if alloc_len > start:
+            self.allocator.free_pages(self.row_pages(r, alloc_len, start=start))
 
     def check_page_contiguous(self, r: int, length: int) -> None:
         """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``."""

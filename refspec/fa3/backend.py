@@ -20,6 +20,18 @@ from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
 
 
+def kernel_window_size(layer: AttentionLayer) -> tuple[int, int]:
+    """FA3's ``window_size`` for ``layer``: ``(w, 0)`` for a left window of w tokens, else
+    ``(-1, -1)`` (no window).  A query at position t then sees keys ``t - w .. t``, w + 1 keys
+    (PA-004), the meaning of ``AttentionLayer.sliding_window_size``.
+
+    Upstream: sglang ``flashattention_backend.py`` ``forward_extend`` / ``forward_decode``,
+    ``window_size = (layer.sliding_window_size, 0)``.
+    """
+    w = layer.sliding_window_size
+    return (w, 0) if w >= 0 else (-1, -1)
+
+
 def _store_kv(pool: KVPool, layer_id: int, loc, k, v):
     pool.set_kv_buffer(layer_id, loc, k, v)
 
@@ -31,8 +43,9 @@ class FlashAttentionBackend(GraphMetadataMixin):
         pool: this model's KV pool ``[NP, P, Hkv, D]`` per layer.
         kv: shared ``req_to_token`` (int32 ``[max_reqs, ctx + extra]``) and allocator.
         speculative_step_id: s for the draft-decode backend of step s (K = L + s + 1), else None.
-        max_context_len: the model's context length (only the ``page-table-width-from-context``
-            bug variant uses it; buffers are sized from ``req_to_token.shape[1]``, CG-008).
+        max_context_len: the model's context length (tokens).  Upstream sized the graph page
+            table from it (case B07); refspec sizes it from ``req_to_token.shape[1]`` (CG-008,
+            :func:`~refspec.fa3.graph_metadata.graph_table_width`).
         validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
         provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one for
             the pool's device once, here (:func:`refspec.fa3.kernel.select_provider`).
@@ -82,7 +95,7 @@ class FlashAttentionBackend(GraphMetadataMixin):
                    static=dict(pool=self.pool, loc=fb.out_cache_loc), scalars=dict(layer_id=layer.layer_id))
         md = self.forward_metadata
         k_cache, v_cache = self.pool.get_kv_buffer(layer.layer_id)
-        window = (layer.sliding_window_size, 0) if layer.sliding_window_size >= 0 else (-1, -1)
+        window = kernel_window_size(layer)
         return launch(
             kernel.flash_attn_with_kvcache,
             live=dict(q=q),

@@ -57,6 +57,20 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     return cu, K, P, NP
 
 
+def visible_keys(p: torch.Tensor, row: torch.Tensor, K: int, Q: int, left: int) -> torch.Tensor:
+    """Bool ``[Q, n]``: which keys ``p [n]`` each query row ``row [Q, 1]`` sees (FA3's mask).
+
+    Bottom-right causal (PA-004): row i sees key p iff ``p <= i + K - Q``; with a left window
+    ``left = w >= 0`` also ``p >= i + K - Q - w``, so a row sees at most w + 1 keys (FA3's
+    ``window_size = (w, 0)``, both edges inclusive, ``hopper/flash_attn_interface.py``).
+    """
+    last = row + K - Q
+    vis = p[None, :] <= last
+    if left >= 0:
+        vis &= p[None, :] >= last - left
+    return vis
+
+
 def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
                                     max_seqlen_q, softmax_scale=None, causal=True, window_size=(-1, -1),
                                     softcap=0.0, return_softmax_lse=False):
@@ -101,11 +115,8 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
             s = torch.einsum("qkgd,nkd->qkgn", qb, kt) * scale
             if softcap > 0:
                 s = softcap * torch.tanh(s / softcap)
-            vis = torch.ones((Q, stop - start), dtype=torch.bool, device=q.device)
-            if causal:
-                vis = p[None, :] <= row + K - Q
-                if left >= 0:
-                    vis &= p[None, :] >= row + K - Q - left
+            vis = visible_keys(p, row, K, Q, left) if causal else torch.ones(
+                (Q, stop - start), dtype=torch.bool, device=q.device)
             s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refspec import bugs
 from refspec.core.batch import ForwardBatch
 from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, mode_delta
 from refspec.fa3.validate import validate_batch, validate_metadata
@@ -83,8 +82,7 @@ class GraphMetadataMixin:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Preallocate the graph buffers; the page-table width W comes from ``req_to_token``."""
         P, R = self.page_size, self.kv.req_to_token
-        cols = self.max_context_len if bugs.is_on("page-table-width-from-context") else R.shape[1]
-        W = -(-cols // P)
+        W = graph_table_width(R, self.max_context_len, P)
         i32 = dict(dtype=torch.int32, device=R.device)
         self.graph_state = GraphState(
             max_bs=max_bs, width=W,
@@ -100,28 +98,13 @@ class GraphMetadataMixin:
 
         ``fb`` is the runner's static batch (dummy values).  Capture-time outputs are discarded.
         """
-        gs, m = self.graph_state, fb.forward_mode
-        if m.is_decode():
-            tokens_per_req = 1  # one query row per step, whatever the runner's token layout
-        elif m.is_target_verify():
-            tokens_per_req = fb.num_draft_tokens
-        else:
-            tokens_per_req = num_tokens // bs  # draft extend: W = Sd + 1
+        gs = self.graph_state
+        q = capture_query_rows(fb, bs, num_tokens)  # frozen as max_seqlen_q (CG-006)
         cu_q = gs.cu_seqlens_q[: bs + 1]
-        cu_q.copy_(torch.arange(0, bs * tokens_per_req + 1, tokens_per_req, dtype=torch.int32))
-        if m.is_decode():
-            max_q = 1
-        elif m.is_target_verify():
-            max_q = fb.num_draft_tokens
-        elif m.is_draft_extend(include_v2=True):
-            max_q = 1 if bugs.is_on("capture-max-seqlen-q-small") else tokens_per_req
-        else:
-            raise ValueError(f"{m.name} is not a graphed mode")
-        md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], max_q, 0,
+        cu_q.copy_(torch.arange(0, bs * q + 1, q, dtype=torch.int32))
+        md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], q, 0,
                                     gs.page_table[:bs, :])
         self._update_lengths(md, fb, bs)
-        if m.is_draft_extend(include_v2=True) and bugs.is_on("capture-max-seqlen-q-small"):
-            cu_q.copy_(torch.arange(bs + 1, dtype=torch.int32))  # the bug's dummy batch: q lens 1 (case B08)
         gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
         self.forward_metadata = md
         return md
@@ -145,6 +128,8 @@ class GraphMetadataMixin:
         if self.validate:
             validate_batch(fb, self.kv.req_to_token, num_real=num_real)
         self._update_lengths(md, fb, bs)
+        if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
+            write_draft_extend_cu_q(md, draft_extend_rows(fb, bs))
         for name, t in bound.items():
             now = getattr(md, name)
             if self.validate and (now is not t or now.data_ptr() != t.data_ptr()):
@@ -158,32 +143,85 @@ class GraphMetadataMixin:
         return md
 
     def _update_lengths(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
-        """The in-place writes shared by capture (dummy values) and replay."""
-        gs, m, P, R = self.graph_state, fb.forward_mode, self.page_size, self.kv.req_to_token
+        """The in-place writes shared by capture (dummy values) and replay, one rule each:
+        ``cache_seqlens`` and ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table
+        (:func:`replay_page_table`), after the CG-008 width check."""
+        gs, P = self.graph_state, self.page_size
         delta = mode_delta(fb, self.speculative_step_id)
-        K = (fb.seq_lens[:bs] + delta).to(torch.int32)
-        if bugs.is_on("replay-rebind-cache-seqlens"):
-            md.cache_seqlens_int32 = K.clone()
-        else:
-            md.cache_seqlens_int32.copy_(K)
-        md.cu_seqlens_k[1:].copy_(torch.cumsum(K, 0, dtype=torch.int32))
-        if m.is_draft_extend():  # v1: packed, a = n + 1 rows per request (CG-003)
-            rows = fb.num_accept_tokens[:bs]
-            if bugs.is_on("de-v1-accept-off-by-one"):
-                rows = rows - 1
-            if bugs.is_on("de-v1-uniform-cu-q"):
-                rows = torch.full_like(rows, md.max_seq_len_q)  # v2's uniform W
-            md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
-        elif m.is_draft_extend_v2():  # v2: uniform W rows per request (CG-004)
-            rows = fb.num_accept_tokens[:bs] if bugs.is_on("de-v2-packed-cu-q") else fb.extend_seq_lens[:bs]
-            md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
+        write_cache_seqlens(md, (fb.seq_lens[:bs] + delta).to(torch.int32))
         max_k = int(fb.seq_lens_cpu[:bs].max()) + delta
         m_pages = -(-max_k // P)
         require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
-        r = fb.req_pool_indices[:bs]
-        if bugs.is_on("seed-page-table") and P > 1 and (m.is_target_verify() or self.speculative_step_id is not None):
-            md.page_table[:, :max_k].copy_(R[r, :max_k])  # A0: token slots used as page ids
-        elif bugs.is_on("replay-rebind-page-table"):
-            md.page_table = (R[r][:, gs.strided_indices] // P).to(torch.int32)
-        else:
-            md.page_table[:, :m_pages].copy_(R[r][:, gs.strided_indices[:m_pages]] // P)
+        replay_page_table(md, fb, self.kv.req_to_token, gs.strided_indices, max_k, P)
+
+
+# ---- the rules, one function each (what the module table says, and what reviews cite) ----
+
+def graph_table_width(req_to_token: torch.Tensor, max_context_len: int, page_size: int) -> int:
+    """Page-table columns of the graph buffers: ``ceil(req_to_token.shape[1] / P)`` (CG-008).
+
+    ``req_to_token``'s width already includes the speculative headroom, so verify / draft
+    extend near the context wall (K = L + N) still fit.  ``max_context_len`` is not used: sizing
+    from it is case B07's bug (sglang #35985, #29665).
+    """
+    return -(-req_to_token.shape[1] // page_size)
+
+
+def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:
+    """Query rows per request of the capture-time batch, frozen as ``max_seqlen_q`` (CG-006).
+
+    DECODE (and draft decode): 1, one row per step whatever the runner's token layout.
+    TARGET_VERIFY: N.  DRAFT_EXTEND / DRAFT_EXTEND_V2: W = ``num_tokens // bs`` = Sd + 1, the
+    bound on live rows, never a (smaller) dummy batch's query length (case B08).
+    Raises: ValueError for a mode that is not graphed.
+    """
+    m = fb.forward_mode
+    if m.is_decode():
+        return 1
+    if m.is_target_verify():
+        return fb.num_draft_tokens
+    if m.is_draft_extend(include_v2=True):
+        return num_tokens // bs
+    raise ValueError(f"{m.name} is not a graphed mode")
+
+
+def write_cache_seqlens(md: FlashAttentionMetadata, K: torch.Tensor) -> None:
+    """In place (CG-001): ``cache_seqlens <- K`` and ``cu_seqlens_k[1:] <- cumsum K`` (MD-006).
+
+    ``K`` int32 ``[bs]`` (tokens).  The captured graph reads these buffers' addresses, so
+    assigning new tensors would leave it reading the capture-time lengths (case B11).
+    """
+    md.cache_seqlens_int32.copy_(K)
+    md.cu_seqlens_k[1:].copy_(torch.cumsum(K, 0, dtype=torch.int32))
+
+
+def draft_extend_rows(fb: ForwardBatch, bs: int) -> torch.Tensor:
+    """Query rows per request in a DRAFT_EXTEND(_V2) replay: int32 ``[bs]`` (rows).
+
+    symbolic      v1: a = [a1, a2, ...] = num_accept_tokens (a = n + 1, packed, CG-003)
+                  v2: [W, W, ...] = extend_seq_lens (uniform, CG-004)
+    example       a = [2, 4, 1], W = 4, one padded row:  v1 [2, 4, 1, 4];  v2 [4, 4, 4, 4]
+    Padded rows hold the runner's fill W in both fields.
+    """
+    if fb.forward_mode.is_draft_extend():
+        return fb.num_accept_tokens[:bs]
+    return fb.extend_seq_lens[:bs]
+
+
+def write_draft_extend_cu_q(md: FlashAttentionMetadata, rows: torch.Tensor) -> None:
+    """In place (CG-001): ``cu_seqlens_q[1:] <- cumsum(rows)``, the replayed token layout."""
+    md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
+
+
+def replay_page_table(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token: torch.Tensor,
+                      strided_indices: torch.Tensor, max_k: int, page_size: int) -> None:
+    """In place (CG-001, MD-007): ``page_table[:, :m] <- req_to_token[r][:, strided[:m]] // P``.
+
+    ``m = ceil(max_k / P)`` columns (pages); ``strided_indices [W]`` are the token columns
+    ``0, P, 2P, ...`` (the first slot of each page), so each entry is a page id.  Columns
+    ``>= m`` keep stale values, which the kernel never reads (PA-007).  Every graphed mode uses
+    this one rule: upstream's pre-#5318 draft-decode and verify replays copied slots here (#5090).
+    """
+    m_pages = -(-max_k // page_size)
+    rows = req_to_token[fb.req_pool_indices[: md.page_table.shape[0]]]
+    md.page_table[:, :m_pages].copy_(rows[:, strided_indices[:m_pages]] // page_size)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec import bugs
 from refspec.core.batch import ForwardBatch
 
 
@@ -71,18 +70,51 @@ def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_
 
 
 def mode_delta(fb: ForwardBatch, speculative_step_id: int | None) -> int:
-    """K_b - seq_lens_b for the modes whose K is ``seq_lens + delta`` (spec §3.3).
+    """K_b - seq_lens_b for the modes whose K is ``seq_lens + delta`` (spec §3.3, MD-003).
 
-    TARGET_VERIFY: N.  Draft decode step s: s + 1.  All other modes: 0.
+    TARGET_VERIFY: N (MD-011).  Draft decode step s: s + 1 (MD-010).  All other modes: 0; in
+    particular DRAFT_EXTEND_V2, whose ``seq_lens`` already counts the N tokens (MD-008).
     """
     m = fb.forward_mode
     if m.is_target_verify():
         return fb.num_draft_tokens
     if m.is_decode() and speculative_step_id is not None:
         return speculative_step_id + 1
-    if m.is_draft_extend_v2() and bugs.is_on("de-v2-k-double-count"):
-        return fb.num_draft_tokens  # the #26512 bug: seq_lens already counts the N tokens
     return 0
+
+
+def eager_cache_seqlens(fb: ForwardBatch, delta: int) -> tuple[torch.Tensor, int]:
+    """``cache_seqlens = seq_lens + delta`` (int32 ``[B]``, tokens) and ``max_seq_len_k`` from
+    the CPU mirror, ``max(seq_lens_cpu) + delta`` (no device sync, MD-006).
+
+    The same formula in every mode; v1 draft extend's ``seq_lens`` is already L' = L + a, so
+    its keys stop at the last accepted token (MD-003).
+    """
+    return (fb.seq_lens + delta).to(torch.int32), int(fb.seq_lens_cpu.max()) + delta
+
+
+def eager_query_layout(fb: ForwardBatch, cu_k: torch.Tensor, max_k: int) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens_q, max_seq_len_q)`` per mode (the module table, MD-002).
+
+    DECODE (and draft decode): ``arange(B + 1)``, 1.  TARGET_VERIFY: ``arange(0, B*N + 1, N)``,
+    N.  DRAFT_EXTEND (v1): ``[0, cumsum a]`` packed, ``max a`` (MD-009).  EXTEND and
+    DRAFT_EXTEND_V2: ``[0, cumsum extend_seq_lens]``, ``max e``; an EXTEND with no prefix has
+    q = K, so it reuses ``cu_seqlens_k`` / ``max_seq_len_k``.
+    """
+    m, B = fb.forward_mode, fb.batch_size
+    i32 = dict(dtype=torch.int32, device=cu_k.device)
+    if m.is_decode():
+        return torch.arange(B + 1, **i32), 1
+    if m.is_target_verify():
+        N = fb.num_draft_tokens
+        return torch.arange(0, B * N + 1, N, **i32), N
+    if m.is_draft_extend():  # v1: packed by num_accept_tokens (a = n + 1)
+        return cumsum0(fb.num_accept_tokens), max(fb.num_accept_tokens_cpu)
+    ext_cpu = fb.extend_seq_lens_cpu  # EXTEND, DRAFT_EXTEND_V2: [0, cumsum extend_seq_lens]
+    has_prefix = m.is_draft_extend_v2() or any(L != e for L, e in zip(fb.seq_lens_cpu.tolist(), ext_cpu))
+    if has_prefix:
+        return cumsum0(fb.extend_seq_lens), max(ext_cpu)
+    return cu_k, max_k
 
 
 def init_forward_metadata(fb: ForwardBatch, req_to_token: torch.Tensor, page_size: int,
@@ -98,29 +130,8 @@ def init_forward_metadata(fb: ForwardBatch, req_to_token: torch.Tensor, page_siz
         z = torch.zeros(0, **i32)
         return FlashAttentionMetadata(z, torch.zeros(1, **i32), torch.zeros(1, **i32), 1, 0,
                                       torch.zeros((0, 1), **i32))
-    delta = mode_delta(fb, speculative_step_id)
-    cache_seqlens = (fb.seq_lens + delta).to(torch.int32)
-    max_k = int(fb.seq_lens_cpu.max()) + delta
+    cache_seqlens, max_k = eager_cache_seqlens(fb, mode_delta(fb, speculative_step_id))
     cu_k = cumsum0(cache_seqlens)
-    if m.is_decode() or (m.is_target_verify() and bugs.is_on("verify-as-decode")):  # B14 variant
-        cu_q, max_q = torch.arange(B + 1, **i32), 1
-    elif m.is_target_verify():
-        N = fb.num_draft_tokens
-        cu_q, max_q = torch.arange(0, B * N + 1, N, **i32), N
-    elif m.is_draft_extend():  # v1: packed by num_accept_tokens (a = n + 1)
-        a = fb.num_accept_tokens
-        if bugs.is_on("de-v1-attend-rejected"):
-            cache_seqlens = (fb.seq_lens - a + fb.num_draft_tokens).to(torch.int32)
-            max_k = int((fb.seq_lens_cpu - torch.tensor(fb.num_accept_tokens_cpu)).max()) + fb.num_draft_tokens
-            cu_k = cumsum0(cache_seqlens)
-        cu_q, max_q = cumsum0(a), max(fb.num_accept_tokens_cpu)
-    else:  # EXTEND, DRAFT_EXTEND_V2: [0, cumsum extend_seq_lens]
-        ext_cpu = fb.extend_seq_lens_cpu
-        has_prefix = m.is_draft_extend_v2() or any(
-            L != e for L, e in zip(fb.seq_lens_cpu.tolist(), ext_cpu))
-        if has_prefix:
-            cu_q, max_q = cumsum0(fb.extend_seq_lens), max(ext_cpu)
-        else:
-            cu_q, max_q = cu_k, max_k
+    cu_q, max_q = eager_query_layout(fb, cu_k, max_k)
     page_table = strided_page_table(req_to_token, fb.req_pool_indices, max_k, page_size)
     return FlashAttentionMetadata(cache_seqlens, cu_q, cu_k, max_q, max_k, page_table)

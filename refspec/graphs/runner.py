@@ -32,7 +32,6 @@ import bisect
 
 import torch
 
-from refspec import bugs
 from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.graphs.capture import make_graph
 from refspec.core.invariants import require
@@ -92,9 +91,8 @@ class GraphRunner:
 
     # ---- padding ----
     def seq_lens_fill(self) -> int:
-        if bugs.is_on("pad-seq-lens-zero"):
-            return 0
-        return self.W if self.mode.is_draft_extend(include_v2=True) else 1
+        """This runner's ``seq_lens`` fill for padded rows (:func:`seq_lens_fill`)."""
+        return seq_lens_fill(self.mode, self.W)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         b, T = self.buf, bs * self.W
@@ -110,16 +108,12 @@ class GraphRunner:
         B = 0 if live is None else live.batch_size
         T = 0 if live is None else live.num_tokens
         fill, W = self.seq_lens_fill(), self.W
-        pad_from = (B, T) if not bugs.is_on("stale-padded-rows") else (bs, bs * W)
         for name, buf in self.buf.items():
             per_token = name in ("out_cache_loc", "positions")
             n = T if per_token else B
             if live is not None and getattr(live, name) is not None and n:
                 buf[:n].copy_(getattr(live, name))
-            value = {"seq_lens": fill, "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
-            if name == "req_pool_indices" and B and bugs.is_on("pad-rows-live-page"):
-                value = int(live.req_pool_indices[0])  # B18 variant: a live row, not the dummy row 0
-            buf[pad_from[1] if per_token else pad_from[0]:(bs * W if per_token else bs)].fill_(value)
+            pad_rows(buf, name, n, bs * W if per_token else bs, self.mode, W)
         for name, buf in self.inputs.items():
             if live is not None and T:
                 buf[:T].copy_(inputs[name])
@@ -219,3 +213,20 @@ class GraphRunner:
         self.num_replays += 1
         n = B if self.rows == "requests" else live.num_tokens
         return tuple(o[:n].clone() for o in out) if isinstance(out, tuple) else out[:n].clone()
+
+
+# ---- the padding rules (the module table), one function each ----
+
+def seq_lens_fill(mode: ForwardMode, W: int) -> int:
+    """``seq_lens`` of a padded row (tokens): 1 for DECODE / draft decode / TARGET_VERIFY (SGLang
+    since #7233); W, the rows per request, for DRAFT_EXTEND(_V2), so that K >= q (CG-010)."""
+    return W if mode.is_draft_extend(include_v2=True) else 1
+
+
+def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardMode, W: int) -> None:
+    """Rewrite ``buf[start:stop]``, the padded rows (or tokens) of field ``name``, with its fill
+    on *every* replay (CG-005): ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the
+    reserved row and the dummy page 0), ``seq_lens`` :func:`seq_lens_fill`,
+    ``num_accept_tokens`` / ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``)."""
+    fill = {"seq_lens": seq_lens_fill(mode, W), "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
+    buf[start:stop].fill_(fill)

@@ -1,8 +1,9 @@
 """The test-suite side of the mutant harness: references, output comparisons, independent checks.
 
-Nothing here reads :mod:`refspec.bugs` or the production metadata builders' formulas: every
-expected value comes from the oracle wing (``oracle_metadata``, ``OracleBackend``), from the
-spec's stated fills (§4.1), or from a hand formula (the horizon probe, case B14).  A probe
+Nothing here reads a variant's replacement or the production metadata builders' formulas (the
+references are computed under :func:`refspec.mutants.variants.disabled`): every expected value
+comes from the oracle wing (``oracle_metadata``, ``OracleBackend``), from the stated padding
+fills (docs/spec/graphs.md#cg-005), or from a hand formula (the horizon probe, case B14).  A probe
 reports what it sees as :class:`Symptom` s in a list (``found``); an exception raised by the
 production wing (an ``InvariantError`` from a validator, the emulator or a guard, or a crash)
 propagates instead and is recorded by the runner.
@@ -18,7 +19,7 @@ from itertools import accumulate
 
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.batch import ForwardBatch
 from refspec.oracle.backend import OracleBackend, oracle_metadata
 from refspec.harness.scenario import Built, Scenario
@@ -113,7 +114,7 @@ def oracle(env: Env, case: Case, idx: list[int] | None = None, upcast: bool = Tr
     fp32 math unless ``upcast=False`` (the T1 budget run), in the scenario's dtype."""
     key = (case.label, repr(case.sc), None if idx is None else tuple(idx), upcast)
     if key not in env._refs:
-        with bugs.disabled():
+        with variants.disabled():
             b = case.build()
             fb, q, k, v = live(b, idx)
             be = OracleBackend(b.pool, b.kv, upcast=upcast)
@@ -171,7 +172,7 @@ def check_metadata(found: list, md, fb: ForwardBatch, req_to_token: torch.Tensor
 
 
 def check_padding(found: list, runner, n_real: int, n_real_tokens: int, bs: int) -> None:
-    """Padded rows ``n_real..bs-1`` of the static batch against the fills of spec §4.1 (CG-005)
+    """Padded rows ``n_real..bs-1`` of the static batch against the fills of docs/spec/graphs.md#cg-005 (CG-005)
     and their metadata against K >= q (CG-010), independent of the runner's own fill logic."""
     fb, W = runner.static[bs], runner.W
     fill = W if runner.mode.is_draft_extend(include_v2=True) else 1

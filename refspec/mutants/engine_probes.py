@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.mutants.checks import Env, Symptom
 from refspec.mutants.probes import Probe
 from refspec.real.run import first_diff
@@ -45,7 +45,7 @@ def _oracle(env: Env, version: str):
     key = ("engine-oracle", env.device, version)
     if key not in env._refs:
         from refspec.speculative.api import generate
-        with bugs.disabled():
+        with variants.disabled():
             env._refs[key] = generate(_model(env), PROMPTS, backend="oracle", version=version, num_steps=NUM_STEPS,
                                       max_new_tokens=BUDGETS, draft=DRAFT)
     return env._refs[key]

@@ -1,4 +1,4 @@
-"""The probes: for each wrong variant of :data:`refspec.bugs.BUGS`, the scenario(s) that expose it.
+"""The probes: for each wrong variant of :data:`refspec.variants.VARIANTS`, the scenario(s) that expose it.
 
 A probe is ``run(env, found, validate)``: it drives the production wing (eager FA3 metadata,
 or a :class:`~refspec.graphs.runner.GraphRunner` replay; the KV allocator for the accounting
@@ -22,6 +22,7 @@ import torch
 from refspec.core.batch import draft_decode_steps_batch, draft_step_view
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.modes import ForwardMode as M
+from refspec.mutants.audit_probes import grown, paired_probe, replay_validation_probe, window_probe
 from refspec.mutants.checks import (Case, Env, Symptom, check_buffers, check_frozen_q, check_kv_writes,
                                     check_metadata, check_padding, compare, kv_snapshot, live)
 
@@ -159,7 +160,7 @@ def draft_steps_view(b):
 # ---- the KV accounting probe (KV-004) ---------------------------------------------------
 
 def free_tail_probe(env: Env, found: list, validate: bool) -> None:
-    """v1 P > 1 rejected-slot free (spec §5.1 step 3), P = 4, N = 4, L = 5, no draft accepted.
+    """v1 P > 1 rejected-slot free (docs/spec/kv.md#kv-004), P = 4, N = 4, L = 5, no draft accepted.
 
     Request A holds positions 0..8 (pages X0: 0-3, X1: 4-7, X2: 8); it commits 6 tokens
     (0..5), so only X2 may be freed.  With ``validate``: the page holding position 5 must still
@@ -207,7 +208,7 @@ def _case(label, mode, prepare=None, **kw):
 
 
 # seed-page-table: slot ids < NP, so the slot-as-page reads hit real pages (no crash); poison off,
-# so the symptom is the finite garbage of spec §2.3, not NaN
+# so the symptom is finite garbage (docs/spec/paging-attention.md#pa-002), not NaN
 SEED_VERIFY = _case("seed/verify", M.TARGET_VERIFY, page_size=2, lens=[3, 5], num_draft_tokens=4,
                     shuffle_pages=False, extra_pages=12, poison=False)
 SEED_DRAFT = _case("seed/draft", M.DECODE, draft_step=1, page_size=2, lens=[3, 5], shuffle_pages=False,
@@ -224,6 +225,8 @@ B11 = {P: _case(f"B11/P{P}", M.DECODE, page_size=P, lens=[10, 37, 5, 64, 3, 100,
 B14 = _case("B14", M.TARGET_VERIFY, set_horizon, page_size=16, lens=[30, 45], num_draft_tokens=4)
 B18 = _case("B18", M.TARGET_VERIFY, page_size=16, lens=[28, 44, 29], num_draft_tokens=4)
 B20 = _case("B20", M.DECODE, draft_step=SD - 2, page_size=4, lens=[9, 14])
+WINDOW = _case("window", M.TARGET_VERIFY, page_size=4, lens=[20, 33], num_draft_tokens=4, window_left=5)
+MIRROR = _case("mirror", M.TARGET_VERIFY, page_size=4, lens=[9, 14, 5], num_draft_tokens=4)
 REJECTED = _case("de-v1/rejected", M.DRAFT_EXTEND, add_rejected_kv, page_size=4, lens=[9, 14, 5],
                  num_draft_tokens=4, num_accept_tokens=[2, 4, 1], extra_pages=8)
 
@@ -251,12 +254,25 @@ PROBES: dict[str, list[Probe]] = {
     "page-table-width-from-context": [Probe("B07 TARGET_VERIFY replay at the context wall, ctx 64",
                                             graph_probe(B07, capture_bs=(2,), max_context_len=64))],
     "free-last-committed-page": [Probe("v1 free_tail P=4, L=5, N=4, n=0; then a 2nd request",
-                                       free_tail_probe)],
+                                       free_tail_probe),
+                                 Probe("grown rows v1 P=4 TARGET_VERIFY: both wings on one batch",
+                                       paired_probe(grown(M.TARGET_VERIFY, 4)))],
     "de-v1-attend-rejected": [Probe("DRAFT_EXTEND eager, a=[2,4,1], rejected slots allocated",
                                     eager_probe(REJECTED))],
     "verify-as-decode": [Probe("B14 TARGET_VERIFY eager, horizon probe", eager_probe(B14, horizon=True))],
     "draft-loc-step-major": [Probe("B20 draft decode step 1 eager, B=2, Sd=3",
-                                   eager_probe(B20, batch_fn=draft_steps_view))],
+                                   eager_probe(B20, batch_fn=draft_steps_view)),
+                             Probe("grown rows v2 P=4 draft decode step 1, B=3: both wings on one batch",
+                                   paired_probe(grown(M.DECODE, 4, version="v2", draft_step=1)))],
     "pad-rows-live-page": [Probe("B18 TARGET_VERIFY replays, B=3 then 2 in Bg=4",
                                  graph_probe(B18, replays=([0, 1, 2], [2, 0])))],
+    "fa3-window-minus-one": [Probe("TARGET_VERIFY eager, window w=5, P=4, GQA 8/2", window_probe(WINDOW))],
+    "emulator-window-edge": [Probe("TARGET_VERIFY eager on the emulator, window w=5, P=4",
+                                   window_probe(WINDOW, provider="emulator"))],
+    "replay-skips-validate-batch": [Probe("TARGET_VERIFY replay of a batch with seq_lens_cpu out of step",
+                                          replay_validation_probe(MIRROR))],
+    "positions-one-early": [Probe("grown rows v1 P=4 TARGET_VERIFY: both wings on one batch",
+                                  paired_probe(grown(M.TARGET_VERIFY, 4))),
+                            Probe("grown rows v2 P=16 DECODE: both wings on one batch",
+                                  paired_probe(grown(M.DECODE, 16, version="v2")))],
 }

@@ -1,4 +1,4 @@
-"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that every wrong variant of :mod:`refspec.bugs` is caught.
+"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that every wrong variant of :mod:`refspec.mutants.variants` is caught.
 
 For each variant and each of its probes (:mod:`refspec.mutants.probes`) four runs:
 
@@ -17,7 +17,8 @@ symptom            on           with validation off, show what the bug does: an 
 
 A variant is *caught* when at least one of its probes ran and every probe that ran passed both
 baselines and, validated, named an ID of ``caught_by``.  A variant whose validation-off run shows
-nothing is reported as *silent* (the bug would go unnoticed without validation on that device).
+nothing is reported as *silent* (the bug would go unnoticed without validation on that device),
+unless it is a variant that only removes a check (``Variant.only_with_validation``).
 The command exits 1 unless every variant is caught.
 
 ``--device cuda`` runs the same probes in bf16 through the real FA3 kernel and real CUDA graphs.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from refspec import bugs
+from refspec.mutants import variants
 from refspec.core.invariants import InvariantError
 from refspec.mutants.checks import Env, Symptom
 from refspec.mutants.engine_probes import ENGINE_PROBES, EngineUnavailable
@@ -101,7 +102,7 @@ def observe(probe: Probe, env: Env, validate: bool, variant: str | None) -> Obse
     """Run ``probe`` once (``variant`` on, or none) and record what it saw."""
     obs = Observation()
     try:
-        with bugs.enabled(*([variant] if variant else [])):
+        with variants.enabled(*([variant] if variant else [])):
             probe.run(env, obs.symptoms, validate)
     except EngineUnavailable as e:
         obs.skipped = str(e)
@@ -112,7 +113,7 @@ def observe(probe: Probe, env: Env, validate: bool, variant: str | None) -> Obse
 
 @dataclass
 class ProbeResult:
-    bug: bugs.Bug
+    variant: variants.Variant
     probe: Probe
     baseline_on: Observation
     baseline_off: Observation
@@ -132,11 +133,12 @@ class ProbeResult:
 
     @property
     def caught(self) -> bool:
-        return self.baseline_ok and self.caught_by.first_id in self.bug.caught_by
+        return self.baseline_ok and self.caught_by.first_id in self.variant.caught_by
 
     @property
     def silent(self) -> bool:
-        return not self.symptom.skipped and not self.symptom.detected
+        """Nothing seen with validation off (never for a variant that only removes a check)."""
+        return not self.variant.only_with_validation and not self.symptom.skipped and not self.symptom.detected
 
 
 @dataclass
@@ -147,7 +149,7 @@ class Report:
     def variants(self) -> dict[str, list[ProbeResult]]:
         out: dict[str, list[ProbeResult]] = {}
         for r in self.results:
-            out.setdefault(r.bug.name, []).append(r)
+            out.setdefault(r.variant.name, []).append(r)
         return out
 
     @property
@@ -184,23 +186,24 @@ def run(device: str = "cpu", only: list[str] | None = None, low_precision: bool 
 
     ``low_precision=True`` runs in bf16 on CPU too (default: bf16 on CUDA only).  ``engine``
     adds the token-level probes of :mod:`refspec.mutants.engine_probes` (slow: whole loops).
-    Raises: RuntimeError if a variant is already on (``REFSPEC_BUGS``), KeyError for an unknown name.
+    Raises: RuntimeError if a variant is already applied (an enclosing ``variants.enabled``), KeyError
+    for an unknown name.
     """
-    if bugs.active():
-        raise RuntimeError(f"variants {sorted(bugs.active())} already on (REFSPEC_BUGS?): baselines would fail")
-    names = list(only or bugs.BUGS)
+    if variants.active():
+        raise RuntimeError(f"variants {sorted(variants.active())} already on (inside variants.enabled?): baselines would fail")
+    names = list(only or variants.VARIANTS)
     for n in names:
-        if n not in bugs.BUGS:
-            raise KeyError(f"unknown variant {n!r}; known: {sorted(bugs.BUGS)}")
+        if n not in variants.VARIANTS:
+            raise KeyError(f"unknown variant {n!r}; known: {sorted(variants.VARIANTS)}")
     env, reason, results = Env(device, low_precision), device_reason(device), []
     for n in names:
         probes = (PROBES.get(n) or [Probe("(no probe)", _no_probe)]) + (ENGINE_PROBES.get(n, []) if engine else [])
         for p in probes:
             if reason:
                 skip = Observation(skipped=reason)
-                results.append(ProbeResult(bugs.BUGS[n], p, skip, skip, skip, skip))
+                results.append(ProbeResult(variants.VARIANTS[n], p, skip, skip, skip, skip))
                 continue
-            results.append(ProbeResult(bugs.BUGS[n], p, observe(p, env, True, None), observe(p, env, False, None),
+            results.append(ProbeResult(variants.VARIANTS[n], p, observe(p, env, True, None), observe(p, env, False, None),
                                        observe(p, env, True, n), observe(p, env, False, n)))
     return Report(device, results)
 
@@ -215,10 +218,10 @@ def _caught_cell(r: ProbeResult) -> str:
         return "not run"
     if not r.baseline_ok:
         return "BASELINE FAILS"
-    if o.first_id in r.bug.caught_by:
+    if o.first_id in r.variant.caught_by:
         return o.first_id
     if o.first_id:
-        return f"WRONG ID {o.first_id} (docs: {', '.join(r.bug.caught_by)})"
+        return f"WRONG ID {o.first_id} (docs: {', '.join(r.variant.caught_by)})"
     return "MISSED" + ("" if o.error is None else f" ({o.describe()})")
 
 
@@ -227,7 +230,9 @@ def format_report(rep: Report, verbose: bool = False) -> str:
     for r in rep.results:
         base = "not run" if r.skipped else "pass" if r.baseline_ok else (
             r.baseline_on.describe() if r.baseline_on.detected else r.baseline_off.describe())
-        rows.append((r.bug.name, r.probe.label, _caught_cell(r), r.symptom.describe(), base))
+        symptom = "n/a: it removes a check" if r.variant.only_with_validation and not r.symptom.detected \
+            else r.symptom.describe()
+        rows.append((r.variant.name, r.probe.label, _caught_cell(r), symptom, base))
     w = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate((29, 58, 27, 90, 40))]
     lines = ["  ".join(c[: w[i]].ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
@@ -237,6 +242,6 @@ def format_report(rep: Report, verbose: bool = False) -> str:
         for r in rep.results:
             for what, o in (("baseline, validation on", r.baseline_on), ("baseline, validation off", r.baseline_off),
                             ("caught by", r.caught_by), ("symptom", r.symptom)):
-                lines += [f"  {r.bug.name} | {r.probe.label} | {what}: {d}" for d in o.details()]
+                lines += [f"  {r.variant.name} | {r.probe.label} | {what}: {d}" for d in o.details()]
     lines.append(f"caught {len(rep.caught)}/{rep.total}")
     return "\n".join(lines)

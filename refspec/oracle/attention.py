@@ -3,11 +3,14 @@
 The oracle never reads a page table (refspec decision 2): key ``p`` of request ``b`` is the
 flat slot ``req_to_token[r_b, p]``, so the FA3 wing's page table is checked independently.
 
-The rule it implements (spec §1.3, FA docstring "aligned bottom-right"):
+Two entry points, one rule:
 
-* request b owns query rows ``cu_q[b] .. cu_q[b+1]-1`` (q_b rows) and keys ``p = 0 .. K_b-1``;
-* row i sees key p iff ``p <= i + K_b - q_b`` (PA-004), and, with a left window w,
-  ``p >= i + K_b - q_b - w``;
+* :func:`attention_by_position`, the paged oracle's: request b owns query rows
+  ``cu_q[b] .. cu_q[b+1]-1``; the row at position t sees the request's keys ``p = 0 .. t``
+  (and ``p >= t - w`` with a left window w);
+* :func:`attention_by_slot`, the kernel-shaped form (FA docstring "aligned bottom-right"): with
+  K_b keys, row i sees key p iff ``p <= i + K_b - q_b`` (PA-004), i.e. row i sits at position
+  ``K_b - q_b + i``, and, with a left window w, ``p >= i + K_b - q_b - w``;
 * a row that sees no key outputs exactly 0 (PA-005);
 * query head h reads KV head ``h // (H / Hkv)`` (PA-006);
 * scores ``s = scale * q.k``, softcap ``c * tanh(s / c)`` when ``c > 0``, softmax, weighted V.
@@ -57,26 +60,53 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
     R, W = req_to_token.shape
     require(all(0 <= r < R for r in rows) and all(0 <= k <= W for k in K_all), "PA-011",
             f"rows {rows} must lie in [0, {R}) and cache_seqlens {K_all} in [0, {W}]")
+    # bottom-right alignment = row i of request b sits at position K_b - q_b + i
+    positions = [K - (cu[b + 1] - cu[b]) + i for b, K in enumerate(K_all) for i in range(cu[b + 1] - cu[b])]
+    positions += [-1] * (T - len(positions))  # rows outside cu_seqlens_q see nothing: 0
+    return attention_by_position(q, k_flat, v_flat, req_to_token, rows, cu, positions, softmax_scale=softmax_scale,
+                                 window_left=window_left, softcap=softcap, upcast=upcast, out_dtype=out_dtype)
+
+
+def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_seqlens_q, positions,
+                          *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True, out_dtype=None):
+    """Attention where each query row's own position says what it sees (the paged oracle's rule).
+
+    Request b owns rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1``; row i, at position
+    ``t = positions[i]`` (tokens), sees its request's keys ``p = 0 .. t`` (and ``p >= t - w``
+    with a left window w), key p being the slot ``req_to_token[r_b, p]``.  No key count, no
+    page table: a row at a negative position sees nothing and outputs 0 (PA-005).
+
+    Shapes: q ``[T, H, D]``; k_flat, v_flat ``[NS, Hkv, D]``; req_to_token ``[R, ctx]`` int32;
+    req_pool_indices B ints; cu_seqlens_q B+1 ints; positions T ints.  Returns ``[T, H, D]``.
+    Raises: InvariantError PA-011 (a position past the ``req_to_token`` width, a row outside it,
+    or ``positions`` not of length T).
+    """
+    T, H, D = q.shape
+    Hkv = k_flat.shape[1]
+    cu, rows, pos = [int(x) for x in cu_seqlens_q], [int(r) for r in req_pool_indices], [int(t) for t in positions]
+    R, W = req_to_token.shape
+    require(len(pos) == T and all(t < W for t in pos) and all(0 <= r < R for r in rows), "PA-011",
+            lambda: f"{len(pos)} positions for T = {T} rows (max {max(pos, default=-1)}, req_to_token width {W}); "
+            f"rows {rows} in [0, {R})")
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     cdt = torch.float32 if upcast else q.dtype
     out = torch.zeros((T, H, D), dtype=cdt, device=q.device)
-    for b, (r, K) in enumerate(zip(rows, K_all)):
-        Q = cu[b + 1] - cu[b]
-        if Q == 0 or K == 0:
+    for b, r in enumerate(rows):
+        t = torch.as_tensor(pos[cu[b]:cu[b + 1]], device=q.device)[:, None]  # [Q, 1] each row's position
+        K = int(t.max()) + 1 if t.numel() else 0
+        if K <= 0:
             continue
-        slots = req_to_token[r, :K].long()  # exactly the request's keys, by slot
+        slots = req_to_token[r, :K].long()  # the request's keys 0 .. max t, by slot
         k = repeat(k_flat[slots].to(cdt), "k hkv d -> k (hkv g) d", g=H // Hkv)
         v = repeat(v_flat[slots].to(cdt), "k hkv d -> k (hkv g) d", g=H // Hkv)
         qb = q[cu[b]:cu[b + 1]].to(cdt)
         s = einsum(qb, k, "i h d, p h d -> h i p") * scale
         if softcap > 0:
             s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(Q, device=q.device)[:, None]
         p = torch.arange(K, device=q.device)[None, :]
-        last = i + K - Q  # bottom-right alignment: the last key row i may see
-        visible = p <= last
+        visible = p <= t  # row at position t sees keys 0..t of its own request
         if window_left >= 0:
-            visible &= p >= last - window_left
+            visible &= p >= t - window_left
         s = s.masked_fill(~visible, float("-inf"))
         prob = torch.softmax(s, dim=-1)
         prob = torch.where(visible, prob, torch.zeros((), dtype=cdt, device=q.device))  # empty rows -> 0
