@@ -58,8 +58,8 @@ def setup(label: str, P: int):
     md = be.init_forward_metadata(built.fb)
     out_refspec = be.forward(built.q, built.k, built.v, built.layer, built.fb)  # stores k/v, then attends
     k_cache, v_cache = built.pool.get_kv_buffer(0)
-    args = dict(cache_seqlens=md.cache_seqlens_int32, page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q,
-                max_seqlen_q=md.max_seq_len_q, softmax_scale=built.layer.softmax_scale, causal=True)
+    args = {"cache_seqlens": md.cache_seqlens_int32, "page_table": md.page_table, "cu_seqlens_q": md.cu_seqlens_q,
+            "max_seqlen_q": md.max_seq_len_q, "softmax_scale": built.layer.softmax_scale, "causal": True}
 
     def call(**extra):
         out = fai.flash_attn_with_kvcache(built.q, k_cache, v_cache, **args, **extra)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-
-import pytest
 
 from refspec.core import sources
 from refspec.core.invariants import RULES
@@ -50,7 +48,7 @@ def _slugify(text: str) -> str:
     return slugify(re.sub(r"`", "", text), "-")
 
 
-@lru_cache(maxsize=None)
+@cache
 def anchors(page: Path) -> frozenset[str]:
     """The anchors of a Markdown page: each heading's explicit ``{#id}`` or toc slug, and every
     ``<a id="...">``."""
