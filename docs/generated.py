@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:  # `python docs/generated.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
 from refspec.core import tolerance  # noqa: E402
-from refspec.core.invariants import INVARIANTS  # noqa: E402
+from refspec.core.invariants import INVARIANTS, RULES  # noqa: E402
 from refspec.harness import spec_index  # noqa: E402
 from refspec.mutants import variants  # noqa: E402
 
@@ -88,10 +88,10 @@ def _tests(ctx: Context, inv_id: str) -> str:
 
 
 def _id_index(ctx: Context, arg: str) -> str:
-    rows = ["| ID | rule | tests |", "|---|---|---|"]
+    rows = ["| ID | rule | level | tests |", "|---|---|---|---|"]
     for inv_id, title in INVARIANTS.items():
         n = len(ctx.index.tests.get(inv_id, []))
-        rows.append(f"| {id_link(inv_id, ctx.src_uri)} | {title.replace('|', '/')} | "
+        rows.append(f"| {id_link(inv_id, ctx.src_uri)} | {title.replace('|', '/')} | {RULES[inv_id].level} | "
                     f"{n if n else '**none yet**'} |")
     return "\n".join(rows)
 

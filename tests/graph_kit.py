@@ -11,7 +11,7 @@ Used by ``test_graphs.py``, ``test_accept_length_rule.py``, ``test_cases_graphs.
   ``draft_decode_steps_batch`` cut per step by ``draft_step_view``), each step's query depending
   on the previous step's output like a model's would;
 * poisoning of the dummy page 0 and of padded graph rows, and the real-row metadata comparison
-  of spec §7 item 8.
+  of CG-002.
 
 Shapes follow the legend: B requests, Bg padded graph batch, T query tokens, H / Hkv heads, D head
 dim, P page size, N = Sd + 1 draft tokens.
@@ -45,11 +45,11 @@ MODES = {  # name -> (mode, draft_step)
     "draft_extend": (ForwardMode.DRAFT_EXTEND, None),
     "draft_extend_v2": (ForwardMode.DRAFT_EXTEND_V2, None),
 }
-#: captured max_seqlen_q per mode, by hand from spec §1.5 / §4.3 (CG-006): 1, 1, N, Sd+1, Sd+1
+#: captured max_seqlen_q per mode, by hand from CG-006: 1, 1, N, Sd+1, Sd+1
 FROZEN_MAX_Q = {"decode": 1, "draft_decode": 1, "verify": N, "draft_extend": N, "draft_extend_v2": N}
 #: token rows per request in the runner's buffers (W): 1 for decode modes, N otherwise
 TOKENS_PER_REQ = {"decode": 1, "draft_decode": 1, "verify": N, "draft_extend": N, "draft_extend_v2": N}
-#: seq_lens fill of padded rows (graph_runner module doc) and K - seq_lens per mode (spec §3.3;
+#: seq_lens fill of padded rows (graph_runner module doc) and K - seq_lens per mode (MD-003;
 #: draft decode here is step s = 1: K = L + s + 1)
 PAD_SEQ_LEN = {"decode": 1, "draft_decode": 1, "verify": 1, "draft_extend": N, "draft_extend_v2": N}
 K_DELTA = {"decode": 0, "draft_decode": 2, "verify": N, "draft_extend": 0, "draft_extend_v2": 0}
@@ -149,7 +149,7 @@ def oracle(built: Built, upcast: bool = True) -> torch.Tensor:
     return be.forward(cast(built.q), cast(built.k), cast(built.v), built.layer, built.fb)
 
 
-# ---- poisoning (conventions.md "Poisoning"; public cases B03, B11, B18) ----
+# ---- poisoning (public cases B03, B11, B18) ----
 def poison_dummy_page(pool, value=float("nan")) -> None:
     """Fill page 0 (the reserved dummy that padded rows read and write) of every layer."""
     for buf in pool.k_buffer + pool.v_buffer:
@@ -173,7 +173,7 @@ def poison_padding(runner: GraphRunner, value=float("nan")) -> None:
     runner._fill = poisoned
 
 
-# ---- metadata (spec §7 item 8) ----
+# ---- metadata (CG-002) ----
 def assert_real_rows_metadata_equal(md_graph, md_eager, B: int, P: int) -> None:
     """T0 on real rows: K, cu_q[:B+1], cu_k[:B+1], page_table[b, :ceil(K_b / P)]."""
     K = md_eager.cache_seqlens_int32

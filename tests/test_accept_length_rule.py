@@ -1,5 +1,4 @@
-"""The draft-extend accept-length rule under CUDA-graph replay (spec §0.2, §4.4 items 4-5, §4.6,
-§7 items 9 and 13; invariants CG-003, CG-004, SD-006).
+"""The draft-extend accept-length rule under CUDA-graph replay (invariants CG-003, CG-004, SD-006).
 
 v1 (DRAFT_EXTEND) packs the a_b = n_b + 1 accepted tokens of each request:
 ``cu_seqlens_q = [0, cumsum(num_accept_tokens)]``; v2 (DRAFT_EXTEND_V2) runs all N rows of each
@@ -76,7 +75,7 @@ def test_wrong_accept_rule_changes_a_real_row_and_is_flagged(name, bug, inv, idx
 @pytest.mark.spec("CG-003", "CG-004")
 @pytest.mark.parametrize("name,bug", [("draft_extend", "de-v1-uniform-cu-q"), ("draft_extend_v2", "de-v2-packed-cu-q")])
 def test_cross_applied_rule_is_invisible_at_full_acceptance(name, bug):
-    """Why the tests above use a_b < N: with every a_b = N the two layouts coincide (spec §4.6),
+    """Why the tests above use a_b < N: with every a_b = N the two layouts coincide (CG-003),
     so the cross-applied rule gives the right output; only mixed counts expose it."""
     reqs = Requests(scenario(name, 4, lens=[9, 14, 5], accept=[N, N, N]))
     with variants.enabled(bug):
@@ -119,7 +118,7 @@ def _v1_and_v2(P):
 @pytest.mark.spec("SD-006")
 @pytest.mark.parametrize("P", [1, 4, 16])
 def test_v2_kept_row_equals_v1_last_row(P):
-    """Spec §7 item 13: v2 row b*N + a_b - 1 equals v1's last row of segment b, and in fact every
+    """SD-006: v2 row b*N + a_b - 1 equals v1's last row of segment b, and in fact every
     v2 row b*N + i (i < a_b) equals v1 row cu[b] + i: same visible keys L_b + i + 1, same values.
     T1 (fp32): the two runs see different K_b and page tables, so bitwise is not promised."""
     v1, v2, same = _v1_and_v2(P)

@@ -1,4 +1,4 @@
-"""Public failure cases about CUDA graphs (``cases/public_bug_scenarios.md`` B03, B04, B05, B07,
+"""Public failure cases about CUDA graphs (docs/cases.md: B03, B04, B05, B07,
 B08, B10, B11), each with the scenario's own numbers, on the emulated graph (CPU).
 
 Where refspec deliberately picks one of the policies a case allows (padded rows: seq_lens fill

@@ -24,7 +24,7 @@ def test_check_quick_passes_and_lists_every_mode(capsys):
 
 
 def test_check_fails_on_a_bug_variant(capsys):
-    """The table is not decorative: the v2 double-counted K (spec §3.8) makes it exit 1."""
+    """The table is not decorative: the v2 double-counted K (MD-008) makes it exit 1."""
     with variants.enabled("de-v2-k-double-count"):
         rc, out = _table(capsys, ["--quick", "--page-sizes", "4", "--sections", "eager"])
     assert rc == 1

@@ -140,7 +140,7 @@ def test_linkify_rules():
     md = "\n".join([
         "### CG-004 heading stays",
         "CG-004 and `MD-008`, see [CG-001](graphs.md#cg-001). SGLang #26512 (`e5f5d8478`), reverted by #26628;",
-        "vLLM #16087, #7999. Plain 188f0955f; tokenspeed #913 stays text. A2 `631950280`, 123456789 tokens.",
+        "vLLM #16087, #7999. Plain 188f0955f; tokenspeed #913 stays text. v1 replay `631950280`, 123456789 tokens.",
         "```",
         "CG-004 #5090 in code",
         "```",

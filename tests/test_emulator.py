@@ -4,7 +4,7 @@ Inputs are built here directly (no allocator, no metadata builder): each request
 shuffled physical pages, ``req_to_token`` holds ``page * P + offset`` and the page table holds
 the pages.  Poison: every page outside all tables is NaN (page 0 included), slots of a used page
 past K_b hold 1e4, and page-table columns past ``ceil(K_b / P)`` point at a NaN page.
-Spec §1 (PA-003..PA-007, PA-010, PA-011) and cases B16, B18.
+docs/fa3-contract.md (PA-003..PA-007, PA-010, PA-011) and cases B16, B18.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The CUDA-graph path on a Hopper GPU: real ``torch.cuda.CUDAGraph`` + the real FA3 kernel
-(``provider="fa3"``), bf16 (spec §4, §7 items 7-12).  They skip elsewhere (``gpu`` marker).
+(``provider="fa3"``), bf16 (docs/spec/graphs.md, CG-001..CG-010).  They skip elsewhere (``gpu`` marker).
 
 Capture must not sync the host: the graphed forward is store-then-attend plus the kernel launch;
 validation and padding checks run in the replay-metadata hooks *outside* the graph (a host sync
@@ -15,7 +15,7 @@ padded input rows and the dummy page 0 NaN-poisoned:
 * replay vs the backend's own eager path (``init_forward_metadata``): metadata T0 on real rows;
   outputs T1 against the oracle each.  Not bitwise on purpose: FA3 picks split-KV / pack-GQA
   from the launch shape (batch Bg vs B, page-table width W vs ceil(max K / P) -> ``seqlen_k =
-  W * P``), and different splits differ by ~1e-3 (fa3_kernel_facts.md; spec §7 item 10);
+  W * P``), and different splits differ by ~1e-3 (docs/kernel-facts.md#split-kv-and-graph-replay);
 * replay vs the fp32 oracle: T1 (TOL-002), budget from the same oracle run in bf16.
 """
 
@@ -94,7 +94,7 @@ def test_gpu_draft_decode_all_steps_in_one_graph(P):
 @pytest.mark.parametrize("name", list(MODES))
 def test_gpu_real_rows_with_and_without_padding(name):
     """3 requests replayed unpadded (capture [3]) and padded (capture [8]): both within T1 of the
-    oracle; bitwise equality is not promised on the GPU (split-KV depends on Bg, spec §7 item 10)."""
+    oracle; bitwise equality is not promised on the GPU (split-KV depends on Bg, docs/kernel-facts.md)."""
     reqs = Requests(scenario(name, 16, **GPU))
     fb, x, ref = reqs.live([2, 5, 7])
     low = reqs.ref_low_rows([2, 5, 7])

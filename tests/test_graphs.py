@@ -1,5 +1,5 @@
 """The CUDA-graph path on CPU: :class:`~refspec.graphs.capture.EmulatedGraph`, the graph runner and the
-FA3 capture/replay hooks (spec §1.5, §4, §7 items 7-11; invariants CG-001..CG-010).
+FA3 capture/replay hooks (docs/spec/graphs.md; invariants CG-001..CG-010).
 
 Every graphed mode (DECODE, draft decode, TARGET_VERIFY, DRAFT_EXTEND v1, DRAFT_EXTEND_V2) is
 replayed on live batches smaller than the captured size, with scattered pages and NaN-poisoned
@@ -118,7 +118,7 @@ def test_two_replays_in_a_row_with_different_requests(name):
 @pytest.mark.parametrize("name", ALL)
 def test_real_rows_independent_of_padded_batch_size(name):
     """3 live requests replayed unpadded (capture_bs=[3]) and padded (capture_bs=[8]): real rows
-    bitwise equal (spec §7 item 10)."""
+    bitwise equal (CG-009)."""
     reqs = Requests(scenario(name, 16))
     fb, x, _ = reqs.live([2, 5, 7])
     exact = reqs.runner(capture_bs=(3,)).replay(fb, x)
@@ -201,7 +201,7 @@ def test_frozen_max_seqlen_q_draft_steps():
 @pytest.mark.parametrize("name", ["decode", "draft_decode", "verify"])
 def test_uniform_cu_seqlens_q_never_modified_by_replay(name):
     """Decode, draft decode, verify: cu_seqlens_q is the capture-time arange(0, bs*q+1, q) and
-    replays of other batches never write it (spec §4.4 "static, never rewritten")."""
+    replays of other batches never write it (SGLang's replay never rewrites them either)."""
     reqs = Requests(scenario(name, 16))
     runner = reqs.runner(capture_bs=(2, 4, 8))
     gs = runner.backend.graph_state

@@ -1,4 +1,4 @@
-"""The paged allocator and ``KVCache`` (spec §2.2, §5.1 step 3): PA-001, PA-008, KV-001..KV-004, KV-006.
+"""The paged allocator and ``KVCache`` (docs/spec/kv.md): PA-001, PA-008, KV-001..KV-004, KV-006.
 
 Worked examples use an unshuffled free list, so pages come out as 1, 2, 3, ... and every slot
 below is computed by hand: with P = 4, page g holds slots ``4g .. 4g+3``.
@@ -26,7 +26,7 @@ def row(kv: KVCache, r: int, n: int) -> list[int]:
 
 
 def assert_inv_page(kv: KVCache, r: int, length: int) -> None:
-    """INV-PAGE written out independently of ``check_page_contiguous`` (spec §2.2)."""
+    """INV-PAGE written out independently of ``check_page_contiguous`` (PA-001)."""
     P, R = kv.page_size, row(kv, r, length)
     for p, slot in enumerate(R):
         assert slot % P == p % P, f"row {r} pos {p}: slot {slot} at offset {slot % P}, expected {p % P}"

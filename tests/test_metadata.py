@@ -1,4 +1,4 @@
-"""Eager FA3 metadata per mode (``refspec.fa3.metadata``, spec §3.3) and its output vs the oracle.
+"""Eager FA3 metadata per mode (``refspec.fa3.metadata``, MD-003) and its output vs the oracle.
 
 Worked examples: P = 4, an unshuffled pool (pages come out 1, 2, 3, ...), two requests in rows 1
 and 2, so every slot and page is computed by hand (page g holds slots 4g .. 4g+3).
@@ -142,7 +142,7 @@ def test_max_seq_len_k_comes_from_the_cpu_mirror():
 
 @pytest.mark.spec("MD-010")
 def test_draft_steps_add_exactly_one_key_each():
-    """§7 item 14: K grows by 1 per step; page tables agree on their common width."""
+    """MD-010: K grows by 1 per step; page tables agree on their common width."""
     mds = [metadata(*example(f"DRAFT_DECODE_s{s}")[:2], s) for s in range(3)]
     Ks = [md.cache_seqlens_int32 for md in mds]
     assert all(torch.equal(b - a, torch.ones(2, dtype=torch.int32)) for a, b in zip(Ks, Ks[1:]))
@@ -163,7 +163,7 @@ def test_v2_metadata_ignores_accept_counts_and_never_adds_extend_again():
 @pytest.mark.parametrize("P", [1, 3, 16], ids=lambda P: f"P{P}")
 @pytest.mark.parametrize("label", MODES)
 def test_oracle_twin_agrees_with_fa3(label, P):
-    """The oracle derives K from positions and q from the mode; FA3 from seq_lens + delta (§3.3)."""
+    """The oracle derives K from positions and q from the mode; FA3 from seq_lens + delta (MD-003)."""
     built = mode_scenarios(P)[label].build()
     step = built.fb.draft_step
     md = init_forward_metadata(built.fb, built.kv.req_to_token, P, step)
@@ -187,9 +187,9 @@ def test_fa3_eager_equals_oracle(label, P, gqa, dtype):
     assert_t1(out, ref, low, f"{label} P={P} GQA {gqa} {dtype}")
 
 
-# ---------------------------------------------------------------- horizon probe per mode (§3.4)
+# ---------------------------------------------------------------- horizon probe per mode (PA-004)
 def section_3_4_last_key(sc: Scenario, b: int, i: int) -> int:
-    """The last key row i of request b sees, as spec §3.4 states it per mode (from ``lens``)."""
+    """The last key row i of request b sees, as PA-004 gives it per mode (from ``lens``)."""
     L, label = sc.lens[b], sc.mode
     if label == ForwardMode.DECODE and sc.draft_step is not None:
         return L + sc.draft_step  # [0, L + s]

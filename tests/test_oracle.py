@@ -2,7 +2,7 @@
 
 The textbook version below works on one request at a time, contiguous ``[S, Hkv, D]`` keys, an
 explicit ``[Q, S]`` mask matrix and float64; the oracle gets the same keys scattered over a
-NaN-poisoned slot pool through ``req_to_token``.  Spec §1.3: PA-004, PA-005, PA-006.
+NaN-poisoned slot pool through ``req_to_token``.  docs/fa3-contract.md#semantics: PA-004, PA-005, PA-006.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def textbook_attention(q, k, v, mask, scale, softcap=0.0):
     """Dense attention of one request in float64.
 
     Shapes: q ``[Q, H, D]``, k / v ``[S, Hkv, D]``, mask bool ``[Q, S]`` (True = visible).
-    Query head h uses KV head ``floor(h * Hkv / H)`` (spec §1.3).  A row with no visible key is 0.
+    Query head h uses KV head ``floor(h * Hkv / H)`` (PA-006).  A row with no visible key is 0.
     """
     Q, H, D = q.shape
     Hkv = k.shape[1]

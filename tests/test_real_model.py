@@ -139,7 +139,7 @@ def answer(loaded):
 # ---------------------------------------------------------------- tests
 def test_config_is_smollm2_135m(loaded):
     cfg, _ = loaded
-    assert cfg == {  # real_model.md, by hand
+    assert cfg == {  # SmolLM2-135M's config, by hand
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
         "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 1e5, "vocab_size": 49152,
         "tie_word_embeddings": True, "max_position_embeddings": 8192,

@@ -1,4 +1,4 @@
-"""Public cases B01, B13, B20 (cases/public_bug_scenarios.md) through the whole speculative loop."""
+"""Public cases B01, B13, B20 (docs/cases.md) through the whole speculative loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Meta-tests: the invariant IDs agree across code, docs and tests (conventions.md, "Spec in docs/").
+"""Meta-tests: the invariant IDs agree across code, docs and tests (docs/spec/index.md).
 
 * (a) the IDs defined as headings in ``docs/spec/*.md`` are exactly the keys of
   ``refspec.core.invariants.INVARIANTS``, each once, on its family's page, with a complete entry;
@@ -57,12 +57,12 @@ def test_each_id_defined_once_on_its_family_page():
 
 
 def test_spec_entries_are_complete():
-    """Rule stated as MUST/SHOULD, a why, a worked example with numbers, a source, the tests hook."""
+    """Level, rule stated as MUST/SHOULD, a why, a worked example with numbers, a source, the tests hook."""
     problems = []
     for inv_id, text in _sections().items():
         if not re.search(r"\b(MUST|SHOULD)\b", text):
             problems.append(f"{inv_id}: no MUST/SHOULD")
-        for part in ("**Rule.**", "**Why.**", "**Example.**", "**Source.**"):
+        for part in ("**Level.**", "**Rule.**", "**Why.**", "**Example.**", "**Source.**"):
             if part not in text:
                 problems.append(f"{inv_id}: no {part}")
         example = text.split("**Example.**", 1)[-1].split("**Source.**", 1)[0]
@@ -150,3 +150,20 @@ def test_scanner_flags_unknown_ids(tmp_path):
     idx = spec_index.build_index(tests)
     assert idx.unknown() == {"CG-999": ["tests/test_x.py::test_x"]}
     assert "CG-999" not in idx.uncovered()
+
+
+# ---------------------------------------------------------------- levels in code
+def test_every_rule_has_a_level_and_the_error_text_ends_with_it():
+    from refspec.core.invariants import RULES, InvariantError
+    from refspec.core.sources import Level
+
+    assert list(RULES) == list(INVARIANTS)
+    for inv_id, rule in RULES.items():
+        assert isinstance(rule.level, Level) and rule.sources, inv_id
+        assert INVARIANTS[inv_id] == rule.title
+    e = InvariantError("CG-008", "replay needs 5 pages, the buffer has 4")
+    assert str(e) == ("[CG-008] page-table buffers are sized from req_to_token.shape[1]; replay checks the pages "
+                      "fit: replay needs 5 pages, the buffer has 4 [refspec hardening]")
+    assert e.rule is RULES["CG-008"] and e.inv_id == "CG-008"
+    assert str(InvariantError("PA-003", "x")).endswith(": x [kernel contract]")
+    assert str(InvariantError("MD-008", "x")).endswith(": x [upstream behaviour]")

@@ -1,4 +1,4 @@
-"""KV accounting of the production loop, checked after every round (spec §5.1-§5.3, §7 items 17-19):
+"""KV accounting of the production loop, checked after every round (docs/spec/kv.md, SD-008):
 INV-PAGE, no committed page freed, exact page counts, target-KV == draft-KV == prompt + sum(a),
 no leak at the end; poisoned rejected slots / free pages leave the output unchanged."""
 
@@ -181,7 +181,7 @@ def test_random_schedules_never_leak(version, page_size, num_steps, graphs, data
 def test_poisoned_rejected_slots_and_free_pages_change_nothing(version, graphs, page_size):
     """NaN in every slot that holds no committed KV (rejected drafts' slots in kept pages, the
     over-allocated tail, free pages, the dummy page 0), both pools, after every round: the
-    tokens, accepts and drafts equal the clean run (nothing stale is ever read, spec §5.3)."""
+    tokens, accepts and drafts equal the clean run (nothing stale is ever read, SD-008)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (6, 13, 3)]
     budgets = [12, 9, 14]

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -20,7 +22,7 @@
 # SD-002): speculation can only change how many forwards it takes.
 #
 # One round of EAGLE top-k = 1 for a request with `L` committed tokens and root `t_L` (the last
-# emitted token, whose KV is not written yet) — spec §5.1:
+# emitted token, whose KV is not written yet) — SD-001:
 #
 # 1. **draft**: `d_1` comes from the previous round's draft extend; `Sd - 1` draft-decode steps
 #    at KV index `L + s` turn `d_(s+1)` into `d_(s+2)`;
@@ -93,7 +95,7 @@ assert all(committed[b] == predict[b, :a[b]].tolist() for b in range(4))
 # so the committed tokens are `p_0 .. p_n` — each one the target's argmax after the tokens before
 # it, i.e. what plain greedy decoding would have produced one forward at a time.
 #
-# Naming trap (spec §0.2): SGLang's CPU list `accept_length_cpu` is `n`; the device tensor
+# Naming trap (MD-009): SGLang's CPU list `accept_length_cpu` is `n`; the device tensor
 # `accept_length` (v2's `accept_lens`) is `n + 1`. refspec spells them `num_correct_drafts` and
 # `num_accept_tokens`. The metric "accept length" (SD-003) is the mean of `a`: tokens emitted per
 # verify round, between 1 and `N`.
@@ -102,7 +104,7 @@ assert all(committed[b] == predict[b, :a[b]].tolist() for b in range(4))
 #
 # Target and draft KV share one `req_to_token` row and one page allocator (the draft pool uses
 # the same slot ids). A round touches positions `L .. L+N-1`; the two loop versions handle them
-# differently (spec §5.1–5.2):
+# differently (KV-004, KV-005):
 #
 # * **v1**: draft slots `L .. L+Sd-1` are *transient* (allocate, draft, restore the allocator);
 #   verify allocates `L .. L+N-1`; after accepting `a`, the rejected positions `L+a .. L+N-1` are
@@ -189,7 +191,7 @@ show(fig)
 #   bug variant `free-last-committed-page`;
 # * **v2** never frees inside the round: 3 pages before and after; the next top-up to
 #   `L' + N = 11` fits in the same 3 pages. The stale KV of the rejected positions is overwritten
-#   before it is ever read (spec §5.3). A finished v2 request frees its whole over-allocated row.
+#   before it is ever read (SD-008). A finished v2 request frees its whole over-allocated row.
 #
 # ## The real model: speculative == greedy, production == oracle
 #
@@ -197,7 +199,7 @@ show(fig)
 # `LlamaModel` by HuggingFace parameter names. The draft is an **early-exit self-draft**: the
 # first 25 of the 30 layers, then the final norm and the tied head (LayerSkip style), so the
 # drafts are real guesses and get rejected for real (about 28 % top-1 agreement,
-# `real_model.md`).
+# `tests/test_real_model.py`).
 #
 # Four runs on the same two prompts (first turns of MT-Bench questions, in SmolLM2's ChatML
 # template), budgets 16 and 12 new tokens:
@@ -289,7 +291,7 @@ print("production accepts == oracle accepts:", {v: prod[v].accepts == oracle.acc
 #
 # ## v1 vs v2: draft-extend layout and host syncs
 #
-# The draft extend (spec §3.7–3.8, §5.4) is where the two versions really differ:
+# The draft extend (SD-004, SD-005) is where the two versions really differ:
 #
 # | | v1 `DRAFT_EXTEND` | v2 `DRAFT_EXTEND_V2` |
 # |---|---|---|

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -25,7 +27,7 @@
 #
 # With page size `P = 1` a slot *is* a page id, so the two are identical and CI (run at `P = 1`)
 # passed. With `P > 1` the kernel takes column `j` to be page `slot(j)` and reads position `p`
-# from slot `slot(p // P) * P + p % P`: about `P` times too far into the pool (spec §2.3).
+# from slot `slot(p // P) * P + p % P`: about `P` times too far into the pool (#5090, fixed by #5318).
 # Tutorial 01 showed this for one position; here it runs in the whole speculative loop on the
 # real model. The bug is the variant `seed-page-table` of `refspec.mutants.variants`: a
 # replacement for the production seam `refspec.fa3.graph_metadata.replay_page_table`, applied
@@ -82,7 +84,7 @@ print("oracle loop (dense KV, no pages, no graphs): accepts", oracle.accepts)
 # %% [markdown]
 # ## Sizing the engine so the bug shows its real symptom
 #
-# What the wrong copy does depends on two sizes (spec §2.3):
+# What the wrong copy does depends on two sizes:
 #
 # * the graph page-table buffer has `W = ceil(req_to_token.shape[1] / P)` columns (CG-008). The
 #   bug writes `max_k` *token* columns into it; if `max_k > W` the copy itself fails — a crash,

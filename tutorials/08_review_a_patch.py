@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -125,7 +127,10 @@ print("variant caught by:", variants.VARIANTS["de-v2-k-double-count"].caught_by)
 # %% [markdown]
 # ## 4. The review line
 #
-# Quote the ID, the rule and what refspec saw; link the entry. One line is enough:
+# Quote the ID, the rule and what refspec saw; link the entry. One line is enough. Check the
+# rule's conformance level first (`python -m refspec cite MD-008` prints it with the sources and
+# tests): MD-008 is *upstream behaviour*, so the patch is a regression against SGLang itself; a
+# *refspec hardening* rule (CG-005, CG-008, CG-010) would make the same line a suggestion.
 
 # %%
 review = (f"This violates MD-008 ({INVARIANTS['MD-008']}): in DRAFT_EXTEND_V2 `seq_lens` is already "

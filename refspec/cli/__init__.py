@@ -1,4 +1,4 @@
-"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance.
+"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance, cite.
 
 Each command lives in its own module and is imported only when it runs.
 """
@@ -17,6 +17,7 @@ COMMANDS = {
     "record": ("refspec.cli.record", "run the real model once and write its speculative schedule as a trace (JSON)"),
     "replay": ("refspec.cli.replay", "replay a trace through production (graphs) vs the oracle loop (--device cuda)"),
     "conformance": ("refspec.cli.conformance", "refspec's FA3 metadata vs SGLang's own backend (pinned releases, CPU)"),
+    "cite": ("refspec.cli.cite", "an invariant ID's rule, conformance level, upstream sources and tests, for a review"),
     "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant of refspec.mutants.variants is caught (--device cpu|cuda)"),
 }
 

@@ -3,7 +3,7 @@
 Sections (``SECTIONS``: name -> ``fn(device, page_sizes, quick)`` yielding row dicts; a new
 section is one more entry):
 
-* ``contract``: direct kernel probes per provider and page size (spec §1.3): the horizon probe
+* ``contract``: direct kernel probes per provider and page size (docs/fa3-contract.md): the horizon probe
   (q = 0, V = position: row i returns (h - 1) / 2, h = its visible-key count), rows with no
   visible key are exactly 0 (PA-005), page-table columns past ``ceil(K / P)`` are never read
   (PA-007: filling them with 2e9 changes nothing, bitwise).
@@ -11,7 +11,7 @@ section is one more entry):
   FA3 path vs the fp32 oracle, tier T1 (TOL-002), worst case over dtypes and GQA 1 / 4 / 8.
 * ``graph``: every graphed mode through ``Built.run_fa3_graph`` with a live batch of 3 replayed
   in the captured size 4 (padded): graph == eager (T0, TOL-001; on CUDA T1, since the real kernel
-  may choose another split-KV at the padded size, spec §7 item 10) and graph vs oracle (T1).
+  may choose another split-KV at the padded size, docs/kernel-facts.md) and graph vs oracle (T1).
 * ``loops``: the speculative loop end to end (:mod:`refspec.cli._check_loops`): lossless yes / no
   per version x page size x eager / graphs.
 
@@ -239,7 +239,7 @@ def _graph_verdicts(sc, prov):
     runner = built.graph_runner(capture_bs=(2, 4), provider=prov)
     graph = built.run_fa3_graph(runner)
     assert runner.graph_bs(3) == 4  # the live batch of 3 runs padded
-    if graph.is_cuda:  # the real kernel may split KV differently at Bg = 4 and width W (spec §7 item 10)
+    if graph.is_cuda:  # the real kernel may split KV differently at Bg = 4 and width W (CG-009)
         return t1(graph, eager.float(), low), t1(graph, ref, low)
     return t0(graph, eager), t1(graph, ref, low)
 

@@ -15,7 +15,7 @@ decoded by
 The draft is the model's own first 25 of 30 layers (early-exit self-speculation, real
 rejections), Sd = 3.  Printed: a progress bar, the table (page size, batch, version, accept
 length, tokens/s, spec == greedy?, production == oracle?), one answer in full.  On a CPU
-speculation buys no speed (real_model.md); the table shows acceptance and exactness.  Exit
+speculation buys no speed (see the README); the table shows acceptance and exactness.  Exit
 status 1 if any check fails.
 
 ``--bug NAME`` (e.g. ``seed-page-table``) runs :mod:`refspec.cli._demo_bug` instead.

@@ -1,6 +1,6 @@
 """``ForwardBatch``: what one forward of one model runs on, and the per-mode builders.
 
-Field meanings follow SGLang's ``ForwardBatch`` (spec §3.3 for ``seq_lens`` per mode):
+Field meanings follow SGLang's ``ForwardBatch`` (MD-003 and docs/modes/ for ``seq_lens`` per mode):
 
 ========================  =======================================  ==========================
 mode                      ``seq_lens`` (tokens)                    query rows per request q_b
@@ -14,7 +14,7 @@ DRAFT_EXTEND_V2           L + N (post-write)                       N (``extend_s
 ========================  =======================================  ==========================
 
 In every mode the q_b query tokens are the *last* q_b keys of the request, written by this
-forward at positions ``K_b - q_b .. K_b - 1`` (spec §1.4), so the builders set
+forward at positions ``K_b - q_b .. K_b - 1`` (MD-005), so the builders set
 ``out_cache_loc = req_to_token[r, K_b - q_b + i]`` (INV-TAIL, MD-005) and ``positions`` to those
 KV indices (refspec's position rule, SD-007).
 

@@ -1,107 +1,251 @@
-"""The invariant catalogue: every rule refspec checks has a permanent ID.
+"""The invariant catalogue: every rule refspec checks has a permanent ID, a level and sources.
 
-IDs are grouped by family (conventions.md, "Spec in docs/"):
+IDs are grouped by family: ``PA-`` paging and attention (the FA3 kernel contract), ``KV-``
+KV-cache accounting, ``MD-`` attention metadata per forward mode, ``CG-`` CUDA-graph capture and
+replay, ``SD-`` the speculative-decoding loop, ``TR-`` top-k > 1 trees, ``TOL-`` tolerance tiers.
 
-* ``PA-`` paging and attention semantics (the FA3 kernel contract),
-* ``KV-`` KV-cache accounting (allocator, req_to_token),
-* ``MD-`` attention metadata per forward mode,
-* ``CG-`` CUDA-graph capture and replay,
-* ``SD-`` the speculative-decoding loop,
-* ``TR-`` top-k > 1 trees (construction, mask, acceptance, the FA3 tree path),
-* ``TOL-`` tolerance tiers.
-
-``docs/spec/*.md`` states each rule in full (MUST/SHOULD, why, a worked example, the upstream
-source, the tests).  This module holds the one-line titles so that code can raise errors that
-name the rule, and a meta-test checks that docs, code and tests agree on the set of IDs.
+:data:`RULES` holds one :class:`~refspec.core.sources.Rule` per ID: the one-line title, the
+conformance level (kernel contract / upstream behaviour / refspec hardening), the upstream
+sources as links, the SGLang versions the rule matches and the pins at which
+``python -m refspec conformance`` compares it.  :data:`INVARIANTS` is the ``ID -> title`` view
+that most modules import.  ``docs/spec/*.md`` states each rule in full (``python -m refspec
+cite ID`` prints one), ``docs/versions.md`` is the version table, and ``tests/test_spec_ids.py``
+checks that docs, code and tests agree.
 """
 
 from __future__ import annotations
 
-INVARIANTS: dict[str, str] = {
-    # --- paging / attention (spec §1, §2) ---
-    "PA-001": "req_to_token rows are page-contiguous (INV-PAGE)",
-    "PA-002": "page_table[b, p // P] * P + p % P == req_to_token[r_b, p] for every p < K_b",
-    "PA-003": "page_table has at least ceil(K_b / P) columns for every request",
-    "PA-004": "bottom-right causal: query row i of request b sees key p iff p <= i + K_b - q_b",
-    "PA-005": "a query row with no visible key outputs exactly 0",
-    "PA-006": "GQA: query head h reads KV head h // (H / Hkv)",
-    "PA-007": "the kernel reads no page-table column >= ceil(K_b / P) and no key >= K_b",
-    "PA-008": "page 0 and req_to_token row 0 are reserved dummies, never given to a request",
-    "PA-009": "store-then-attend: new K/V are written at out_cache_loc before the kernel runs",
-    "PA-010": "every request's query length fits max_seqlen_q",
-    "PA-011": "kernel arguments are well formed (dtypes, shapes, page ids in the pool)",
-    # --- KV accounting (spec §2.2, §5) ---
-    "KV-001": "alloc_extend continues the request's last partial page (INV-PAGE is kept)",
-    "KV-002": "free is page-granular and the free-page count is exact",
-    "KV-003": "exhaustion, double free and freeing reserved pages raise",
-    "KV-004": "v1 rejected slots: keep the page holding the last committed token, free whole pages after it",
-    "KV-005": "v2 over-allocation: allocate_len = seq_len + N before a round, nothing freed inside it",
-    "KV-006": "when every request has finished, the free-page count returns to its start",
-    # --- metadata per mode (spec §3.3, §7 items 1-6) ---
-    "MD-001": "all metadata tensors are int32 and contiguous",
-    "MD-002": "cu_seqlens_q starts at 0, is non-decreasing and gives the mode's q_b",
-    "MD-003": "cache_seqlens K_b equals the mode's formula (spec §3.3)",
-    "MD-004": "K_b >= q_b for every real request",
-    "MD-005": "INV-TAIL: out_cache_loc[cu_q[b] + i] == req_to_token[r_b, K_b - q_b + i]",
-    "MD-006": "cu_seqlens_k = [0, cumsum K]; max_seqlen_k comes from the CPU mirror",
-    "MD-007": "page_table = req_to_token[r, ::P] // P over ceil(max K / P) columns",
-    "MD-008": "DRAFT_EXTEND_V2: K_b = seq_lens (= L + N); extend_seq_lens is never added again",
-    "MD-009": "DRAFT_EXTEND (v1): q_b = num_accept_tokens = n + 1, packed",
-    "MD-010": "draft decode step s: q_b = 1, K_b = L_b + s + 1",
-    "MD-011": "TARGET_VERIFY: q_b = N, K_b = L_b + N",
-    "MD-012": "the real requests of a batch have distinct req_to_token rows and write distinct slots",
-    # --- CUDA graphs (spec §1.5, §4, §7 items 7-11) ---
-    "CG-001": "replay writes captured buffers in place and never rebinds them (address stability)",
-    "CG-002": "replay equals eager on real rows",
-    "CG-003": "DRAFT_EXTEND (v1) replay: cu_seqlens_q = [0, cumsum(num_accept_tokens)]",
-    "CG-004": "DRAFT_EXTEND_V2 replay: cu_seqlens_q = [0, W, 2W, ..., Bg*W] from extend_seq_lens",
-    "CG-005": "padded rows get the fills (seq_lens 1, out_cache_loc 0, req_pool_indices 0), rewritten every replay",
-    "CG-006": "captured max_seqlen_q is the mode's bound (1, N, Sd+1) and covers every live query",
-    "CG-007": "replay picks the smallest captured batch size >= the live batch; larger batches run eagerly",
-    "CG-008": "page-table buffers are sized from req_to_token.shape[1]; replay checks the pages fit",
-    "CG-009": "real-row outputs do not depend on the padded batch size",
-    "CG-010": "capture-time dummy metadata has K >= q (no empty causal span)",
-    # --- spec decode (spec §5) ---
-    "SD-001": "greedy acceptance: n = longest prefix with d_i == p_(i-1); num_accept_tokens a = n + 1",
-    "SD-002": "lossless: speculative output tokens equal plain greedy decoding of the target",
-    "SD-003": "accept length = emitted tokens / verify rounds, in [1, Sd + 1]",
-    "SD-004": "v1 draft extend runs the a accepted tokens packed and keeps each request's last row",
-    "SD-005": "v2 draft extend runs all N rows per request and keeps row b * N + a_b - 1",
-    "SD-006": "v1 and v2 draft extend agree on the kept row; rows >= a_b cannot affect rows < a_b",
-    "SD-007": "the draft position rule: the draft token at KV index p runs at RoPE position p",
-    "SD-008": "after every round target-KV length == draft-KV length == prompt + sum(a)",
-    "SD-009": "per-request results do not depend on batch composition or order",
-    "SD-010": "top-k = 1: N = Sd + 1 draft tokens are verified per request",
-    # --- top-k trees, the oracle side (docs/spec/tree.md, "Tree structure and the oracle") ---
-    "TR-001": "tree expansion: k root children, then each frontier row's top-k, cumulative product scores, top-k of k^2",
-    "TR-002": "selection: the N-1 drafts are the top-(N-1) of k + (Sd-1)k^2 scores, sorted by candidate id",
-    "TR-003": "tree links: node 0 is the root; a node's parent is the node of its parent candidate; children ascending",
-    "TR-004": "ancestor mask: verify row i sees the prefix, itself and its ancestors, nothing else of the tree",
-    "TR-005": "tree positions: node i runs at RoPE position L + depth(i)",
-    "TR-006": "greedy tree acceptance: from the root take the child equal to the target argmax; a = n + 1",
-    "TR-007": "accepted-path commit: the path's target KV moves to L..L+a-1; the draft extend runs the path first",
-    "TR-008": "tree draft decode: row t at step s sees the prefix and the KV its own row wrote at steps 0..s",
-    "TR-009": "lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)",
-    # --- tolerances ---
-    "TOL-001": "T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)",
-    "TOL-002": "T1: low-precision error <= 2x the oracle's own low-precision error + a floor",
-    "TOL-003": "T2: tokens equal except where the baseline's top-2 logit margin is below delta",
+from refspec.core.sources import V_LAST_V1 as OLD
+from refspec.core.sources import V_LATEST as NEW
+from refspec.core.sources import V_OLDEST as V55
+from refspec.core.sources import Level, Rule, commit, doc, external, fa3, pr, sgl
+
+K, U, H = Level.KERNEL, Level.UPSTREAM, Level.HARDENING
+FA3B = "srt/layers/attention/flashattention_backend.py"
+ALLOC = "srt/mem_cache/allocator.py"
+BOTH = (OLD, NEW)  # the two conformance pins
+ALL = (V55, OLD, NEW)
+FACTS = "kernel-facts.md"
+
+
+# the commits docs/spec/tree.md was read at
+SPEC_UTILS, T_SPEC_UTILS = "srt/speculative/spec_utils.py", "00731f0bc9fa81c39802754fb4b62e9cce967582"
+EAGLE_UTILS, T_EAGLE_UTILS = "srt/speculative/eagle_utils.py", "003ddbce039cd49b05c84568b7b357031366abf7"
+SPEC_TREE, T_SPEC_TREE = "kernels/ops/speculative/spec_tree.py", "901307a06bace589e49447e759c4a7e97acf8ea3"
+EAGLE_WORKER, T_EAGLE_WORKER = "srt/speculative/eagle_worker.py", "00559eacbf0841146db7e27e445d1971e35e6294"
+
+
+def _fb(line: int, symbol: str, version: str = V55):
+    return sgl(FA3B, version, line, symbol)
+
+
+RULES: dict[str, Rule] = {
+    # --- paging / attention ------------------------------------------------------------
+    "PA-001": Rule("req_to_token rows are page-contiguous (INV-PAGE)", U,
+                   (sgl(ALLOC, V55, 470, "PagedTokenToKVPoolAllocator.alloc_extend"),), (V55, OLD)),
+    "PA-002": Rule("page_table[b, p // P] * P + p % P == req_to_token[r_b, p] for every p < K_b", U,
+                   (_fb(645, "FlashAttentionBackend.init_forward_metadata"), commit("188f0955f", 5318),
+                    pr(5090, "pre-fix")), ALL, BOTH),
+    "PA-003": Rule("page_table has at least ceil(K_b / P) columns for every request", K,
+                   (fa3("flash_api.cpp", 768, "mha_fwd"), doc(FACTS, "page-table-columns"))),
+    "PA-004": Rule("bottom-right causal: query row i of request b sees key p iff p <= i + K_b - q_b", K,
+                   (fa3("flash_attn_interface.py", 998, "flash_attn_with_kvcache"), doc(FACTS, "measured-semantics"))),
+    "PA-005": Rule("a query row with no visible key outputs exactly 0", K, (doc(FACTS, "measured-semantics"),)),
+    "PA-006": Rule("GQA: query head h reads KV head h // (H / Hkv)", K,
+                   (fa3("flash_api.cpp", 781, "mha_fwd"), doc(FACTS, "measured-semantics"))),
+    "PA-007": Rule("the kernel reads no page-table column >= ceil(K_b / P) and no key >= K_b", K,
+                   (doc(FACTS, "page-table-columns"),)),
+    "PA-008": Rule("page 0 and req_to_token row 0 are reserved dummies, never given to a request", U,
+                   (sgl(ALLOC, V55, 567, "PagedTokenToKVPoolAllocator.clear"),
+                    sgl("srt/mem_cache/memory_pool.py", NEW, 409, "ReqToTokenPool.__init__")), (OLD, NEW)),
+    "PA-009": Rule("store-then-attend: new K/V are written at out_cache_loc before the kernel runs", U,
+                   (_fb(672, "FlashAttentionBackend.forward_extend"), _fb(989, "FlashAttentionBackend.forward_decode")),
+                   ALL),
+    "PA-010": Rule("every request's query length fits max_seqlen_q", K,
+                   (fa3("flash_api.cpp", 745, "mha_fwd"), doc(FACTS, "max-seqlen-q"))),
+    "PA-011": Rule("kernel arguments are well formed (dtypes, shapes, page ids in the pool)", K,
+                   (fa3("flash_api.cpp", 735, "mha_fwd"), fa3("flash_api.cpp", 744, "mha_fwd"))),
+    # --- KV accounting -----------------------------------------------------------------
+    "KV-001": Rule("alloc_extend continues the request's last partial page (INV-PAGE is kept)", U,
+                   (sgl(ALLOC, V55, 459, "PagedTokenToKVPoolAllocator.alloc_extend"),), (V55, OLD)),
+    "KV-002": Rule("free is page-granular and the free-page count is exact", U,
+                   (sgl(ALLOC, V55, 556, "PagedTokenToKVPoolAllocator.free"),), (V55, OLD)),
+    "KV-003": Rule("exhaustion, double free and freeing reserved pages raise", H,
+                   (sgl(ALLOC, V55, 551, "PagedTokenToKVPoolAllocator.free"),),
+                   upstream="alloc_extend returns None when pages run out; a double free is caught only in debug_mode"),
+    "KV-004": Rule("v1 rejected slots: keep the page holding the last committed token, free whole pages after it", U,
+                   (sgl("srt/speculative/spec_utils.py", V55, 300, "align_evict_mask_to_page_size"),), (V55, OLD)),
+    "KV-005": Rule("v2 over-allocation: allocate_len = seq_len + N before a round, nothing freed inside it", U,
+                   (sgl("srt/speculative/eagle_worker_v2.py", V55, 91, "EagleDraftInput.ALLOC_LEN_PER_DECODE"),
+                    pr(11772, "page-aware")), (V55,)),
+    "KV-006": Rule("when every request has finished, the free-page count returns to its start", U,
+                   (sgl(ALLOC, V55, 567, "PagedTokenToKVPoolAllocator.clear"),), (V55, OLD)),
+    # --- metadata per mode ---------------------------------------------------------------
+    "MD-001": Rule("all metadata tensors are int32 and contiguous", K,
+                   (fa3("flash_api.cpp", 735, "mha_fwd"), fa3("flash_api.cpp", 744, "mha_fwd"))),
+    "MD-002": Rule("cu_seqlens_q starts at 0, is non-decreasing and gives the mode's q_b", U,
+                   (_fb(365, "FlashAttentionBackend.init_forward_metadata"),
+                    _fb(890, "FlashAttentionBackend.init_forward_metadata", NEW)), ALL, BOTH),
+    "MD-003": Rule("cache_seqlens K_b equals the mode's formula (L; L + s + 1; L + N; extend and draft extend: seq_lens)", U,
+                   (_fb(365, "FlashAttentionBackend.init_forward_metadata"),
+                    _fb(890, "FlashAttentionBackend.init_forward_metadata", NEW)), ALL, BOTH),
+    "MD-004": Rule("K_b >= q_b for every real request", U,
+                   (_fb(365, "FlashAttentionBackend.init_forward_metadata"),), ALL, BOTH),
+    "MD-005": Rule("INV-TAIL: out_cache_loc[cu_q[b] + i] == req_to_token[r_b, K_b - q_b + i]", U,
+                   (_fb(672, "FlashAttentionBackend.forward_extend"), pr(26512, "broke it; reverted by #26628")), ALL),
+    "MD-006": Rule("cu_seqlens_k = [0, cumsum K]; max_seqlen_k comes from the CPU mirror", U,
+                   (_fb(365, "FlashAttentionBackend.init_forward_metadata"), doc("versions.md", "documented-differences")),
+                   ALL, BOTH),
+    "MD-007": Rule("page_table = req_to_token[r, ::P] // P over ceil(max K / P) columns", U,
+                   (_fb(645, "FlashAttentionBackend.init_forward_metadata"),
+                    sgl("kernels/ops/attention/metadata.py", NEW, 505, "normal_decode_set_metadata")), ALL, BOTH),
+    "MD-008": Rule("DRAFT_EXTEND_V2: K_b = seq_lens (= L + N); extend_seq_lens is never added again", U,
+                   (sgl("srt/speculative/eagle_info_v2.py", V55, 179, "prepare_for_extend_to_fill_draft_kvcache"),
+                    pr(26512, "double count"), pr(26628, "revert"), pr(26651, "fixture fix")), ALL, BOTH),
+    "MD-009": Rule("DRAFT_EXTEND (v1): q_b = num_accept_tokens = n + 1, packed", U,
+                   (sgl("srt/speculative/eagle_info.py", V55, 674, "EagleDraftInput.prepare_extend_after_decode"),
+                    pr(23962, "rename"), pr(25014, "rename")), (V55, OLD), (OLD,)),
+    "MD-010": Rule("draft decode step s: q_b = 1, K_b = L_b + s + 1", U,
+                   (_fb(372, "FlashAttentionBackend.init_forward_metadata"),
+                    sgl(FA3B, NEW, 3477, "FlashAttentionMultiStepBackend")), ALL, BOTH),
+    "MD-011": Rule("TARGET_VERIFY: q_b = N, K_b = L_b + N", U,
+                   (_fb(460, "FlashAttentionBackend.init_forward_metadata"),), ALL, BOTH),
+    "MD-012": Rule("the real requests of a batch have distinct req_to_token rows and write distinct slots", U,
+                   (sgl("srt/mem_cache/memory_pool.py", V55, 110, "ReqToTokenPool.alloc"),), (V55, OLD)),
+    # --- CUDA graphs ---------------------------------------------------------------------
+    "CG-001": Rule("replay writes captured buffers in place and never rebinds them (address stability)", U,
+                   (commit("6ffb6bd47", 4855), _fb(1731, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
+                    pr(26019, "rebind; reverted by #26166")), ALL),
+    "CG-002": Rule("replay equals eager on real rows (metadata T0; outputs T0 on the emulator, T1 on the H200)", U,
+                   (_fb(1731, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
+                    doc(FACTS, "split-kv-and-graph-replay")), ALL, BOTH),
+    "CG-003": Rule("DRAFT_EXTEND (v1) replay: cu_seqlens_q = [0, cumsum(num_accept_tokens)]", U,
+                   (_fb(1951, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
+                    sgl(FA3B, OLD, 2165, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
+                    commit("631950280", 6606), commit("376dfb03f", 19807)), (V55, OLD), (OLD,)),
+    "CG-004": Rule("DRAFT_EXTEND_V2 replay: cu_seqlens_q = [0, W, 2W, ..., Bg*W] from extend_seq_lens", U,
+                   (sgl(FA3B, OLD, 2191, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
+                    sgl("kernels/ops/attention/metadata.py", NEW, 417, "draft_extend_set_metadata"),
+                    commit("160a06cab", 15207), pr(21987), pr(25002)), BOTH, BOTH),
+    "CG-005": Rule("padded rows get the fills (seq_lens 1, out_cache_loc 0, req_pool_indices 0), rewritten every replay", H,
+                   (sgl("srt/model_executor/cuda_graph_runner.py", V55, 758, "CudaGraphRunner.replay_prepare"),
+                    sgl("srt/model_executor/cuda_graph_runner.py", OLD, 296, "DecodeInputBuffers.populate_from_forward_batch"),
+                    sgl("srt/speculative/eagle_draft_cuda_graph_runner.py", OLD, 424, "EAGLEDraftCudaGraphRunner.replay"),
+                    sgl("srt/speculative/eagle_draft_extend_cuda_graph_runner.py", NEW, 541,
+                        "EAGLEDraftExtendCudaGraphRunner.execute"),
+                    commit("c64290dcb", 7233)),
+                   upstream=("seq_lens fill 1 and out_cache_loc 0 as refspec; padded req_pool_indices stay stale in every "
+                             "runner at v0.5.5 and in the target and draft-extend runners at v0.5.12.post1 (zeroed by the "
+                             "draft-decode runner); v0.5.23 zeroes them in all three; the draft-extend seq_lens fill is 1, "
+                             "refspec's is W")),
+    "CG-006": Rule("captured max_seqlen_q is the mode's bound (1, N, Sd+1) and covers every live query", U,
+                   (_fb(1496, "FlashAttentionBackend.init_forward_metadata_capture_cuda_graph"),
+                    external("transformers#45323", "https://github.com/huggingface/transformers/issues/45323")),
+                   ALL, BOTH),
+    "CG-007": Rule("replay picks the smallest captured batch size >= the live batch; larger batches run eagerly", U,
+                   (sgl("srt/model_executor/cuda_graph_runner.py", V55, 756, "CudaGraphRunner.replay_prepare"),), ALL),
+    "CG-008": Rule("page-table buffers are sized from req_to_token.shape[1]; replay checks the pages fit", H,
+                   (_fb(1245, "FlashAttentionBackend.init_cuda_graph_state"),
+                    sgl(FA3B, NEW, 2432, "FlashAttentionBackend.init_cuda_graph_state"),
+                    pr(29665, "closed"), external("sglang#35985", "https://github.com/sgl-project/sglang/issues/35985")),
+                   upstream="the graph page tables have ceil(context_len / P) columns, narrower than req_to_token rows "
+                            "(context_len + 4 + N); #29665 proposed sizing from req_to_token and was closed"),
+    "CG-009": Rule("real-row outputs do not depend on the padded batch size", H,
+                   (doc(FACTS, "split-kv-and-graph-replay"),),
+                   upstream="no such promise: FA3's split-KV heuristic sees the padded batch, so on a GPU real rows "
+                            "agree within T1 (bitwise only for the CPU emulator)"),
+    "CG-010": Rule("capture-time dummy metadata has K >= q (no empty causal span)", H,
+                   (sgl(FA3B, NEW, 3393, "FlashAttentionBackend.get_cuda_graph_seq_len_fill_value"),
+                    sgl("srt/speculative/eagle_draft_extend_cuda_graph_runner.py", OLD, 453,
+                        "EAGLEDraftExtendCudaGraphRunner.replay"),
+                    external("tokenspeed#446", "https://github.com/lightseekorg/tokenspeed/issues/446")),
+                   upstream="padded draft-extend rows get seq_lens 1 with W query rows (K = 1 < q = W) since #15207; "
+                            "upstream relies on FA3 returning 0 for rows with no visible key (PA-005)"),
+    # --- spec decode ---------------------------------------------------------------------
+    "SD-001": Rule("greedy acceptance: n = longest prefix with d_i == p_(i-1); num_accept_tokens a = n + 1", U,
+                   (sgl("srt/speculative/eagle_info.py", V55, 286, "EagleVerifyInput.verify"),), (V55, OLD)),
+    "SD-002": Rule("lossless: speculative output tokens equal plain greedy decoding of the target", U,
+                   (sgl("srt/speculative/eagle_info.py", V55, 189, "EagleVerifyInput.verify"),), (V55, OLD)),
+    "SD-003": Rule("accept length = emitted tokens / verify rounds, in [1, Sd + 1]", U,
+                   (sgl("test/send_one.py", V55, 166, "send_one_prompt"),), ALL),
+    "SD-004": Rule("v1 draft extend runs the a accepted tokens packed and keeps each request's last row", U,
+                   (sgl("srt/speculative/eagle_info.py", V55, 664, "EagleDraftInput.prepare_extend_after_decode"),),
+                   (V55, OLD)),
+    "SD-005": Rule("v2 draft extend runs all N rows per request and keeps row b * N + a_b - 1", U,
+                   (sgl("srt/speculative/eagle_worker_v2.py", V55, 447, "EagleDraftWorker._draft_extend_for_decode"),), ALL),
+    "SD-006": Rule("v1 and v2 draft extend agree on the kept row; rows >= a_b cannot affect rows < a_b", H,
+                   (doc("spec/spec-decode.md", "sd-006"),),
+                   upstream="not stated upstream: it follows from PA-004 and is refspec's cross-check of CG-003/CG-004"),
+    "SD-007": Rule("the draft position rule: the draft token at KV index p runs at RoPE position p", U,
+                   (sgl("srt/speculative/eagle_worker_v2.py", OLD, 481, "EagleDraftWorker.draft_forward"),
+                    sgl("kernels/ops/speculative/cache_locs.py", NEW, 75, "assign_draft_cache_locs_contiguous"),
+                    sgl("srt/speculative/eagle_worker.py", V55, 610, "EAGLEWorker.draft_forward")), (OLD, NEW),
+                   upstream="up to v0.5.10 (and at the commits refspec mirrors) draft decode step s wrote KV index "
+                            "L + s but ran at position L + 1 + s (positions += 1 before each step)"),
+    "SD-008": Rule("after every round target-KV length == draft-KV length == prompt + sum(a)", U,
+                   (sgl("srt/speculative/eagle_info.py", V55, 488, "EagleVerifyInput.verify"),), (V55, OLD)),
+    "SD-009": Rule("per-request results do not depend on batch composition or order", H,
+                   (doc("spec/spec-decode.md", "sd-009"),),
+                   upstream="batch invariance only with --enable-deterministic-inference (num_splits = 1)"),
+    "SD-010": Rule("top-k = 1: N = Sd + 1 draft tokens are verified per request", U,
+                   (sgl("srt/server_args.py", V55, 1604, "ServerArgs._handle_speculative_decoding"),), (V55, OLD)),
+    # --- top-k > 1 trees, the oracle side (docs/spec/tree.md) ----------------------------
+    "TR-001": Rule("tree expansion: k root children, then each frontier row's top-k, cumulative product scores, "
+                   "top-k of k^2", U, (sgl(SPEC_UTILS, T_SPEC_UTILS, None, "select_top_k_tokens"),)),
+    "TR-002": Rule("selection: the N-1 drafts are the top-(N-1) of k + (Sd-1)k^2 scores, sorted by candidate id", U,
+                   (sgl(EAGLE_UTILS, T_EAGLE_UTILS, None, "organize_draft_results"),)),
+    "TR-003": Rule("tree links: node 0 is the root; a node's parent is the node of its parent candidate; "
+                   "children ascending", U, (sgl(EAGLE_UTILS, T_EAGLE_UTILS, None, "build_tree_kernel_efficient"),)),
+    "TR-004": Rule("ancestor mask: verify row i sees the prefix, itself and its ancestors, nothing else of the tree", U,
+                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "sgl_build_tree_kernel_efficient_triton"),)),
+    "TR-005": Rule("tree positions: node i runs at RoPE position L + depth(i)", U,
+                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "sgl_build_tree_kernel_efficient_triton"),)),
+    "TR-006": Rule("greedy tree acceptance: from the root take the child equal to the target argmax; a = n + 1", U,
+                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "verify_tree_greedy_kernel_triton"),)),
+    "TR-007": Rule("accepted-path commit: the path's target KV moves to L..L+a-1; the draft extend runs the path first",
+                   U, (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),
+                       sgl("srt/speculative/eagle_worker_common.py", "02a3cd954bab7765c272d17886e8af5ca7add79d", None,
+                           "_compact_accept_to_front"))),
+    "TR-008": Rule("tree draft decode: row t at step s sees the prefix and the KV its own row wrote at steps 0..s", U,
+                   (sgl(FA3B, "003e7b77aeee2fba80ff241c7f45dcb0e613164d", None,
+                        "FlashAttentionBackend.init_forward_metadata"),)),
+    "TR-009": Rule("lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)", U,
+                   (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
+    # --- tolerances ----------------------------------------------------------------------
+    "TOL-001": Rule("T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)", H,
+                    (doc("tolerance-policy.md"),),
+                    upstream="upstream tests compare metadata exactly but outputs by accuracy thresholds"),
+    "TOL-002": Rule("T1: low-precision error <= 2x the oracle's own low-precision error + a floor", K,
+                    (external("flash-attention/hopper/test_flash_attn.py",
+                              "https://github.com/Dao-AILab/flash-attention/blob/"
+                              "0251105a2fb19d2957484b7f023cd8c115286ced/hopper/test_flash_attn.py"),
+                     doc("tolerance-policy.md"))),
+    "TOL-003": Rule("T2: tokens equal except where the baseline's top-2 logit margin is below delta", H,
+                    (doc("tolerance-policy.md"),),
+                    upstream="upstream end-to-end tests assert GSM8K accuracy and accept length, not tokens"),
 }
+
+#: ``ID -> one-line title`` (what error messages and the docs' ID index print)
+INVARIANTS: dict[str, str] = {inv_id: rule.title for inv_id, rule in RULES.items()}
 
 
 class InvariantError(ValueError):
     """A violated refspec invariant.
 
-    ``str(err)`` starts with ``[ID]`` and the rule's title, then says what was seen, so that a
-    failure message can be quoted in a review as is.  ``err.inv_id`` holds the ID.
+    ``str(err)`` is ``[ID] title: detail [level]``: the rule first, then what was seen, then the
+    rule's conformance level (``refspec hardening`` means stricter than SGLang), so that it can
+    be quoted in a review as is.  ``err.inv_id`` holds the ID, ``err.rule`` its :class:`Rule`.
+
+    Raises: KeyError for an ID that is not in :data:`RULES`.
     """
 
     def __init__(self, inv_id: str, detail: str):
-        if inv_id not in INVARIANTS:
+        if inv_id not in RULES:
             raise KeyError(f"unknown invariant id {inv_id!r}")
         self.inv_id = inv_id
+        self.rule = RULES[inv_id]
         self.detail = detail
-        super().__init__(f"[{inv_id}] {INVARIANTS[inv_id]}: {detail}")
+        super().__init__(f"[{inv_id}] {self.rule.title}: {detail} [{self.rule.level}]")
 
 
 def require(cond: bool, inv_id: str, detail) -> None:

@@ -1,10 +1,10 @@
 """The paged KV cache: per-layer K/V pools, ``req_to_token`` and the page allocator.
 
-Units (conventions.md): *tokens* are logical positions of a request, *slots* are flat indices
+Units (docs/glossary.md): *tokens* are logical positions of a request, *slots* are flat indices
 into a pool, *pages* are ``slot // P``.  Slot ``s`` lives at ``(page s // P, offset s % P)``.
 
 Mirrors SGLang's ``mem_cache/memory_pool.py`` (``ReqToTokenPool``, ``MHATokenToKVPool``) and
-``mem_cache/allocator.py`` (``PagedTokenToKVPoolAllocator``), spec §2.2:
+``mem_cache/allocator.py`` (``PagedTokenToKVPoolAllocator``, allocator.py@v0.5.5), PA-001 / KV-001 / KV-002:
 
 * page 0 (slots ``0..P-1``) and ``req_to_token`` row 0 are reserved dummies (padded graph rows
   write and read there) and are never given to a request (PA-008);
@@ -276,7 +276,7 @@ class KVCache:
     def free_tail(self, r: int, keep_len: int, alloc_len: int) -> None:
         """Free the whole pages of row ``r`` strictly after the page holding position ``keep_len-1``.
 
-        Spec §5.1 step 3 (``align_evict_mask_to_page_size``): rejected slots inside the page of
+        KV-004 (SGLang ``align_evict_mask_to_page_size``): rejected slots inside the page of
         the last committed token stay allocated (freeing them would free committed tokens' page),
         and are reused next round (KV-004).
         Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row), KV-003 (row not allocated).

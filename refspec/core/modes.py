@@ -1,4 +1,5 @@
-"""Forward modes and their predicates, as SGLang's ``ForwardMode`` (spec §3.1).
+"""Forward modes and their predicates, as SGLang's ``ForwardMode`` (v0.5.5;
+v0.5.14 removed DRAFT_EXTEND: docs/versions.md).
 
 Draft decode is not a mode of its own: it is ``DECODE`` run by the draft model with a draft step
 index ``s`` (``ForwardBatch.draft_step``), exactly as SGLang tells them apart by
@@ -29,7 +30,7 @@ class ForwardMode(IntEnum):
         return self == ForwardMode.IDLE
 
     def is_decode_or_idle(self) -> bool:
-        """DECODE or IDLE: normal decode *and* draft decode (spec §3.1)."""
+        """DECODE or IDLE: normal decode *and* draft decode (upstream tells them apart by ``spec_info``)."""
         return self in (ForwardMode.DECODE, ForwardMode.IDLE)
 
     def is_target_verify(self) -> bool:
@@ -39,7 +40,7 @@ class ForwardMode(IntEnum):
         """DRAFT_EXTEND; DRAFT_EXTEND_V2 too only when ``include_v2`` (default False, as upstream).
 
         The default matters: the v1 replay branch ``elif is_draft_extend():`` must not match V2
-        (spec §4.6, item 3).
+        (SGLang's replay tests ``is_draft_extend()`` before ``is_draft_extend_v2()``, CG-003).
         """
         if include_v2:
             return self in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2)
@@ -51,7 +52,7 @@ class ForwardMode(IntEnum):
     def is_extend(self) -> bool:
         """EXTEND, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2: every multi-token mode.
 
-        Upstream ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND (spec §3.1 note).
+        Upstream ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND (``forward_batch_info.py``).
         """
         return self in (
             ForwardMode.EXTEND,

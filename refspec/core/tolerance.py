@@ -1,4 +1,4 @@
-"""Tolerance tiers (conventions.md; docs/spec TOL-001..TOL-003).  Every comparison reports its
+"""Tolerance tiers (docs/tolerance-policy.md; docs/spec TOL-001..TOL-003).  Every comparison reports its
 error as a percentage of its budget.
 
 * **T0 bitwise** (TOL-001): ``torch.equal``.  Metadata, slot/page bookkeeping, KV writes, graph

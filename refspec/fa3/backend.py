@@ -2,7 +2,7 @@
 
 ``forward`` first writes this forward's K/V at ``out_cache_loc`` (PA-009), then calls the FA3
 kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens (spec
-§1.1, refspec decision 1).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
+docs/fa3-contract.md, PA-009).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
 capture/replay hooks from :mod:`refspec.fa3.graph_metadata`.  Validation
 (:mod:`refspec.fa3.validate`) runs after every metadata build unless ``validate=False``.
 """
@@ -65,7 +65,7 @@ class FlashAttentionBackend(GraphMetadataMixin):
         self.graph_state = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> FlashAttentionMetadata:
-        """Eager metadata (spec §3.3), validated against ``fb`` and ``req_to_token``.
+        """Eager metadata (MD-003), validated against ``fb`` and ``req_to_token``.
 
         Raises (with ``validate``): see :func:`refspec.fa3.validate.validate_batch` (before the
         build) and :func:`refspec.fa3.validate.validate_metadata` (after it).
@@ -107,7 +107,7 @@ class FlashAttentionBackend(GraphMetadataMixin):
 
 
 class FlashAttentionMultiStepBackend:
-    """The Sd - 1 draft-decode backends, one per step s = 0..Sd-2 (SGLang, spec §3.6).
+    """The Sd - 1 draft-decode backends, one per step s = 0..Sd-2 (SGLang, MD-010).
 
     Each owns its metadata and graph buffers; step s's K is L + s + 1.  With Sd = 1 there is no
     draft-decode forward and ``backends`` is empty.

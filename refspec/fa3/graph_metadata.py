@@ -1,4 +1,4 @@
-"""FA3 metadata under CUDA graphs: preallocated buffers, capture, in-place replay (spec §4.2-§4.4).
+"""FA3 metadata under CUDA graphs: preallocated buffers, capture, in-place replay (CG-001..CG-006).
 
 What each graphed mode keeps static and what replay rewrites *in place* (never rebinding, CG-001):
 
@@ -22,7 +22,7 @@ because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table wi
 ``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
 and replay raises CG-008 when m > W instead of letting the kernel run past it.
 Capture for DRAFT_EXTEND and DRAFT_EXTEND_V2 is shared (``is_draft_extend(include_v2=True)``,
-A4 ``160a06cab``); only replay differs (spec §4.6).
+``160a06cab``, #15207); only replay differs (CG-003, CG-004).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _mode_key(fb: ForwardBatch) -> str:
 
 
 def _check_draft_extend_cu_q(md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
-    """CG-003 / CG-004 (spec §4.6, §7 item 9): replayed draft-extend ``cu_seqlens_q`` over all
+    """CG-003 / CG-004: replayed draft-extend ``cu_seqlens_q`` over all
     ``bs`` rows, padding included, equals the token layout the runner filled (CPU mirrors):
     v1 ``[0, cumsum(num_accept_tokens)]``, v2 ``[0, cumsum(extend_seq_lens)]`` = ``[0, W, 2W, ...]``."""
     m = fb.forward_mode
@@ -94,7 +94,7 @@ class GraphMetadataMixin:
         )
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, fb: ForwardBatch):
-        """Bind this (mode, bs)'s metadata to buffer slices and freeze its scalars (spec §4.3).
+        """Bind this (mode, bs)'s metadata to buffer slices and freeze its scalars (CG-006).
 
         ``fb`` is the runner's static batch (dummy values).  Capture-time outputs are discarded.
         """

@@ -1,7 +1,8 @@
 """The FA3 kernel provider: the real ``flash_attn_with_kvcache`` on Hopper, else the emulator.
 
 One function, :func:`flash_attn_with_kvcache`, with the signature and semantics of FA3's
-``flash_attn_interface.flash_attn_with_kvcache`` as SGLang's FA3 backend calls it (spec §1.1):
+``flash_attn_interface.flash_attn_with_kvcache`` as SGLang's FA3 backend calls it
+(docs/fa3-contract.md):
 no new k/v (store-then-attend), paged KV, ``causal=True``.
 
 Providers, picked per call by :func:`select_provider`:
@@ -80,7 +81,7 @@ def select_provider(device: torch.device) -> str:
 def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
                             return_softmax_lse=False, provider: str | None = None):
-    """Paged-KV attention, FA3 semantics (spec §1.1-§1.3).
+    """Paged-KV attention, FA3 semantics (docs/fa3-contract.md; PA-004..PA-006).
 
     Shapes: q ``[T, H, D]`` (fp16/bf16 for the real kernel; the emulator also takes fp32);
     k_cache, v_cache ``[NP, P, Hkv, D]``; cache_seqlens int32 ``[B]`` (K_b, tokens, the kernel's

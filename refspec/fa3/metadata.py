@@ -1,6 +1,7 @@
 """Eager FA3 attention metadata per forward mode (SGLang ``init_forward_metadata``, top-k = 1).
 
-Mirrors ``flashattention_backend.py`` @A3 ``0bfe1d145`` (lines 365-648), spec §3.3.  For request
+Mirrors ``flashattention_backend.py`` ``init_forward_metadata``
+at ``0bfe1d145`` (#11874; the same code in v0.5.5, line 365), MD-003.  For request
 b with ``seq_lens`` L_b (its meaning per mode is in :mod:`refspec.core.batch`):
 
 ==================  =====  =====================  ==============================  =============
@@ -16,8 +17,9 @@ DRAFT_EXTEND_V2     N      L (= L_old + N)        [0, cumsum extend] (uniform N)
 IDLE                -      []                     [0]                             1
 ==================  =====  =====================  ==============================  =============
 
-Every mode: ``cu_seqlens_k = [0, cumsum K]`` (bookkeeping; the paged kernel never reads it,
-spec §1.2), ``max_seq_len_k = max K`` from the CPU mirror (no device sync, MD-006), and
+Every mode: ``cu_seqlens_k = [0, cumsum K]`` (bookkeeping: SGLang passes it as
+``cu_seqlens_k_new``, which FA3 ignores without new k/v, docs/fa3-contract.md),
+``max_seq_len_k = max K`` from the CPU mirror (no device sync, MD-006), and
 ``page_table = req_to_token[r, 0:max_seq_len_k:P] // P`` (MD-007; plain slots when P = 1).
 
 Worked example (P = 4, N = 4): two requests with committed L = [5, 9] in TARGET_VERIFY give
@@ -58,7 +60,7 @@ def cumsum0(x: torch.Tensor) -> torch.Tensor:
 def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_size: int) -> torch.Tensor:
     """``req_to_token[r, 0:max_seq_len_k:P] // P``: int32 ``[B, ceil(max_seq_len_k / P)]`` (pages).
 
-    Spec §2.1: the first slot of each page, divided by P, is the page id.  Lossless only if
+    MD-007: the first slot of each page, divided by P, is the page id.  Lossless only if
     every row is page-contiguous (INV-PAGE, PA-001), which the paged allocator guarantees.
     With P = 1 slots are page ids and this is the token-level table itself.
     """
@@ -70,7 +72,7 @@ def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_
 
 
 def mode_delta(fb: ForwardBatch, speculative_step_id: int | None) -> int:
-    """K_b - seq_lens_b for the modes whose K is ``seq_lens + delta`` (spec §3.3, MD-003).
+    """K_b - seq_lens_b for the modes whose K is ``seq_lens + delta`` (MD-003).
 
     TARGET_VERIFY: N (MD-011).  Draft decode step s: s + 1 (MD-010).  All other modes: 0; in
     particular DRAFT_EXTEND_V2, whose ``seq_lens`` already counts the N tokens (MD-008).

@@ -1,6 +1,6 @@
 """The graph runner: one graph per captured batch size, padded replay (SGLang ``CudaGraphRunner``).
 
-Spec §4.1: ``capture_bs`` is sorted ascending and captured largest first; a live batch of B
+CG-007: ``capture_bs`` is sorted ascending and captured largest first; a live batch of B
 requests replays the graph of ``bs_g = min{c in capture_bs : c >= B}`` (CG-007) and a batch
 larger than every captured size runs eagerly (the caller asks :meth:`GraphRunner.can_run`).
 
@@ -17,7 +17,7 @@ seq_lens             1 for DECODE / draft decode / TARGET_VERIFY (SGLang since #
                      returning 0 for the empty causal span)
 out_cache_loc        0 (padded tokens write the dummy page 0)
 positions            0
-num_accept_tokens,   W (A4 #15207 fills ``num_tokens_per_bs``)
+num_accept_tokens,   W (#15207 ``160a06cab`` fills ``num_tokens_per_bs``)
 extend_seq_lens
 ===================  ====================================================================
 

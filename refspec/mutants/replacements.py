@@ -29,7 +29,7 @@ def slots_as_pages(mdata, fb, req_to_token, strided_indices, max_k, page_size):
     """seed-page-table: verify and draft-decode replays copy token slots, not page ids."""
     if page_size > 1 and (fb.forward_mode.is_target_verify() or fb.is_draft_decode):
         rows = req_to_token[fb.req_pool_indices[: mdata.page_table.shape[0]]]
-        mdata.page_table[:, :max_k].copy_(rows[:, :max_k])  # A0: no ::P, no // P
+        mdata.page_table[:, :max_k].copy_(rows[:, :max_k])  # 93470a141 (#5090): no ::P, no // P
         return
     _orig["replay_page_table"](mdata, fb, req_to_token, strided_indices, max_k, page_size)
 

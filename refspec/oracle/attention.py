@@ -1,6 +1,6 @@
 """Reference paged attention: gather each request's keys *by slot* through ``req_to_token``.
 
-The oracle never reads a page table (refspec decision 2): key ``p`` of request ``b`` is the
+The oracle never reads a page table (so PA-002 is checked independently): key ``p`` of request ``b`` is the
 flat slot ``req_to_token[r_b, p]``, so the FA3 wing's page table is checked independently.
 
 Two entry points, one rule:

@@ -2,14 +2,14 @@
 
 One request, one contiguous K/V tensor per layer, indexed directly by KV index (= position,
 SD-007).  A forward writes its tokens' K/V at ``fb.positions`` and then each query row at KV
-index t attends to keys ``0..t`` (causal by position, spec §3.4).  Nothing else: no
+index t attends to keys ``0..t`` (causal by position, PA-004).  Nothing else: no
 ``req_to_token``, no page table, no ``cu_seqlens``, so it shares no bookkeeping with either
 paged wing.
 
 Why there are no stale reads: the rows of one forward are consecutive KV indices
 ``L..L+q-1`` and every index below ``L`` was written earlier, so every key a row can see
 (``0..t``) holds the K/V of the token currently at that index.  Rejected drafts' K/V beyond
-the committed length stay in the tensor until the next forward overwrites them (spec §5.3).
+the committed length stay in the tensor until the next forward overwrites them (SD-008).
 """
 
 from __future__ import annotations

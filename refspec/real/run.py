@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from refspec.model.llama import LlamaConfig, LlamaModel
 
-DEFAULT_DRAFT = "early-exit:25"  #: 25 of 30 layers: teacher-forced top-1 agreement ~0.28 (real_model.md)
+DEFAULT_DRAFT = "early-exit:25"  #: 25 of 30 layers: teacher-forced top-1 agreement ~0.28 (measured on CPU)
 DEFAULT_NUM_STEPS = 3  #: Sd
 
 

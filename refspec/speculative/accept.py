@@ -5,7 +5,7 @@ verify rows ``[t_L, d_1..d_Sd]``):
 
 * ``num_correct_drafts`` n = the longest prefix with ``d_i == p_(i-1)`` (0..Sd), the chain case
   of SGLang's ``VerifyTreeGreedy``;
-* ``num_accept_tokens`` a = n + 1 (the bonus ``p_n`` included; spec §0.2 for the history of the
+* ``num_accept_tokens`` a = n + 1 (the bonus ``p_n`` included; MD-009 for the history of the
   names);
 * the committed tokens of the round are ``t_(L+1)..t_(L+a) = d_1..d_n, p_n``, which equal
   ``p_0..p_n`` under the greedy rule.

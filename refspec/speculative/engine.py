@@ -16,9 +16,10 @@ target hidden h_p), so target and draft KV have the same length and share one
   row (SD-004); v2 draft extend runs all N rows at L..L+N-1 on the predictions p_0..p_(N-1)
   with every verify row's hidden and keeps row b*N + a_b - 1 (SD-005).
 
-SGLang runs draft decode step s at RoPE position L+1+s while writing KV index L+s (spec §3.6:
-``positions`` is ``seq_lens`` bumped by one before each step; identical in v1, v2 and at HEAD,
-and not explained upstream, spec §9).  Its draft prefill / extend keys sit at position = KV
+SGLang ran draft decode step s at RoPE position L+1+s while writing KV index L+s up to
+v0.5.10 (SD-007, docs/versions.md: ``positions`` is ``seq_lens`` bumped by one before each
+step, in v1 and v2, not explained upstream; by v0.5.12.post1 the bump follows the step).
+Its draft prefill / extend keys sit at position = KV
 index, so a decode-step query is one position further from them than its KV index says: a
 one-position skew between the two kinds of draft keys.  RoPE scores depend only on position
 *differences*, so what an exact reference needs is one rule used consistently: refspec uses
@@ -26,9 +27,9 @@ KV index = position in every draft forward (prefill, decode, extend), in the ora
 and v2 alike.  A draft checkpoint trained under SGLang's convention would see that skew
 removed here; that can change acceptance, never the output (SD-002).
 
-**KV accounting.**  v1 (spec §5.1): draft slots L..L+Sd-1 are transient (``backup_state``,
+**KV accounting.**  v1 (KV-004): draft slots L..L+Sd-1 are transient (``backup_state``,
 ``alloc_extend``, restore), verify allocates L..L+N-1, and after accepting a the rejected slots
-are freed page-aligned (``free_tail(keep_len=L+a, alloc_len=L+N)``, KV-004).  v2 (spec §5.2):
+are freed page-aligned (``free_tail(keep_len=L+a, alloc_len=L+N)``, KV-004).  v2 (KV-005):
 before each round the row is topped up to ``allocate_len = seq_len + N`` (KV-005), nothing is
 freed inside the round, and a finished request frees its whole row (KV-006).
 

@@ -1,4 +1,4 @@
-"""One speculative round, v1 and v2, over the running batch (spec §5.1, §5.2).
+"""One speculative round, v1 and v2, over the running batch (docs/spec/spec-decode.md, docs/spec/kv.md).
 
 Both return, per request, the row ``[a, c_0..c_(N-1), d_1..d_Sd, draft_len]`` (``c`` the
 committed candidates of :func:`~refspec.speculative.accept.committed_candidates`, ``c[:a]`` the emitted

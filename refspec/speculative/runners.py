@@ -19,7 +19,7 @@ A batch larger than the largest captured size runs eagerly (CG-007).  The eager 
 path run the *same* forward function; only where the metadata comes from differs (eager
 ``init_forward_metadata`` vs the runner's in-place replay), so graph vs eager is a T0 check.
 
-The draft-decode graph (spec §4.1, SGLang ``EAGLEDraftCudaGraphRunner``) takes per-token inputs
+The draft-decode graph (SGLang ``EAGLEDraftCudaGraphRunner``, CG-005) takes per-token inputs
 laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): ``ids`` (column 0 =
 d_1), ``forced`` (column s = a drafter's d_(s+2), or -1 for the draft's own argmax) and, for an
 EAGLE draft, ``hidden`` (column 0 = the kept draft-extend row's hidden).  Step s reads its

@@ -10,7 +10,7 @@ A trace (JSON, ``"format": "refspec-trace/1"``) holds the schedule of one produc
   per verify round), plus ``question_id`` / ``category`` when the prompt came from MT-Bench;
 * ``rounds``, one per production round: ``rids`` (batch membership, in batch order),
   ``seq_lens`` (committed L at the round's start, tokens), ``num_accept_tokens`` (a = n + 1,
-  bonus included, spec §5.1), ``joined`` (prefilled just before) and ``finished`` (left after).
+  bonus included, SD-001), ``joined`` (prefilled just before) and ``finished`` (left after).
 
 **Why a replay is exact on any model.**  The engine's decisions depend on the model only through
 a: L grows by a per round (SD-008), a request leaves when its output reaches its budget or EOS,
