@@ -66,11 +66,11 @@ def organize_draft_results(score_list, token_list, parents_list, num_draft_token
     """The N - 1 verify drafts: top by cumulative score, indices sorted ascending.
 
     Returns ``(parent_list [B, 1 + (S-1)*k], top_scores_index [B, N-1], draft_tokens [B, N-1])``.
-    Raises: InvariantError TR-016 if N - 1 exceeds the ``k + (S-1)*k*k`` candidates.
+    Raises: InvariantError TR-002 if N - 1 exceeds the ``k + (S-1)*k*k`` candidates.
     """
     scores = torch.cat(score_list, dim=1).flatten(1)
     tokens = torch.cat(token_list, dim=1)
-    require(num_draft_tokens - 1 <= scores.shape[1], "TR-016",
+    require(1 <= num_draft_tokens - 1 <= scores.shape[1], "TR-002",
             f"num_draft_tokens - 1 = {num_draft_tokens - 1} > {scores.shape[1]} draft candidates "
             "(k + (S-1) k^2)")
     top = torch.topk(scores, num_draft_tokens - 1, dim=-1).indices
@@ -88,17 +88,16 @@ def tree_parents(parent_list: list[int], top_scores_index: list[int], topk: int)
 
     Node i >= 1 is the selected candidate ``top_scores_index[i-1]``; ``q = index // k`` names
     its frontier group: q = 0 is the root, else its parent is the node holding score index
-    ``parent_list[q]``.  Raises: InvariantError TR-016 for a node whose parent was not selected.
+    ``parent_list[q]``.  A node whose parent candidate was not selected (possible only on a
+    score tie) is an *orphan*: parent -1.  Upstream's kernel prints "invalid eagle tree" and
+    links nothing for it; its mask loop then searches past the row (undefined), so refspec gives
+    an orphan the root and itself (depth 1), as the oracle does (TR-003).
     """
     where = {s: i + 1 for i, s in enumerate(top_scores_index)}
     parents = [-1]
-    for i, s in enumerate(top_scores_index, start=1):
+    for s in top_scores_index:
         q = s // topk
-        p = 0 if q == 0 else where.get(parent_list[q])
-        require(p is not None and p < i, "TR-016",
-                f"node {i} (score index {s}): its parent (score index {parent_list[q]}) is not a "
-                f"selected node before it; selected {top_scores_index}")
-        parents.append(p)
+        parents.append(0 if q == 0 else where.get(parent_list[q], -1))
     return parents
 
 
@@ -128,6 +127,8 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
         all_parents.append(parents)
         for i in range(N - 1, 0, -1):  # reverse insertion: children end up in ascending order
             p = parents[i]
+            if p < 0:
+                continue  # orphan: no link
             sib[b, i] = nxt[b, p]
             nxt[b, p] = i
         for i in range(N):
@@ -136,7 +137,7 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
             depth, j = 0, i
             while j > 0:
                 mask[row + j] = True
-                j, depth = parents[j], depth + 1
+                j, depth = max(parents[j], 0), depth + 1  # an orphan's chain ends at the root
             positions[b * N + i] = L + depth
         start += N * (L + N)
     retrive_index = torch.arange(B * N, dtype=torch.long).view(B, N)
@@ -148,7 +149,7 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
 
 def verify_tree_greedy(candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict,
                        num_speculative_tokens: int):
-    """TR-017, ``VerifyTreeGreedy``: greedy acceptance along the tree.
+    """TR-016 (the rule: TR-006), ``VerifyTreeGreedy``: greedy acceptance along the tree.
 
     From the root, repeatedly take the first child (in ``next_token`` / ``next_sibling`` order)
     whose token equals the target's argmax at the last accepted node.  Shapes: candidates,

@@ -17,7 +17,7 @@ transient).  Upstream v1: ``eagle_worker.py`` ``EAGLEWorker._draft_preprocess_de
 (``get_last_loc_large_page_size_large_top_k``, ``alloc_paged_token_slots_extend``,
 ``assign_draft_cache_locs``, then ``move_kv_cache`` of the tail copies).
 
-**Accepted-path compaction (TR-018).**  Verify writes node i at position L + i; the accepted
+**Accepted-path compaction (TR-017).**  Verify writes node i at position L + i; the accepted
 path (nodes ``accept_index[0..n]``) is generally not ``0..n``.  Upstream v1 (``eagle_info.py``
 ``EagleVerifyInput.verify``, top-k > 1 and P > 1; ``spec_utils.py`` ``get_src_tgt_cache_loc`` /
 ``get_target_cache_loc``) moves the accepted nodes' KV to the first n + 1 verify slots
@@ -115,7 +115,7 @@ def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
 # ------------------------------------------------------------------ accepted-path compaction
 def get_src_tgt_cache_loc(seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
                           num_correct_drafts: torch.Tensor, num_draft_tokens: int, page_size: int):
-    """TR-018, upstream ``get_src_tgt_cache_loc``: the accepted nodes' slots and what to free.
+    """TR-017, upstream ``get_src_tgt_cache_loc``: the accepted nodes' slots and what to free.
 
     Shapes: seq_lens [B] (L), out_cache_loc int64 [B*N] (node i of request b at ``b*N + i``),
     accept_index int [B, S+1] (flat node ids, -1 padded), num_correct_drafts [B] (n).
@@ -131,7 +131,7 @@ def get_src_tgt_cache_loc(seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, a
 
 def get_target_cache_loc(out_cache_loc: torch.Tensor, num_correct_drafts: torch.Tensor,
                          to_free_num_slots: torch.Tensor, num_draft_tokens: int):
-    """TR-018, upstream ``get_target_cache_loc``: ``tgt`` = the first n + 1 verify slots of each
+    """TR-017, upstream ``get_target_cache_loc``: ``tgt`` = the first n + 1 verify slots of each
     request, ``to_free`` = its last ``to_free_num_slots`` verify slots (both int64, request-major)."""
     N = num_draft_tokens
     rows = out_cache_loc.view(-1, N)
@@ -145,11 +145,11 @@ def get_target_cache_loc(out_cache_loc: torch.Tensor, num_correct_drafts: torch.
 def compact_accepted_path(kv: KVCache, target_pool: KVPool, rows: list[int], seq_lens: list[int],
                           out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
                           num_correct_drafts: torch.Tensor, num_draft_tokens: int) -> list[int]:
-    """TR-018: free the whole pages past ``keep_len``, then move the accepted KV to the front.
+    """TR-017: free the whole pages past ``keep_len``, then move the accepted KV to the front.
 
     After it, positions L..L+n of each row hold the accepted path's target KV (in path order)
     and the row owns exactly ``ceil(keep_len / P)`` pages.  Returns ``keep_len`` per request (the
-    row's new ``alloc_len``).  Raises: InvariantError TR-018 if a freed page still backs a kept
+    row's new ``alloc_len``).  Raises: InvariantError TR-017 if a freed page still backs a kept
     position of its row (a leak-or-corrupt layout).
     """
     N, P, dev = num_draft_tokens, kv.page_size, kv.device
@@ -161,7 +161,7 @@ def compact_accepted_path(kv: KVCache, target_pool: KVPool, rows: list[int], seq
         freed = set((to_free // P).tolist())
         for r, k in zip(rows, keep_len):
             kept = set(kv.row_pages(r, k))
-            require(not (freed & kept), "TR-018",
+            require(not (freed & kept), "TR-017",
                     f"row {r}: pages {sorted(freed & kept)} are freed but back positions < keep_len {k}")
         kv.allocator.free(to_free)
     move_kv_cache(target_pool, tgt, src)
