@@ -31,6 +31,7 @@ import torch
 
 from refspec.core.batch import draft_extend_batch
 from refspec.speculative import tree_kv
+from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
 from refspec.speculative.tree_build import build_tree, draft_topk, organize_draft_results, verify_tree_greedy
 from refspec.speculative.tree_runners import TreeRunners, tree_draft_batch, tree_verify_batch
@@ -129,7 +130,7 @@ class TreeEngine(Engine):
         check_tree_args(topk, num_steps, num_draft_tokens)
         if version != "v1":
             raise ValueError(f"top-k > 1 runs v1 only (refspec has no v2 tree round), got version={version!r}")
-        if drafter is not None or accept is not None:
+        if (drafter is not None and type(drafter) is not Drafter) or accept is not None:
             raise ValueError("top-k > 1: the drafter / accept hooks are for the chain loop only")
         self.topk, self._tree_N = topk, num_draft_tokens
         super().__init__(target, draft, version=version, num_steps=num_steps, **kw)
