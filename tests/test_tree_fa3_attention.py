@@ -36,7 +36,7 @@ def _close(out, ref):
 @pytest.mark.parametrize("topk", TOPKS)
 def test_tree_verify_cascade_equals_attention_over_ancestor_slots(P, topk):
     N = N_FOR_K[topk]
-    kv, pool, fb, q, slots = verify_setup(P, LENS, N, seed=P * 10 + topk)
+    kv, pool, fb, q, slots, _ = verify_setup(P, LENS, N, seed=P * 10 + topk)
     be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_draft_tokens=N, provider="emulator")
     be.init_forward_metadata(fb)
     out = be.forward(q, None, None, LAYER, fb)
@@ -48,7 +48,7 @@ def test_tree_verify_cascade_equals_attention_over_ancestor_slots(P, topk):
 @pytest.mark.parametrize("P", (1, 16))
 def test_tree_verify_prefix_metadata_values(P):
     N = 4
-    kv, pool, fb, _, _ = verify_setup(P, LENS, N, seed=3)
+    kv, pool, fb, _, _, _ = verify_setup(P, LENS, N, seed=3)
     md = tm.verify_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, kv.req_to_token, N, P)
     assert md.cache_seqlens_int32.tolist() == LENS  # the committed KV only
     assert md.cu_seqlens_q.tolist() == [0, 4, 8, 12] and md.max_seq_len_q == 4
@@ -171,7 +171,7 @@ def test_draft_set_expand_metadata_unique_consecutive_pages():
 
 @pytest.mark.spec("TR-011")
 def test_expand_audit_names_a_row_reading_outside_its_keys():
-    kv, pool, fb, _, _ = verify_setup(4, [6], 4, seed=1)
+    kv, pool, fb, _, _, _ = verify_setup(4, [6], 4, seed=1)
     md = tm.verify_expand_metadata(fb.custom_mask, fb.seq_lens, fb.req_pool_indices, kv.req_to_token, 4)
     allowed = [set(fb.out_cache_loc.tolist())] * 4
     tm.check_expand_reads_own_rows(md, allowed, 1)

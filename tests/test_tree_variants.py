@@ -26,7 +26,7 @@ CAUGHT = (AssertionError, InvariantError, RuntimeError)
 
 
 def probe_verify_attention():
-    kv, pool, fb, q, slots = verify_setup(4, [5, 67, 130], 8, seed=11)
+    kv, pool, fb, q, slots, _ = verify_setup(4, [5, 67, 130], 8, seed=11)
     be = FlashAttentionTreeBackend(pool, kv, topk=4, num_draft_tokens=8, provider="emulator")
     be.init_forward_metadata(fb)
     k, v = pool.get_flat_kv(0)

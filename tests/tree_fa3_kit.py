@@ -18,17 +18,17 @@ H, HKV, D = 4, 2, 16  #: GQA: 2 query heads per KV head
 LAYER = AttentionLayer(0, H, HKV, D)
 
 
-def make_cache(P: int, B: int, width: int, seed: int):
+def make_cache(P: int, B: int, width: int, seed: int, device="cpu", dtype=torch.float32):
     """KVCache with shuffled pages and a 1-layer pool poisoned with NaN."""
     num_pages = B * (-(-width // P) + 2) + 4
-    kv = KVCache(B + 1, width, num_pages, P, extra=0, seed=seed)
-    pool = KVPool(1, num_pages, P, HKV, D, fill=float("nan"))
+    kv = KVCache(B + 1, width, num_pages, P, extra=0, seed=seed, device=device)
+    pool = KVPool(1, num_pages, P, HKV, D, dtype=dtype, device=device, fill=float("nan"))
     return kv, pool
 
 
 def write_random(pool: KVPool, slots: torch.Tensor, gen: torch.Generator) -> None:
-    k = torch.randn((slots.numel(), HKV, D), generator=gen)
-    v = torch.randn((slots.numel(), HKV, D), generator=gen)
+    k = torch.randn((slots.numel(), HKV, D), generator=gen).to(slots.device)
+    v = torch.randn((slots.numel(), HKV, D), generator=gen).to(slots.device)
     pool.set_kv_buffer(0, slots.long(), k, v)
 
 
@@ -55,39 +55,46 @@ def full_mask(parents_per_req: list[list[int]], Ls: list[int]) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.bool)
 
 
-def verify_setup(P: int, Ls: list[int], N: int, seed: int):
+def verify_setup(P: int, Ls: list[int], N: int, seed: int, device="cpu", dtype=torch.float32):
     """Committed KV at 0..L-1 and N verify slots at L..L+N-1 per request, random trees."""
     gen = torch.Generator().manual_seed(seed)
     B = len(Ls)
-    kv, pool = make_cache(P, B, max(Ls) + N, seed)
+    kv, pool = make_cache(P, B, max(Ls) + N, seed, device, dtype)
     rows = [kv.alloc_req() for _ in range(B)]
     kv.alloc_extend(rows, [0] * B, Ls)
     kv.alloc_extend(rows, Ls, [L + N for L in Ls])
     for r, L in zip(rows, Ls):
         write_random(pool, kv.req_to_token[r, :L + N], gen)
     parents = [random_parents(N, gen) for _ in Ls]
+    fb, expected_slots = tree_batch(kv, rows, Ls, N, parents, device)
+    q = torch.randn((B * N, H, D), generator=gen).to(device=device, dtype=dtype)
+    return kv, pool, fb, q, expected_slots, rows
+
+
+def tree_batch(kv, rows, Ls, N, parents, device="cpu"):
+    """The TreeVerifyBatch of trees ``parents`` over verify slots L..L+N-1, and each row's keys."""
     loc = torch.cat([kv.req_to_token[r, L:L + N].long() for r, L in zip(rows, Ls)])
     depth = [len(ancestors_and_self(p, i)) - 1 for p in parents for i in range(N)]
     fb = TreeVerifyBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor(Ls, dtype=torch.int32), seq_lens_cpu=torch.tensor(Ls), out_cache_loc=loc,
-        positions=torch.tensor([Ls[i // N] + depth[i] for i in range(len(depth))]),
-        num_draft_tokens=N, topk=2, custom_mask=full_mask(parents, Ls))
+        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor(rows, device=device),
+        seq_lens=torch.tensor(Ls, dtype=torch.int32, device=device), seq_lens_cpu=torch.tensor(Ls), out_cache_loc=loc,
+        positions=torch.tensor([Ls[i // N] + depth[i] for i in range(len(depth))], device=device),
+        num_draft_tokens=N, topk=2, custom_mask=full_mask(parents, Ls).to(device))
     expected_slots = []
     for b, (r, L) in enumerate(zip(rows, Ls)):
         prefix = kv.req_to_token[r, :L].tolist()
         for i in range(N):
             expected_slots.append(prefix + [int(loc[b * N + j]) for j in ancestors_and_self(parents[b], i)])
-    q = torch.randn((B * N, H, D), generator=gen)
-    return kv, pool, fb, q, expected_slots
+    return fb, expected_slots
 
 
-def draft_setup(P: int, Ls: list[int], topk: int, S: int, seed: int, copy_tail: bool = True):
+def draft_setup(P: int, Ls: list[int], topk: int, S: int, seed: int, copy_tail: bool = True, device="cpu",
+                dtype=torch.float32):
     """Committed draft KV, the branch regions of TR-015 (tail copied), K/V written at every step."""
     gen = torch.Generator().manual_seed(seed)
     B = len(Ls)
     width = max(tree_kv.draft_alloc_len(L, topk, S, P) for L in Ls)
-    kv, pool = make_cache(P, B, width, seed)
+    kv, pool = make_cache(P, B, width, seed, device, dtype)
     rows = [kv.alloc_req() for _ in range(B)]
     kv.alloc_extend(rows, [0] * B, Ls)
     for r, L in zip(rows, Ls):
@@ -99,8 +106,9 @@ def draft_setup(P: int, Ls: list[int], topk: int, S: int, seed: int, copy_tail: 
         tree_kv.move_kv_cache(pool, tgt, src)
     write_random(pool, loc, gen)  # every step's K/V (a step-s row may read steps 0..s only)
     fb = TreeDraftBatch(
-        forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(rows),
-        seq_lens=torch.tensor(Ls, dtype=torch.int32), seq_lens_cpu=torch.tensor(Ls),
-        out_cache_loc=loc, positions=torch.tensor([L + j for L in Ls for _ in range(topk) for j in range(S)]),
+        forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(rows, device=device),
+        seq_lens=torch.tensor(Ls, dtype=torch.int32, device=device), seq_lens_cpu=torch.tensor(Ls),
+        out_cache_loc=loc, positions=torch.tensor([L + j for L in Ls for _ in range(topk) for j in range(S)],
+                                                  device=device),
         topk=topk, num_steps=S, draft_cache_loc=loc)
     return kv, pool, fb, rows, loc

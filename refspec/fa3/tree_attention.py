@@ -69,8 +69,8 @@ def cascade_attention(q, k_cache, v_cache, prefix: FlashAttentionMetadata, expan
     :func:`page1_view` (TARGET_VERIFY) instead of the paged pool (draft decode).
     Raises: InvariantError PA-003 / PA-010 / PA-011 from the kernel's argument checks.
     """
-    o, lse = _kernel_call(q, k_cache, v_cache, prefix, layer, window, provider)
+    o, lse, *_ = _kernel_call(q, k_cache, v_cache, prefix, layer, window, provider)  # FA3 may return more
     ke, ve = (page1_view(k_cache), page1_view(v_cache)) if expand_page1 else (k_cache, v_cache)
-    o_exp, lse_exp = _kernel_call(q, ke, ve, expand, layer, window, provider)
+    o_exp, lse_exp, *_ = _kernel_call(q, ke, ve, expand, layer, window, provider)
     out, _ = merge_state(o, lse.T.contiguous(), o_exp, lse_exp.T.contiguous())
     return out

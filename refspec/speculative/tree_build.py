@@ -115,7 +115,7 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
     N, dev = num_draft_tokens, verified_id.device
     Ls = [int(x) for x in seq_lens_cpu.tolist()]
     B = len(Ls)
-    mask = torch.ones(sum(Ls) * N + B * N * N, dtype=torch.bool, device=dev)
+    mask = torch.ones(sum(Ls) * N + B * N * N, dtype=torch.bool)  # built on the host, moved once
     positions = torch.empty(B * N, dtype=torch.long)
     nxt = torch.full((B, N), -1, dtype=torch.long)
     sib = torch.full((B, N), -1, dtype=torch.long)
@@ -142,7 +142,7 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
         start += N * (L + N)
     retrive_index = torch.arange(B * N, dtype=torch.long).view(B, N)
     tokens = torch.cat([verified_id[:, None], draft_tokens], dim=1).flatten()
-    return dict(draft_tokens=tokens, positions=positions.to(dev), custom_mask=mask,
+    return dict(draft_tokens=tokens, positions=positions.to(dev), custom_mask=mask.to(dev),
                 retrive_index=retrive_index.to(dev), retrive_next_token=nxt.to(dev),
                 retrive_next_sibling=sib.to(dev), parents=all_parents)
 

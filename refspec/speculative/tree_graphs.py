@@ -126,7 +126,8 @@ class TreeGraphRunner:
         eye = torch.eye(N, dtype=torch.bool)
         eye[:, 0] = True
         pad = torch.cat([torch.ones((N, 1), dtype=torch.bool), eye], dim=1).flatten().repeat(bs - B)
-        return pad if live_mask is None else torch.cat([live_mask, pad.to(live_mask.device)])
+        pad = pad.to(self.r.kv.device)
+        return pad if live_mask is None else torch.cat([live_mask, pad])
 
     def _fill(self, fb, live, bs):
         B = 0 if live is None else live.batch_size
