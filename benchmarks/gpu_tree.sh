@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_tree.sh check      # python -m refspec check --device cuda --sections tree
 #   bash benchmarks/gpu_tree.sh sanitizer  # the graphed tree tests under compute-sanitizer memcheck
 #   bash benchmarks/gpu_tree.sh cpu        # the CPU tree suites (emulator, emulated graphs, fp32 bitwise)
-# Look for: "passed" with 0 failed in gpu-tree-tests.log (216 tests: 96 attention + 24 loop
-# ... see the summary line), "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log.
+# Look for: "96 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
+# 12 draft graphed; 24 loop), "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"

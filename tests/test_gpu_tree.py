@@ -19,7 +19,7 @@ from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.graphs.capture import CudaGraph
 from refspec.oracle.slots import attention_over_slots
-from tree_fa3_kit import LAYER, draft_setup, random_parents, tree_batch, verify_setup, write_random
+from refspec.harness.tree_scenario import LAYER, draft_setup, random_parents, tree_batch, verify_setup, write_random
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.speculative.tree import TreeEngine
 from refspec.speculative.tree_graphs import replay_draft_expand_table
-from tree_fa3_kit import draft_setup
+from refspec.harness.tree_scenario import draft_setup
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]]
 

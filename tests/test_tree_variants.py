@@ -20,7 +20,7 @@ from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative import tree_graphs
 from refspec.speculative.tree import TreeEngine
-from tree_fa3_kit import LAYER, draft_setup, verify_setup
+from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 
 CAUGHT = (AssertionError, InvariantError, RuntimeError)
 

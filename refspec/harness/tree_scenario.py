@@ -1,7 +1,12 @@
-"""Shared set-up for the FA3 tree tests: a paged pool with shuffled pages, NaN everywhere unwritten.
+"""Tree scenarios for the FA3 top-k > 1 checks: a paged pool with shuffled pages, NaN where unwritten.
 
-Everything here is the *test's* own construction (random trees, masks built from the parent
-lists by a plain loop), independent of the production code it checks.
+Used by ``tests/test_tree_*.py``, ``tests/test_gpu_tree.py`` and ``python -m refspec check
+--sections tree``.  Everything here is the checks' own construction (random trees, the FULL_MASK
+built from parent lists by a plain loop, the expected key slots of each row), independent of the
+production metadata code it checks; only the branch layout (TR-015) is taken from
+:mod:`refspec.speculative.tree_kv`, whose own tests pin it by hand.
+
+Shapes: one attention layer, H = 4 query heads over Hkv = 2 KV heads (GQA), D = 16.
 """
 
 from __future__ import annotations
