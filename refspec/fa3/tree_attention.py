@@ -24,7 +24,7 @@ import torch
 
 from refspec.fa3 import kernel
 from refspec.fa3.metadata import FlashAttentionMetadata
-from refspec.graphs import launch
+from refspec.graphs.capture import launch
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):

@@ -5,7 +5,7 @@ Batches (subclasses of :class:`~refspec.batch.ForwardBatch`, field names as SGLa
 * :class:`TreeVerifyBatch` (TARGET_VERIFY): ``seq_lens`` L (committed), N node rows per request
   written at ``out_cache_loc = req_to_token[r, L + i]`` (node i's verify slot), RoPE
   ``positions = L + depth(i)``, and the flat FULL_MASK ``custom_mask`` of
-  :func:`refspec.spec.tree_build.build_tree`;
+  :func:`refspec.speculative.tree_build.build_tree`;
 * :class:`TreeDraftBatch` (DECODE, draft step s): ``seq_lens`` L, ``draft_cache_loc`` the
   ``[B, k, S]`` branch slots flattened (what SGLang's ``out_cache_loc`` holds when the metadata is
   built), and, per step, ``out_cache_loc = draft_cache_loc.view(-1, S)[:, s]`` (B*k rows).
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec.batch import ForwardBatch
+from refspec.core.batch import ForwardBatch
 from refspec.fa3 import kernel
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_attention import cascade_attention
-from refspec.graphs import launch
-from refspec.invariants import require
-from refspec.kv_cache import KVCache, KVPool
+from refspec.graphs.capture import launch
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
 
 
 @dataclass
@@ -114,7 +114,7 @@ class FlashAttentionTreeBackend:
 
     def _check_draft_expand(self, fb: TreeDraftBatch) -> None:
         """Row b*k + t may read only branch t's tail copy and its own steps 0..s (TR-014)."""
-        from refspec.spec.tree_kv import branch_tail_slots
+        from refspec.speculative.tree_kv import branch_tail_slots
         s, S, P = self.speculative_step_id, self.num_steps, self.page_size
         rows = tm.draft_cache_loc_rows(fb.draft_cache_loc, S)
         tails = branch_tail_slots(fb.draft_cache_loc, fb.seq_lens_cpu, self.topk, S, P)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, strided_page_table
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 
 def _i32(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from refspec.invariants import require
+from refspec.core.invariants import require
 
 
 def select_top_k_tokens_first(topk_p, topk_index, hidden, topk: int):

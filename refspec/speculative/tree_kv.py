@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from refspec.invariants import require
-from refspec.kv_cache import KVCache, KVPool
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
 
 
 def branch_geometry(L: int, num_steps: int, page_size: int) -> tuple[int, int, int]:
