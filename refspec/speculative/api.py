@@ -165,7 +165,7 @@ def _generate_tree(target, prompts, budgets, *, backend, version, draft, drafter
                    num_draft_tokens, eos, draft_seed) -> GenerateResult:
     """k > 1 on the oracle: :func:`refspec.oracle.tree_loop.speculative_tree_greedy` per request."""
     if backend != "oracle":
-        raise ValueError(f"topk > 1 runs on backend='oracle' only for now, got backend={backend!r}")
+        raise ValueError(f"_generate_tree is the oracle's top-k > 1 path, got backend={backend!r}")
     if drafter is not None or accept is not None:
         raise ValueError("topk > 1: drafter / accept overrides are not supported (the tree comes from the draft)")
     dm = make_draft(draft, target, seed=draft_seed)
