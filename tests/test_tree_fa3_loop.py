@@ -142,3 +142,17 @@ def test_tree_engine_refuses_bad_arguments(model):
         TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=8, num_steps=2)  # 1 + 2 + 4 = 7
     with pytest.raises(ValueError, match="v1 only"):
         TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2")
+
+
+@pytest.mark.spec("TR-019")
+def test_demo_matrix_topk_rows(model):
+    """``demo --topk``'s matrix on the tiny model: an oracle tree row and a production tree row per
+    page size, both lossless, production == oracle, pages all freed."""
+    from refspec.cli.demo import run_matrix
+
+    res = run_matrix(model, PROMPTS, BUDGETS, page_sizes=(1, 16), versions=("v1",), draft="eagle", num_steps=3,
+                     topk=2, num_draft_tokens=4)
+    tree = [r for r in res.rows if "tree" in r.path]
+    assert [(r.path, r.page_size) for r in tree] == [("oracle tree", None), ("production tree", 1),
+                                                      ("production tree", 16)]
+    assert all(r.spec_eq_greedy for r in tree) and all(r.prod_eq_oracle for r in tree[1:]) and res.ok
