@@ -15,6 +15,7 @@ from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
 from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative import tree_build, tree_kv
+from refspec.speculative.audit import audit_kv
 from refspec.speculative.api import generate
 from refspec.speculative.tree import TreeEngine
 
@@ -60,7 +61,7 @@ def test_generate_topk_eagle_draft_lossless(model, P):
     assert res.free_pages[0] == res.free_pages[1]
 
 
-@pytest.mark.spec("TR-017", "PA-001")
+@pytest.mark.spec("TR-017", "PA-001", "KV-002", "SD-008")
 @pytest.mark.parametrize("P", (4, 16))
 def test_every_round_keeps_rows_page_contiguous_and_pages_exact(model, P):
     """After each round: each row page-contiguous over its committed length, and the pages in use
@@ -70,6 +71,7 @@ def test_every_round_keeps_rows_page_contiguous_and_pages_exact(model, P):
     def observer(event, eng, **info):
         if event != "round_end":
             return
+        audit_kv(eng)  # PA-001, KV-002, KV-004, SD-008 (target KV == draft KV == L)
         used = set()
         for r in eng.running:
             eng.kv.check_page_contiguous(r.row, r.seq_len)
@@ -156,3 +158,39 @@ def test_demo_matrix_topk_rows(model):
     assert [(r.path, r.page_size) for r in tree] == [("oracle tree", None), ("production tree", 1),
                                                       ("production tree", 16)]
     assert all(r.spec_eq_greedy for r in tree) and all(r.prod_eq_oracle for r in tree[1:]) and res.ok
+
+
+@pytest.mark.spec("TR-016", "TR-001", "TR-002", "TR-003", "TR-004", "TR-005", "TR-006")
+@pytest.mark.parametrize("seed", range(12))
+def test_production_tree_equals_the_oracle_tree_rule(seed):
+    """Random draft outputs (k = 3, S = 4, N = 12, L = 9): the production port (SGLang's layout)
+    and the oracle's plain tree agree on nodes, parents, positions, the mask and the acceptance."""
+    from refspec.oracle import tree as otree
+
+    g = torch.Generator().manual_seed(seed)
+    k, S, N, L, V = 3, 4, 12, 9, 50
+    probs = lambda n: torch.softmax(torch.randn(n, V, generator=g) * 3, -1)  # noqa: E731
+    p0, i0 = torch.topk(probs(1), k)
+    cands, front = otree.root_children(p0[0], i0[0])
+    ids, _, scores, info = tree_build.select_top_k_tokens_first(p0, i0, None, k)
+    lists = [[info[0]], [info[1]], [info[2]]]
+    for step in range(1, S):
+        cp, ci = torch.topk(probs(k), k)
+        front = otree.expand(cands, front, step, cp, ci)
+        ids, _, scores, info = tree_build.select_top_k_tokens_later(step, cp, ci, None, scores, k)
+        assert ids.tolist() == front.tokens.tolist()
+        for lst, x in zip(lists, info):
+            lst.append(x)
+    ref = otree.build_tree(7, cands, otree.select(cands, N), L)
+    parent_list, top, toks = tree_build.organize_draft_results(*lists, N)
+    t = tree_build.build_tree(torch.tensor([7]), parent_list, top, toks, torch.tensor([L]), k, N)
+    assert t["draft_tokens"].tolist() == ref.tokens
+    assert t["parents"][0] == ref.parent and t["positions"].tolist() == ref.positions
+    assert torch.equal(t["custom_mask"].view(N, L + N)[:, L:], ref.mask)
+    assert t["retrive_next_token"][0].tolist() == ref.retrieve_next_token
+    assert t["retrive_next_sibling"][0].tolist() == ref.retrieve_next_sibling
+    target = torch.tensor([ref.tokens[c[0]] if c else 3 for c in ref.children])  # accept the first child
+    acc = otree.greedy_accept(ref, target.tolist())
+    pred, ai, n = tree_build.verify_tree_greedy(t["draft_tokens"].view(1, N), t["retrive_index"],
+                                                t["retrive_next_token"], t["retrive_next_sibling"], target, S + 1)
+    assert ai[0, :acc.a].tolist() == acc.path and int(n) == acc.n and pred[ai[0, :acc.a]].tolist() == acc.emitted

@@ -1,6 +1,6 @@
 """The FA3 backend for top-k > 1: tree verify and branch draft decode (store, then cascade attention).
 
-Batches (subclasses of :class:`~refspec.batch.ForwardBatch`, field names as SGLang's):
+Batches (subclasses of :class:`~refspec.core.batch.ForwardBatch`, field names as SGLang's):
 
 * :class:`TreeVerifyBatch` (TARGET_VERIFY): ``seq_lens`` L (committed), N node rows per request
   written at ``out_cache_loc = req_to_token[r, L + i]`` (node i's verify slot), RoPE
@@ -12,7 +12,7 @@ Batches (subclasses of :class:`~refspec.batch.ForwardBatch`, field names as SGLa
 
 :class:`FlashAttentionTreeBackend` builds the prefix + expand metadata of
 :mod:`refspec.fa3.tree_metadata` (eager) or replays them in place
-(:mod:`refspec.fa3.tree_graph_metadata`), then ``forward`` stores K/V at ``out_cache_loc``
+(:mod:`refspec.speculative.tree_graphs`), then ``forward`` stores K/V at ``out_cache_loc``
 (PA-009) and runs :func:`refspec.fa3.tree_attention.cascade_attention`.
 """
 
