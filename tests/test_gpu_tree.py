@@ -18,8 +18,15 @@ from refspec.core.tolerance import assert_t1
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.graphs.capture import CudaGraph
+from refspec.harness.tree_scenario import (
+    LAYER,
+    draft_setup,
+    random_parents,
+    tree_batch,
+    verify_setup,
+    write_random,
+)
 from refspec.oracle.slots import attention_over_slots
-from refspec.harness.tree_scenario import LAYER, draft_setup, random_parents, tree_batch, verify_setup, write_random
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +67,7 @@ def test_gpu_tree_verify_eager(P, topk, provider):
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
 def test_gpu_tree_verify_graphed(P, topk):
     N = N_FOR_K[topk]
-    kv, pool, fb, q, slots, rows = verify_setup(P, LENS, N, seed=P * topk, device="cuda", dtype=BF16)
+    kv, pool, fb, q, _slots, rows = verify_setup(P, LENS, N, seed=P * topk, device="cuda", dtype=BF16)
     be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_draft_tokens=N, provider="fa3")
     be.init_forward_metadata(fb)
     q_static = q.clone()

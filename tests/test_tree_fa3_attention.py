@@ -16,9 +16,9 @@ import torch
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_attention import merge_state, page1_view
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
+from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative import tree_kv
-from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 
 PAGE_SIZES = (1, 4, 16, 64)
 TOPKS = (2, 4, 8)
@@ -48,7 +48,7 @@ def test_tree_verify_cascade_equals_attention_over_ancestor_slots(P, topk):
 @pytest.mark.parametrize("P", (1, 16))
 def test_tree_verify_prefix_metadata_values(P):
     N = 4
-    kv, pool, fb, _, _, _ = verify_setup(P, LENS, N, seed=3)
+    kv, _pool, fb, _, _, _ = verify_setup(P, LENS, N, seed=3)
     md = tm.verify_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, kv.req_to_token, N, P)
     assert md.cache_seqlens_int32.tolist() == LENS  # the committed KV only
     assert md.cu_seqlens_q.tolist() == [0, 4, 8, 12] and md.max_seq_len_q == 4
@@ -137,7 +137,7 @@ def test_draft_metadata_worked_example_page_size_4():
     """
     assert tree_kv.branch_geometry(5, 3, 4) == (4, 1, 1)
     assert tree_kv.branch_step_positions(5, 2, 3, 4).tolist() == [[5, 6, 7], [9, 10, 11]]
-    kv, pool, fb, rows, loc = draft_setup(4, [5], 2, 3, seed=0)
+    kv, _pool, fb, rows, loc = draft_setup(4, [5], 2, 3, seed=0)
     r = rows[0]
     page_of = [int(kv.req_to_token[r, p]) // 4 for p in (4, 8)]
     src, tgt = tree_kv.tail_copy_slots(kv, rows, [5], 2, 3)
@@ -171,7 +171,7 @@ def test_draft_set_expand_metadata_unique_consecutive_pages():
 
 @pytest.mark.spec("TR-011")
 def test_expand_audit_names_a_row_reading_outside_its_keys():
-    kv, pool, fb, _, _, _ = verify_setup(4, [6], 4, seed=1)
+    kv, _pool, fb, _, _, _ = verify_setup(4, [6], 4, seed=1)
     md = tm.verify_expand_metadata(fb.custom_mask, fb.seq_lens, fb.req_pool_indices, kv.req_to_token, 4)
     allowed = [set(fb.out_cache_loc.tolist())] * 4
     tm.check_expand_reads_own_rows(md, allowed, 1)

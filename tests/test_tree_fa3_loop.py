@@ -15,8 +15,8 @@ from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
 from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative import tree_build, tree_kv
-from refspec.speculative.audit import audit_kv
 from refspec.speculative.api import generate
+from refspec.speculative.audit import audit_kv
 from refspec.speculative.tree import TreeEngine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]]
@@ -117,7 +117,7 @@ def test_production_tree_worked_example():
     assert ids.tolist() == [20, 22]
     S_.append(info[0]), T_.append(info[1]), P_.append(info[2])
     p2, i2 = torch.tensor([[.7, .2], [.6, .3]]), torch.tensor([[30, 31], [32, 33]])
-    ids, h, scores, info = tree_build.select_top_k_tokens_later(2, p2, i2, None, scores, 2)
+    ids, _h, scores, info = tree_build.select_top_k_tokens_later(2, p2, i2, None, scores, 2)
     S_.append(info[0]), T_.append(info[1]), P_.append(info[2])
     parent_list, top, toks = tree_build.organize_draft_results(S_, T_, P_, 7)
     assert top.tolist() == [[0, 1, 2, 3, 4, 6]] and toks.tolist() == [[10, 11, 20, 21, 22, 30]]
@@ -169,7 +169,7 @@ def test_production_tree_equals_the_oracle_tree_rule(seed):
 
     g = torch.Generator().manual_seed(seed)
     k, S, N, L, V = 3, 4, 12, 9, 50
-    probs = lambda n: torch.softmax(torch.randn(n, V, generator=g) * 3, -1)  # noqa: E731
+    probs = lambda n: torch.softmax(torch.randn(n, V, generator=g) * 3, -1)
     p0, i0 = torch.topk(probs(1), k)
     cands, front = otree.root_children(p0[0], i0[0])
     ids, _, scores, info = tree_build.select_top_k_tokens_first(p0, i0, None, k)

@@ -12,6 +12,7 @@ import torch
 from refspec.core.invariants import InvariantError
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
+from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.mutants.tree_variants import TREE_VARIANTS, apply_variant
@@ -20,7 +21,6 @@ from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative import tree_graphs
 from refspec.speculative.tree import TreeEngine
-from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 
 CAUGHT = (AssertionError, InvariantError, RuntimeError)
 
@@ -101,9 +101,8 @@ def test_probe_passes_on_the_production_rule(name):
 @pytest.mark.spec("TR-011", "TR-012", "TR-015", "TR-018")
 @pytest.mark.parametrize("name", sorted(TREE_VARIANTS))
 def test_variant_is_caught(name):
-    with apply_variant(name):
-        with pytest.raises(CAUGHT):
-            PROBES[name]()
+    with apply_variant(name), pytest.raises(CAUGHT):
+        PROBES[name]()
     PROBES[name]()  # restored
 
 
@@ -111,6 +110,5 @@ def test_variant_is_caught(name):
 @pytest.mark.parametrize("name", ["branch-no-tail-copy", "tree-mask-sibling-visible"])
 def test_variant_is_caught_by_the_loop(name):
     probe_loop()
-    with apply_variant(name):
-        with pytest.raises(CAUGHT):
-            probe_loop()
+    with apply_variant(name), pytest.raises(CAUGHT):
+        probe_loop()

@@ -266,7 +266,8 @@ def _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0)
     for q, p, m in zip(qs, prompts, max_new):
         print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}")
     res = run_gpu_matrix(m32, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,
-                         num_steps=ns.num_steps, eos=EOS_ID, capture_bs=capture_sizes(len(prompts)))
+                         num_steps=ns.num_steps, eos=EOS_ID, capture_bs=capture_sizes(len(prompts)), topk=ns.topk,
+                         num_draft_tokens=ns.num_draft_tokens)
     print()
     print(format_gpu_table(res.rows))
     print()

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from refspec.core.batch import ForwardBatch
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
 from refspec.fa3 import kernel
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_attention import cascade_attention
 from refspec.graphs.capture import launch
-from refspec.core.invariants import require
-from refspec.core.kv_cache import KVCache, KVPool
 
 
 @dataclass
@@ -86,7 +86,7 @@ class FlashAttentionTreeBackend:
     def init_forward_metadata(self, fb) -> None:
         """Prefix and expand metadata for ``fb`` (a TreeVerifyBatch, or a TreeDraftBatch for step s).
 
-        Raises: ValueError for a batch of the wrong kind; InvariantError TR-011 / TR-014 (with
+        Raises: TypeError for a batch of the wrong kind; InvariantError TR-011 / TR-014 (with
         ``validate``) when an expand row would read a slot outside its own keys.
         """
         R, P = self.kv.req_to_token, self.page_size
@@ -109,7 +109,7 @@ class FlashAttentionTreeBackend:
             if self.validate:
                 self._check_draft_expand(fb)
         else:
-            raise ValueError(f"FlashAttentionTreeBackend takes a TreeVerifyBatch or TreeDraftBatch, got "
+            raise TypeError(f"FlashAttentionTreeBackend takes a TreeVerifyBatch or TreeDraftBatch, got "
                              f"{type(fb).__name__}")
 
     def _check_draft_expand(self, fb: TreeDraftBatch) -> None:

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, strided_page_table
 from refspec.core.invariants import require
+from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, strided_page_table
 
 
 def _i32(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -33,8 +33,17 @@ from refspec.core.batch import draft_extend_batch
 from refspec.speculative import tree_kv
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
-from refspec.speculative.tree_build import build_tree, draft_topk, organize_draft_results, verify_tree_greedy
-from refspec.speculative.tree_runners import TreeRunners, tree_draft_batch, tree_verify_batch
+from refspec.speculative.tree_build import (
+    build_tree,
+    draft_topk,
+    organize_draft_results,
+    verify_tree_greedy,
+)
+from refspec.speculative.tree_runners import (
+    TreeRunners,
+    tree_draft_batch,
+    tree_verify_batch,
+)
 
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:

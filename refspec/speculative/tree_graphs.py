@@ -71,7 +71,7 @@ class TreeGraphRunner:
         max_bs = self.capture_bs[-1]
         W = -(-kv.req_to_token.shape[1] // self.P)
         self.per_req = self.N if phase == "verify" else self.k * self.S  # token rows per request
-        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=dev)  # noqa: E731
+        z = lambda *shape, dt=torch.int32: torch.zeros(shape, dtype=dt, device=dev)
         self.buf = dict(req_pool_indices=z(max_bs, dt=torch.long), seq_lens=z(max_bs),
                         out_cache_loc=z(max_bs * self.per_req, dt=torch.long),
                         positions=z(max_bs * self.per_req, dt=torch.long))

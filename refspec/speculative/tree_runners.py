@@ -18,9 +18,18 @@ from __future__ import annotations
 import torch
 
 from refspec.core.modes import ForwardMode
-from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, TreeVerifyBatch, draft_step_batch
+from refspec.fa3.tree_backend import (
+    FlashAttentionTreeBackend,
+    TreeDraftBatch,
+    TreeVerifyBatch,
+    draft_step_batch,
+)
 from refspec.speculative.runners import SpecRunners
-from refspec.speculative.tree_build import draft_topk, select_top_k_tokens_first, select_top_k_tokens_later
+from refspec.speculative.tree_build import (
+    draft_topk,
+    select_top_k_tokens_first,
+    select_top_k_tokens_later,
+)
 
 
 def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
