@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_tree.sh check      # python -m refspec check --device cuda --sections tree
 #   bash benchmarks/gpu_tree.sh sanitizer  # the graphed tree tests under compute-sanitizer memcheck
 #   bash benchmarks/gpu_tree.sh cpu        # the CPU tree suites (emulator, emulated graphs, fp32 bitwise)
+#   bash benchmarks/gpu_tree.sh demo       # SmolLM2 (real weights installed): chain N = 4 vs top-k 4, N = 8, same
+#                                          # draft; accept length and tokens/s, T2 vs greedy, production == oracle
 # Look for: "96 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
 # 12 draft graphed; 24 loop), "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log.
 set -u
@@ -25,6 +27,10 @@ for what in "$@"; do
       timeout 500 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
         -p no:cacheprovider tests/test_gpu_tree.py -k "graphed" > "$OUT/sanitizer-tree.log" 2>&1
       echo "sanitizer rc=$?"; tail -5 "$OUT/sanitizer-tree.log" ;;
+    demo)
+      timeout 580 python3 -m refspec demo --device cuda --no-progress --versions v1 --page-sizes 1,16 \
+        --topk 4 --num-draft-tokens 8 > "$OUT/demo-tree-cuda.txt" 2>&1
+      echo "demo rc=$?"; tail -20 "$OUT/demo-tree-cuda.txt" ;;
     cpu)
       timeout 580 python3 -m pytest -q -p no:cacheprovider tests/test_tree_fa3_attention.py tests/test_tree_fa3_loop.py \
         tests/test_tree_fa3_graphs.py tests/test_tree_variants.py > "$OUT/cpu-tree-tests.log" 2>&1

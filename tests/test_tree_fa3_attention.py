@@ -95,10 +95,13 @@ def test_merge_state_textbook_float64():
 
 
 @pytest.mark.spec("TR-012")
-def test_merge_state_empty_side_has_weight_zero():
+@pytest.mark.parametrize("empty", [float("-inf"), float("inf")])
+def test_merge_state_empty_side_has_weight_zero(empty):
+    """An empty side's LSE is -inf (the emulator) or +inf (FlashAttention's empty-row convention):
+    either way its weight is 0, as sgl-kernel's ``isinf(lse) ? -inf : lse``."""
     o2 = torch.randn(3, 2, 4)
     l2 = torch.randn(3, 2)
-    o, lse = merge_state(torch.zeros(3, 2, 4), torch.full((3, 2), float("-inf")), o2, l2)
+    o, lse = merge_state(torch.zeros(3, 2, 4), torch.full((3, 2), empty), o2, l2)
     assert torch.equal(o, o2) and torch.equal(lse, l2)
 
 

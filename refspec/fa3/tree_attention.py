@@ -32,10 +32,14 @@ def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: to
 
     Shapes: o1, o2 ``[T, H, D]``; lse1, lse2 ``[T, H]`` fp32 (natural log; note the layout:
     FA3's ``[H, T]`` transposed).  Returns ``(o [T, H, D] in o1.dtype, lse [T, H] fp32)``.
-    Computed in fp32.  A side with LSE ``-inf`` (no keys, e.g. a draft-decode prefix with
-    ``L - lp = 0``) gets weight 0.
+    Computed in fp32.  As the sgl-kernel op, an LSE of ``+inf`` or ``-inf`` counts as an empty
+    side (``p_lse = isinf(p_lse) ? -inf : p_lse``: FlashAttention kernels may report an empty
+    row as ``+inf``), which gets weight 0 -- e.g. a draft-decode prefix with ``L - lp = 0``.  Both
+    sides empty is undefined (NaN), as upstream; the tree path never has an empty expand side.
     """
-    l1, l2 = lse1.float(), lse2.float()
+    neg_inf = torch.tensor(float("-inf"), device=lse1.device)
+    l1 = torch.where(torch.isinf(lse1.float()), neg_inf, lse1.float())
+    l2 = torch.where(torch.isinf(lse2.float()), neg_inf, lse2.float())
     m = torch.maximum(l1, l2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
