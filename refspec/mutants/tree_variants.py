@@ -101,11 +101,11 @@ TREE_VARIANTS: dict[str, TreeVariant] = {v.name: v for v in [
                 "sgl_kernel merge_state_v2 (o = sum e^(lse - m) o / sum e^(lse - m))",
                 "prefix and expand weighted 1:1 whatever their key counts and scores", ("TR-012",)),
     TreeVariant("branch-no-tail-copy", "refspec.speculative.tree_kv:tail_copy_slots", _no_tail_copy,
-                "sgl-project/sglang#4908 TODO / #7725 fix: duplicate the last partial page for every top-k branch",
+                "sgl-project/sglang#4908 (P > 1 for top-k = 1 only), #7725 (copy the real tail KV into every branch)",
                 "P > 1: branches t >= 1 read an unwritten tail (stale or NaN KV), their drafts diverge",
                 ("TR-015", "TR-019")),
     TreeVariant("draft-expand-unsliced-cache-loc", "refspec.speculative.tree_graphs:replay_draft_expand_table",
-                _replay_expand_unsliced, "sgl-project/sglang#25077 (replay scatter_ not sliced to s + 1)",
+                _replay_expand_unsliced, "sgl-project/sglang#25077, #27360 (replay scatter_ not sliced to s + 1)",
                 "the scatter writes past the s + 2 wide buffer (out of bounds on a GPU, an error on CPU)",
                 ("TR-018",)),
 ]}

@@ -21,8 +21,8 @@ The row per request is the chain's contract (:mod:`refspec.speculative.rounds`):
 c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) and ``d`` the
 accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
 -> ``draft`` / ``verify`` / ``forward_draft_extend_after_decode``; ``eagle_info.py``
-``EagleVerifyInput.verify`` (v1, the mirror HEAD ``65d3b47f6``).  v2 with top-k > 1 (SGLang
-0.5.23's only worker) is not implemented here.
+``EagleVerifyInput.verify`` (v1).  Upstream's v2 worker runs trees too (sgl-project/sglang#26866,
+page size 1; top-k > 1 with page size > 1 falls back to v1 there); refspec implements v1 only.
 """
 
 from __future__ import annotations
