@@ -19,8 +19,9 @@ from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.graphs.capture import CudaGraph
 from refspec.harness.tree_scenario import (
-    LAYER,
+    H,
     draft_setup,
+    layer,
     random_parents,
     tree_batch,
     verify_setup,
@@ -35,6 +36,8 @@ TOPKS = (2, 4, 8)
 N_FOR_K = {2: 4, 4: 8, 8: 16}
 LENS = [5, 67, 130, 300]
 BF16 = torch.bfloat16
+HD = 64  #: a head dim the FA3 build supports
+LAYER = layer(HD)
 
 
 def _oracle(q, pool, slots):
@@ -56,7 +59,7 @@ def _check(out, q, pool, slots, what):
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
 def test_gpu_tree_verify_eager(P, topk, provider):
     N = N_FOR_K[topk]
-    kv, pool, fb, q, slots, _ = verify_setup(P, LENS, N, seed=P + topk, device="cuda", dtype=BF16)
+    kv, pool, fb, q, slots, _ = verify_setup(P, LENS, N, seed=P + topk, device="cuda", dtype=BF16, head_dim=HD)
     be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_draft_tokens=N, provider=provider)
     be.init_forward_metadata(fb)
     _check(be.forward(q, None, None, LAYER, fb), q, pool, slots, f"verify P={P} k={topk} {provider}")
@@ -67,7 +70,7 @@ def test_gpu_tree_verify_eager(P, topk, provider):
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
 def test_gpu_tree_verify_graphed(P, topk):
     N = N_FOR_K[topk]
-    kv, pool, fb, q, _slots, rows = verify_setup(P, LENS, N, seed=P * topk, device="cuda", dtype=BF16)
+    kv, pool, fb, q, _slots, rows = verify_setup(P, LENS, N, seed=P * topk, device="cuda", dtype=BF16, head_dim=HD)
     be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_draft_tokens=N, provider="fa3")
     be.init_forward_metadata(fb)
     q_static = q.clone()
@@ -93,12 +96,12 @@ def test_gpu_tree_verify_graphed(P, topk):
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
 def test_gpu_tree_draft_decode_eager(P, topk, provider):
     S = 4
-    kv, pool, fb, rows, loc = draft_setup(P, LENS, topk, S, seed=P + 3 * topk, device="cuda", dtype=BF16)
+    kv, pool, fb, rows, loc = draft_setup(P, LENS, topk, S, seed=P + 3 * topk, device="cuda", dtype=BF16, head_dim=HD)
     gen = torch.Generator().manual_seed(topk)
     for s in range(S - 1):
         be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_steps=S, speculative_step_id=s, provider=provider)
         be.init_forward_metadata(fb)
-        q = torch.randn((len(LENS) * topk, 4, 16), generator=gen).to("cuda", BF16)
+        q = torch.randn((len(LENS) * topk, H, HD), generator=gen).to("cuda", BF16)
         out = be.forward(q, None, None, LAYER, draft_step_batch(fb, s))
         slots = [kv.req_to_token[rows[i // topk], :LENS[i // topk]].tolist() + loc.view(-1, S)[i, :s + 1].tolist()
                  for i in range(len(LENS) * topk)]
@@ -110,17 +113,17 @@ def test_gpu_tree_draft_decode_eager(P, topk, provider):
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
 def test_gpu_tree_draft_decode_graphed(P, topk):
     S = 4
-    kv, pool, fb, rows, loc = draft_setup(P, LENS, topk, S, seed=2 * P + topk, device="cuda", dtype=BF16)
+    kv, pool, fb, rows, loc = draft_setup(P, LENS, topk, S, seed=2 * P + topk, device="cuda", dtype=BF16, head_dim=HD)
     gen = torch.Generator().manual_seed(50 + P)
     for s in range(S - 1):
         be = FlashAttentionTreeBackend(pool, kv, topk=topk, num_steps=S, speculative_step_id=s, provider="fa3")
         be.init_forward_metadata(fb)
         step = draft_step_batch(fb, s)
-        q_static = torch.zeros((len(LENS) * topk, 4, 16), device="cuda", dtype=BF16)
+        q_static = torch.zeros((len(LENS) * topk, H, HD), device="cuda", dtype=BF16)
         graph = CudaGraph()
         graph.capture(lambda: be.forward(q_static, None, None, LAYER, step))
         write_random(pool, loc, gen)  # new KV at every branch step slot, in place
-        q2 = torch.randn((len(LENS) * topk, 4, 16), generator=gen).to("cuda", BF16)
+        q2 = torch.randn((len(LENS) * topk, H, HD), generator=gen).to("cuda", BF16)
         q_static.copy_(q2)
         out = graph.replay()
         slots = [kv.req_to_token[rows[i // topk], :LENS[i // topk]].tolist() + loc.view(-1, S)[i, :s + 1].tolist()

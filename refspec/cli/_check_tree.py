@@ -34,17 +34,23 @@ def _oracle(q, pool, slots):
             attention_over_slots(q, k, v, slots, upcast=False))
 
 
+def _head_dim(device) -> int:
+    """64 on CUDA (a head dim the FA3 build has), the scenarios' small default elsewhere."""
+    return 64 if device == "cuda" else ts.D
+
+
 def _verify_checks(P, k, dtype, device, prov):
     """(T1 eager, T0/T1 graph == eager, T1 graph vs oracle) for tree verify."""
-    N = N_FOR_K[k]
-    kv, pool, fb, q, slots, rows = ts.verify_setup(P, LENS, N, seed=P + k, device=device, dtype=dtype)
+    N, hd = N_FOR_K[k], _head_dim(device)
+    lay = ts.layer(hd)
+    kv, pool, fb, q, slots, rows = ts.verify_setup(P, LENS, N, seed=P + k, device=device, dtype=dtype, head_dim=hd)
     be = FlashAttentionTreeBackend(pool, kv, topk=k, num_draft_tokens=N, provider=prov)
     be.init_forward_metadata(fb)
-    out = be.forward(q, None, None, ts.LAYER, fb)
+    out = be.forward(q, None, None, lay, fb)
     eager = t1(out, *_oracle(q, pool, slots))
     q_static = q.clone()
     graph = make_graph(torch.device(device))
-    graph.capture(lambda: be.forward(q_static, None, None, ts.LAYER, fb))
+    graph.capture(lambda: be.forward(q_static, None, None, lay, fb))
     gen = torch.Generator().manual_seed(100 + P)
     fb2, slots2 = ts.tree_batch(kv, rows, LENS, N, [ts.random_parents(N, gen) for _ in LENS], device)
     R = kv.req_to_token
@@ -58,7 +64,7 @@ def _verify_checks(P, k, dtype, device, prov):
     replay = graph.replay().clone()
     ref_eager = FlashAttentionTreeBackend(pool, kv, topk=k, num_draft_tokens=N, provider=prov)
     ref_eager.init_forward_metadata(fb2)
-    again = ref_eager.forward(q2, None, None, ts.LAYER, fb2)
+    again = ref_eager.forward(q2, None, None, lay, fb2)
     ref, low = _oracle(q2, pool, slots2)
     same = t1(replay, again.float(), low) if replay.is_cuda else t0(replay, again)
     return eager, same, t1(replay, ref, low)
@@ -66,8 +72,10 @@ def _verify_checks(P, k, dtype, device, prov):
 
 def _draft_checks(P, k, dtype, device, prov):
     """The same three verdicts for every draft-decode step (worst over steps)."""
-    S = 4
-    kv, pool, fb, rows, loc = ts.draft_setup(P, LENS, k, S, seed=P + 7 * k, device=device, dtype=dtype)
+    S, hd = 4, _head_dim(device)
+    lay = ts.layer(hd)
+    kv, pool, fb, rows, loc = ts.draft_setup(P, LENS, k, S, seed=P + 7 * k, device=device, dtype=dtype,
+                                             head_dim=hd)
     gen = torch.Generator().manual_seed(k)
     out = []
     for s in range(S - 1):
@@ -76,16 +84,16 @@ def _draft_checks(P, k, dtype, device, prov):
         step = draft_step_batch(fb, s)
         slots = [kv.req_to_token[rows[i // k], :LENS[i // k]].tolist() + loc.view(-1, S)[i, :s + 1].tolist()
                  for i in range(len(LENS) * k)]
-        q = torch.randn((len(LENS) * k, ts.H, ts.D), generator=gen).to(device=device, dtype=dtype)
-        eager = t1(be.forward(q, None, None, ts.LAYER, step), *_oracle(q, pool, slots))
+        q = torch.randn((len(LENS) * k, ts.H, hd), generator=gen).to(device=device, dtype=dtype)
+        eager = t1(be.forward(q, None, None, lay, step), *_oracle(q, pool, slots))
         q_static = torch.zeros_like(q)
         graph = make_graph(torch.device(device))
-        graph.capture(lambda: be.forward(q_static, None, None, ts.LAYER, step))
+        graph.capture(lambda: be.forward(q_static, None, None, lay, step))
         ts.write_random(pool, loc, gen)  # new KV at every step slot, in place
         q2 = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
         q_static.copy_(q2)
         replay = graph.replay().clone()
-        again = be.forward(q2, None, None, ts.LAYER, step)
+        again = be.forward(q2, None, None, lay, step)
         ref, low = _oracle(q2, pool, slots)
         out.append((eager, t1(replay, again.float(), low) if replay.is_cuda else t0(replay, again), t1(replay, ref, low)))
     return tuple(zip(*out))

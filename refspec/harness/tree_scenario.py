@@ -6,7 +6,8 @@ built from parent lists by a plain loop, the expected key slots of each row), in
 production metadata code it checks; only the branch layout (TR-015) is taken from
 :mod:`refspec.speculative.tree_kv`, whose own tests pin it by hand.
 
-Shapes: one attention layer, H = 4 query heads over Hkv = 2 KV heads (GQA), D = 16.
+Shapes: one attention layer, H = 4 query heads over Hkv = 2 KV heads (GQA), head dim ``head_dim``
+(default D = 16; the GPU runs use 64, a head dim the real FA3 kernel is built for).
 """
 
 from __future__ import annotations
@@ -23,17 +24,22 @@ H, HKV, D = 4, 2, 16  #: GQA: 2 query heads per KV head
 LAYER = AttentionLayer(0, H, HKV, D)
 
 
-def make_cache(P: int, B: int, width: int, seed: int, device="cpu", dtype=torch.float32):
+def layer(head_dim: int = D) -> AttentionLayer:
+    return AttentionLayer(0, H, HKV, head_dim)
+
+
+def make_cache(P: int, B: int, width: int, seed: int, device="cpu", dtype=torch.float32, head_dim: int = D):
     """KVCache with shuffled pages and a 1-layer pool poisoned with NaN."""
     num_pages = B * (-(-width // P) + 2) + 4
     kv = KVCache(B + 1, width, num_pages, P, extra=0, seed=seed, device=device)
-    pool = KVPool(1, num_pages, P, HKV, D, dtype=dtype, device=device, fill=float("nan"))
+    pool = KVPool(1, num_pages, P, HKV, head_dim, dtype=dtype, device=device, fill=float("nan"))
     return kv, pool
 
 
 def write_random(pool: KVPool, slots: torch.Tensor, gen: torch.Generator) -> None:
-    k = torch.randn((slots.numel(), HKV, D), generator=gen).to(slots.device)
-    v = torch.randn((slots.numel(), HKV, D), generator=gen).to(slots.device)
+    hd = pool.k_buffer[0].shape[-1]
+    k = torch.randn((slots.numel(), HKV, hd), generator=gen).to(slots.device)
+    v = torch.randn((slots.numel(), HKV, hd), generator=gen).to(slots.device)
     pool.set_kv_buffer(0, slots.long(), k, v)
 
 
@@ -60,11 +66,11 @@ def full_mask(parents_per_req: list[list[int]], Ls: list[int]) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.bool)
 
 
-def verify_setup(P: int, Ls: list[int], N: int, seed: int, device="cpu", dtype=torch.float32):
+def verify_setup(P: int, Ls: list[int], N: int, seed: int, device="cpu", dtype=torch.float32, head_dim: int = D):
     """Committed KV at 0..L-1 and N verify slots at L..L+N-1 per request, random trees."""
     gen = torch.Generator().manual_seed(seed)
     B = len(Ls)
-    kv, pool = make_cache(P, B, max(Ls) + N, seed, device, dtype)
+    kv, pool = make_cache(P, B, max(Ls) + N, seed, device, dtype, head_dim)
     rows = [kv.alloc_req() for _ in range(B)]
     kv.alloc_extend(rows, [0] * B, Ls)
     kv.alloc_extend(rows, Ls, [L + N for L in Ls])
@@ -72,7 +78,7 @@ def verify_setup(P: int, Ls: list[int], N: int, seed: int, device="cpu", dtype=t
         write_random(pool, kv.req_to_token[r, :L + N], gen)
     parents = [random_parents(N, gen) for _ in Ls]
     fb, expected_slots = tree_batch(kv, rows, Ls, N, parents, device)
-    q = torch.randn((B * N, H, D), generator=gen).to(device=device, dtype=dtype)
+    q = torch.randn((B * N, H, head_dim), generator=gen).to(device=device, dtype=dtype)
     return kv, pool, fb, q, expected_slots, rows
 
 
@@ -94,12 +100,12 @@ def tree_batch(kv, rows, Ls, N, parents, device="cpu"):
 
 
 def draft_setup(P: int, Ls: list[int], topk: int, S: int, seed: int, copy_tail: bool = True, device="cpu",
-                dtype=torch.float32):
+                dtype=torch.float32, head_dim: int = D):
     """Committed draft KV, the branch regions of TR-015 (tail copied), K/V written at every step."""
     gen = torch.Generator().manual_seed(seed)
     B = len(Ls)
     width = max(tree_kv.draft_alloc_len(L, topk, S, P) for L in Ls)
-    kv, pool = make_cache(P, B, width, seed, device, dtype)
+    kv, pool = make_cache(P, B, width, seed, device, dtype, head_dim)
     rows = [kv.alloc_req() for _ in range(B)]
     kv.alloc_extend(rows, [0] * B, Ls)
     for r, L in zip(rows, Ls):
