@@ -206,6 +206,15 @@ def draft_expand_metadata(out_cache_loc, seq_lens, step: int, topk: int, num_ste
     return FlashAttentionMetadata(cache_seqlens, cu_q, cumsum0(cache_seqlens), 1, max_k, page_table)
 
 
+def branch_tail_slots(draft_cache_loc: torch.Tensor, seq_lens_cpu, topk: int, num_steps: int,
+                      page_size: int) -> list[list[int]]:
+    """Per branch row ``b*k + t``: the lp slots before its step-0 slot on the same page (its tail copy,
+    TR-015).  ``draft_cache_loc`` int64 [B*k*S] (layout [B, k, S]); ``seq_lens_cpu`` [B] (L)."""
+    rows = draft_cache_loc.view(-1, num_steps)[:, 0].tolist()
+    lps = [0 if page_size == 1 else int(L) % page_size for L in seq_lens_cpu.tolist()]
+    return [list(range(s0 - lps[i // topk], s0)) for i, s0 in enumerate(rows)]
+
+
 def check_expand_reads_own_rows(md: FlashAttentionMetadata, allowed: list[set[int]], page_size: int) -> None:
     """TR-011 / TR-014 audit: every slot an expand row reads lies in that row's ``allowed`` set.
 

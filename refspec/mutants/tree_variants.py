@@ -1,39 +1,35 @@
 """Named wrong variants of the FA3 top-k > 1 path, as *replacement functions* for its seams.
 
-Production code has no switch for them: a variant names the seam (``module:function``), gives
-the replacement, and :func:`apply_variant` rebinds every ``refspec`` module global bound to the
-seam (a module that did ``from x import f`` holds its own reference), then restores them.  Each
-entry says where the wrong rule comes from, what it does, and which invariants catch it
-(``tests/test_tree_variants.py`` proves that they do).
+The same shape as :mod:`refspec.mutants.variants` (its :class:`~refspec.mutants.variants.Variant`
+and :func:`~refspec.mutants.replace.replaced`, which rebinds every production binding of the seam
+by identity): production code has no switch for them.  Each entry says what it changes, where the
+wrong rule comes from, what it does, and which invariants catch it; ``tests/test_tree_variants.py``
+proves that they do.  The replacements call the rules they bend through the names bound here at
+import (:mod:`refspec.mutants` is never rebound).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import contextmanager
 
 import torch
 
+from refspec.fa3 import tree_attention as ta
 from refspec.fa3 import tree_metadata as tm
+from refspec.mutants.replace import replaced
+from refspec.mutants.variants import Variant
+from refspec.speculative import tree_graphs as tg
+from refspec.speculative import tree_kv as tkv
 
-
-@dataclass(frozen=True)
-class TreeVariant:
-    name: str
-    target: str  #: "module:function", the seam replaced
-    replacement: Callable
-    source: str
-    symptom: str
-    caught_by: tuple[str, ...]
+SG = "https://github.com/sgl-project/sglang/pull/"
+_verify_mask_rows = tm.verify_mask_rows  #: the originals, for the replacements that bend them
+_verify_expand_metadata = tm.verify_expand_metadata
 
 
 # ---- the replacements ----
 def _mask_rows_with_siblings(custom_mask, seq_lens, num_draft_tokens):
     """Each node also sees its siblings (nodes with the same ancestors): a broken ancestor mask."""
-    m = tm.verify_mask_rows.__wrapped_original__(custom_mask, seq_lens, num_draft_tokens)
+    m = _verify_mask_rows(custom_mask, seq_lens, num_draft_tokens)
     N = num_draft_tokens
     out = m.clone()
     for blk in range(m.shape[0] // N):
@@ -49,8 +45,7 @@ def _mask_rows_with_siblings(custom_mask, seq_lens, num_draft_tokens):
 
 def _expand_with_prefix(custom_mask, seq_lens, req_pool_indices, req_to_token, num_draft_tokens):
     """The expand part lists the committed prefix as well: the prefix is attended twice."""
-    md = tm.verify_expand_metadata.__wrapped_original__(custom_mask, seq_lens, req_pool_indices, req_to_token,
-                                                        num_draft_tokens)
+    md = _verify_expand_metadata(custom_mask, seq_lens, req_pool_indices, req_to_token, num_draft_tokens)
     N, rows = num_draft_tokens, []
     Ls = seq_lens.tolist()
     width = max(Ls) + N
@@ -89,50 +84,36 @@ def _replay_expand_unsliced(page_table, cache_seqlens, draft_cache_loc, seq_lens
                                         step + 1, cache_loc, topk, page_size)
 
 
-TREE_VARIANTS: dict[str, TreeVariant] = {v.name: v for v in [
-    TreeVariant("tree-mask-sibling-visible", "refspec.fa3.tree_metadata:verify_mask_rows", _mask_rows_with_siblings,
-                "the rule the ancestor mask exists for (SGLang build_tree_efficient, FULL_MASK)",
-                "a verify node attends its siblings' KV: its logits differ from the chain it stands for",
-                ("TR-011", "TR-004", "TR-019")),
-    TreeVariant("expand-reads-prefix-twice", "refspec.fa3.tree_metadata:verify_expand_metadata",
-                _expand_with_prefix, "cascade split of SGLang FA3 forward_extend (prefix and expand are disjoint)",
-                "every committed key is counted twice in the merged softmax", ("TR-011", "TR-012")),
-    TreeVariant("lse-merge-no-rescale", "refspec.fa3.tree_attention:merge_state", _merge_without_rescale,
-                "sgl_kernel merge_state_v2 (o = sum e^(lse - m) o / sum e^(lse - m))",
-                "prefix and expand weighted 1:1 whatever their key counts and scores", ("TR-012",)),
-    TreeVariant("branch-no-tail-copy", "refspec.speculative.tree_kv:tail_copy_slots", _no_tail_copy,
-                "sgl-project/sglang#4908 (P > 1 for top-k = 1 only), #7725 (copy the real tail KV into every branch)",
-                "P > 1: branches t >= 1 read an unwritten tail (stale or NaN KV), their drafts diverge",
-                ("TR-015", "TR-019")),
-    TreeVariant("draft-expand-unsliced-cache-loc", "refspec.speculative.tree_graphs:replay_draft_expand_table",
-                _replay_expand_unsliced, "sgl-project/sglang#25077, #27360 (replay scatter_ not sliced to s + 1)",
-                "the scatter writes past the s + 2 wide buffer (out of bounds on a GPU, an error on CPU)",
-                ("TR-018",)),
+TREE_VARIANTS: dict[str, Variant] = {v.name: v for v in [
+    Variant("tree-mask-sibling-visible", tm.verify_mask_rows, _mask_rows_with_siblings,
+            "verify mask rows also allow a node's siblings (same ancestors)",
+            "the ancestor-mask rule of build_tree_efficient (FULL_MASK); docs/spec/tree.md TR-004",
+            "a verify node attends its siblings' KV: its logits differ from the chain it stands for",
+            ("TR-011", "TR-004", "TR-019")),
+    Variant("expand-reads-prefix-twice", tm.verify_expand_metadata, _expand_with_prefix,
+            "the verify expand table lists the committed prefix before the node's tree slots",
+            "the cascade split of FA3 forward_extend (prefix and expand are disjoint); docs/spec/tree.md TR-011",
+            "every committed key is counted twice in the merged softmax", ("TR-011", "TR-012")),
+    Variant("lse-merge-no-rescale", ta.merge_state, _merge_without_rescale,
+            "the prefix and expand outputs are averaged, their LSEs ignored",
+            "sgl_kernel merge_state_v2 (o = sum e^(lse - m) o / sum e^(lse - m)); docs/spec/tree.md TR-012",
+            "prefix and expand weighted 1:1 whatever their key counts and scores", ("TR-012",)),
+    Variant("branch-no-tail-copy", tkv.tail_copy_slots, _no_tail_copy,
+            "the last partial page's lp tokens are not copied into branches t >= 1",
+            f"{SG}4908 (P > 1 for top-k = 1 only), {SG}7725 (copy the real tail KV into every branch)",
+            "P > 1: branches t >= 1 read an unwritten tail (stale or NaN KV), their drafts diverge",
+            ("TR-015", "TR-019")),
+    Variant("draft-expand-unsliced-cache-loc", tg.replay_draft_expand_table, _replay_expand_unsliced,
+            "draft expand replay feeds all S steps of cache_loc to the unique-pages scatter",
+            f"{SG}25077, {SG}27360 (replay scatter_ not sliced to s + 1)",
+            "the scatter writes past the s + 2 wide buffer (out of bounds on a GPU, an error on CPU)",
+            ("TR-018",)),
 ]}
 
 
-def _resolve(target: str):
-    mod, fn = target.split(":")
-    return importlib.import_module(mod), fn
-
-
-@contextlib.contextmanager
+@contextmanager
 def apply_variant(name: str):
-    """Rebind every ``refspec.*`` module global that is the seam function to the replacement."""
+    """Inside the block the seam of tree variant ``name`` is its replacement (every call site)."""
     v = TREE_VARIANTS[name]
-    mod, fn = _resolve(v.target)
-    original = getattr(mod, fn)
-    v.replacement.__wrapped_original__ = original  # a replacement may call the rule it bends
-    patched = []
-    for m in list(sys.modules.values()):
-        if m is None or not getattr(m, "__name__", "").startswith("refspec"):
-            continue
-        for attr, val in list(vars(m).items()):
-            if val is original:
-                setattr(m, attr, v.replacement)
-                patched.append((m, attr))
-    try:
+    with replaced(v.target, v.replacement, v.within):
         yield v
-    finally:
-        for m, attr in patched:
-            setattr(m, attr, original)

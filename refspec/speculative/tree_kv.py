@@ -94,14 +94,6 @@ def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int
     return cat(src), cat(tgt)
 
 
-def branch_tail_slots(draft_cache_loc: torch.Tensor, seq_lens_cpu, topk: int, num_steps: int,
-                      page_size: int) -> list[list[int]]:
-    """Per branch row ``b*k + t``: the lp slots before its step-0 slot on the same page (its tail)."""
-    rows = draft_cache_loc.view(-1, num_steps)[:, 0].tolist()
-    lps = [0 if page_size == 1 else int(L) % page_size for L in seq_lens_cpu.tolist()]
-    return [list(range(s0 - lps[i // topk], s0)) for i, s0 in enumerate(rows)]
-
-
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
     """``pool[tgt] = pool[src]`` in every layer (gather first: overlapping src / tgt are safe)."""
     if tgt.numel() == 0:
