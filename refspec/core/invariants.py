@@ -247,9 +247,7 @@ RULES: dict[str, Rule] = {
     "TR-017": Rule("accepted-path compaction: path KV to the first a verify slots; whole pages from ceil_P(L + a) "
                    "freed, none leaked", U,
                    (sgl("srt/speculative/eagle_info.py", T_EAGLE_INFO, None, "EagleVerifyInput.verify"),
-                    sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc")),
-                   upstream="at P = 1 upstream frees the rejected slots and points req_to_token L..L+n at the "
-                            "accepted slots (assign_req_to_token_pool) instead of moving KV"),
+                    sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
     "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
                    "columns) equals eager", U,
                    (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469))),
