@@ -108,8 +108,10 @@ class GpuDemo:
         return self.kv_ok and all(x is not False for r in self.rows for x in (r.t2_bf16, r.t2_fp32))
 
 
-def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_steps, eos, capture_bs) -> GpuDemo:
-    """Every row of the module table (``m32``: the readable fp32 model on the GPU)."""
+def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_steps, eos, capture_bs, topk=1,
+                   num_draft_tokens=None) -> GpuDemo:
+    """Every row of the module table (``m32``: the readable fp32 model on the GPU); ``topk`` > 1 adds
+    the EAGLE tree rows (v1, N = ``num_draft_tokens``, default 2k): oracle tree and production tree."""
     B = len(prompts)
     m16 = copy.deepcopy(m32).to(torch.bfloat16)
     fast = FusedLlama(m16)
@@ -154,6 +156,29 @@ def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_st
             rows.append(GpuRow("production", P, B, v, res.accept_length, sum(map(len, res.tokens)),
                                time.perf_counter() - start["t"], *check(checked.tokens),
                                eq_oracle=checked.tokens == oracle[v].tokens))
+    if topk > 1:
+        tkw = dict(kw, version="v1", topk=topk, num_draft_tokens=num_draft_tokens or 2 * topk)
+        label = f"v1 k={topk} N={tkw['num_draft_tokens']}"
+        ora, s = _timed(lambda: generate(m16, prompts, backend="oracle", **tkw))
+        rows.append(GpuRow("oracle tree", None, B, label, ora.accept_length, sum(map(len, ora.tokens)), s,
+                           *check(ora.tokens)))
+        for P in page_sizes:
+            checked = generate(fast, prompts, backend="fa3", page_size=P, graphs=True, observer=audit,
+                               capture_bs=capture_bs, **tkw)
+            kv_ok &= checked.free_pages[0] == checked.free_pages[1]
+            start = {}
+
+            def tree_clock(event, eng, **info):
+                if event == "prefill" and "t" not in start:
+                    _sync()
+                    start["t"] = time.perf_counter()
+            res = generate(fast, prompts, backend="fa3", page_size=P, graphs=True, validate=False,
+                           observer=tree_clock, capture_bs=capture_bs, **tkw)
+            _sync()
+            outputs[(label, P)] = checked
+            rows.append(GpuRow("production tree", P, B, label, res.accept_length, sum(map(len, res.tokens)),
+                               time.perf_counter() - start["t"], *check(checked.tokens),
+                               eq_oracle=checked.tokens == ora.tokens))
     for r in rows:
         r.base_graph, r.base_eager = graph.tok_per_s, eager.tok_per_s
     notes = [f"T2 delta {delta:.3g} logits (2 x the max |bf16 - fp32| teacher-forced logit error of this run)",

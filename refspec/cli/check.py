@@ -14,6 +14,8 @@ section is one more entry):
   may choose another split-KV at the padded size, docs/kernel-facts.md) and graph vs oracle (T1).
 * ``loops``: the speculative loop end to end (:mod:`refspec.cli._check_loops`): lossless yes / no
   per version x page size x eager / graphs.
+* ``tree``: top-k > 1 (:mod:`refspec.cli._check_tree`): tree verify and draft decode, eager and
+  graphed, k x P in 1, 4, 16, 64, and the tree loop (lossless, equal to the oracle tree loop).
 
 Each row: section, mode, page size P, provider, check, result (pass / FAIL / skip) and the worst
 error, as % of the T1 budget, or "bitwise" / the max difference for T0.  On CPU the provider is
@@ -251,7 +253,15 @@ def loops_rows(device, page_sizes, quick):
     yield from loop_rows(device, page_sizes, quick)
 
 
-SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows, "loops": loops_rows}
+def tree_rows(device, page_sizes, quick):
+    """Top-k > 1: tree verify / draft decode, eager and graphed, and the tree loop (:mod:`refspec.cli._check_tree`)."""
+    from refspec.cli._check_tree import tree_rows as rows
+
+    yield from rows(device, page_sizes, quick, row=_row, guard=_guard, providers=providers)
+
+
+SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows, "loops": loops_rows,
+            "tree": tree_rows}
 
 
 # ---------------------------------------------------------------------------- table

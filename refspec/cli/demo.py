@@ -84,12 +84,14 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v2"), draft=DEFAULT_DRAFT,
-               num_steps=DEFAULT_NUM_STEPS, eos=None, bar: TokenBar | None = None) -> DemoResult:
+               num_steps=DEFAULT_NUM_STEPS, eos=None, bar: TokenBar | None = None, topk: int = 1,
+               num_draft_tokens: int | None = None) -> DemoResult:
     """Greedy, the oracle loop per version, the production loop per (page size, version).
 
     Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s counts
     completion tokens over each run's wall time (prefill and graph capture included, as
-    ``send_one.py``'s "Speed").  Raises :class:`~refspec.core.invariants.InvariantError` if the FA3
+    ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (v1, N = ``num_draft_tokens``):
+    the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).  Raises :class:`~refspec.core.invariants.InvariantError` if the FA3
     validation or the per-round KV audit trips.
     """
     B, rows, audited = len(prompts), [], [0]
@@ -138,8 +140,31 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
             same = res.tokens == oracle[v].tokens and res.accepts == oracle[v].accepts
             rows.append(Row("production", P, B, v, res.accept_length, sum(map(len, res.tokens)),
                             time.perf_counter() - t, res.tokens == base, same))
-    kv_ok = all(r.free_pages[0] == r.free_pages[1] for r in outputs.values())  # KV-006
+    if topk > 1:
+        _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, page_sizes=page_sizes,
+                   kw=dict(kw, topk=topk, num_draft_tokens=num_draft_tokens or 2 * topk, version="v1"))
+    kv_ok = all(r.free_pages[0] == r.free_pages[1] for r in outputs.values() if r.free_pages)  # KV-006
     return DemoResult(rows, base, outputs, audited[0], kv_ok)
+
+
+def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, *, page_sizes, kw):
+    """The top-k rows: the oracle tree loop (one request at a time), then production per page size."""
+    B, label = len(prompts), f"v1 k={kw['topk']} N={kw['num_draft_tokens']}"
+    t = start(f"oracle tree {label}")
+    ora = generate(model, prompts, backend="oracle", **kw)
+    bar.add(sum(map(len, ora.tokens)))
+    bar.finish_run(sum(max_new))
+    rows.append(Row("oracle tree", None, B, label, ora.accept_length, sum(map(len, ora.tokens)),
+                    time.perf_counter() - t, ora.tokens == base))
+    for P in page_sizes:
+        t = start(f"production tree P={P}")
+        res = generate(model, prompts, backend="fa3", page_size=P, graphs=True, observer=observer,
+                       capture_bs=capture_sizes(B), **kw)
+        bar.finish_run(sum(max_new))
+        outputs[(label, P)] = res
+        rows.append(Row("production tree", P, B, label, res.accept_length, sum(map(len, res.tokens)),
+                        time.perf_counter() - t, res.tokens == base,
+                        res.tokens == ora.tokens and res.accepts == ora.accepts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", default="v1,v2", help="comma list of spec-decode versions (default v1,v2)")
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="early-exit:k (default k = 25 of 30 layers) or eagle")
     ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd (default 3)")
+    ap.add_argument("--topk", type=int, default=1, help="k > 1 adds EAGLE tree rows (v1; default 1: chain only)")
+    ap.add_argument("--num-draft-tokens", type=int, help="N tree nodes for --topk (default 2k)")
     ap.add_argument("--bug", help="show a bug-zoo variant live instead (e.g. seed-page-table)")
     ap.add_argument("--threads", type=int, help="torch threads (default 1: see refspec.real.run.set_threads)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -188,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     for q, p, m in zip(qs, prompts, max_new):
         print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}: "
               f"{q['prompt'][:70]!r}{'...' if len(q['prompt']) > 70 else ''}")
-    runs = 1 + len(versions) * (1 + len(page_sizes))
+    runs = 1 + len(versions) * (1 + len(page_sizes)) + ((1 + len(page_sizes)) if ns.topk > 1 else 0)
     bar = TokenBar(runs * sum(max_new), desc="demo", disable=ns.no_progress)
     try:
         res = run_matrix(model, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,
-                         num_steps=ns.num_steps, eos=EOS_ID, bar=bar)
+                         num_steps=ns.num_steps, eos=EOS_ID, bar=bar, topk=ns.topk,
+                         num_draft_tokens=ns.num_draft_tokens)
     except InvariantError as e:  # a validation / audit check stopped a production run
         bar.close()
         print(f"\nCHECK FAILED: {e}")
@@ -238,7 +266,8 @@ def _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0)
     for q, p, m in zip(qs, prompts, max_new):
         print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}")
     res = run_gpu_matrix(m32, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,
-                         num_steps=ns.num_steps, eos=EOS_ID, capture_bs=capture_sizes(len(prompts)))
+                         num_steps=ns.num_steps, eos=EOS_ID, capture_bs=capture_sizes(len(prompts)), topk=ns.topk,
+                         num_draft_tokens=ns.num_draft_tokens)
     print()
     print(format_gpu_table(res.rows))
     print()

@@ -35,6 +35,13 @@ SPEC_TREE, T_SPEC_TREE = "kernels/ops/speculative/spec_tree.py", "901307a06bace5
 EAGLE_WORKER, T_EAGLE_WORKER = "srt/speculative/eagle_worker.py", "00559eacbf0841146db7e27e445d1971e35e6294"
 
 
+# the commits the FA3 tree path (docs/spec/tree.md, TR-010..TR-019) was read at
+T_FA3_TREE = "003e7b77aeee2fba80ff241c7f45dcb0e613164d"
+T_SPEC_UTILS_KV = "2dd501d149552ea85135d4eeb7dd740c5e691091"
+T_EAGLE_UTILS_TREE = "263bc85d64baa38d82ec20f58a61f2982c78075d"
+T_EAGLE_INFO = "f1f60ea0258f346adb43d2371d03cbc66d9d5ba2"
+
+
 def _fb(line: int, symbol: str, version: str = V55):
     return sgl(FA3B, version, line, symbol)
 
@@ -210,6 +217,42 @@ RULES: dict[str, Rule] = {
                    (sgl(FA3B, "003e7b77aeee2fba80ff241c7f45dcb0e613164d", None,
                         "FlashAttentionBackend.init_forward_metadata"),)),
     "TR-009": Rule("lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)", U,
+                   (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
+    # --- the FA3 tree path (docs/spec/tree.md, "The FA3 tree path") ----------------------
+    "TR-010": Rule("tree verify prefix: K = L, cu_seqlens_q = arange(0, B*N+1, N), max_seqlen_q = N, causal=False", U,
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
+                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend"))),
+    "TR-011": Rule("tree verify expand: one sequence per node, K = mask row sum, table = its allowed verify slots "
+                   "first (page-1 view)", U,
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
+                    pr(7725, "expand call on the page-size-1 view"))),
+    "TR-012": Rule("cascade merge: LSE-rescaled sum of prefix and expand equals attention over their union", U,
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_decode"),
+                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend"))),
+    "TR-013": Rule("tree draft decode prefix: B*k rows packed k per request, K = L - (L mod P if P > 1)", U,
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7725))),
+    "TR-014": Rule("tree draft decode expand: K = s + 1 (+ L mod P), table = the row's own step slots (P = 1) or "
+                   "unique pages (P > 1)", U,
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7239, "view(-1, S)"),
+                    pr(7725), pr(15469, "unique consecutive pages"))),
+    "TR-015": Rule("branch KV layout: branch t owns a page-aligned region; the partial tail page is copied into "
+                   "branches t >= 1", U,
+                   (sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "assign_draft_cache_locs"),
+                    pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV"))),
+    "TR-016": Rule("the production tree (organize_draft_results, build_tree_efficient, VerifyTreeGreedy) equals "
+                   "the rule", U,
+                   (sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "organize_draft_results"),
+                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "build_tree_kernel_efficient"),
+                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func"))),
+    "TR-017": Rule("accepted-path compaction: path KV to the first a verify slots; whole pages from ceil_P(L + a) "
+                   "freed, none leaked", U,
+                   (sgl("srt/speculative/eagle_info.py", T_EAGLE_INFO, None, "EagleVerifyInput.verify"),
+                    sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
+    "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
+                   "columns) equals eager", U,
+                   (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469))),
+    "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
+                   "page freed", U,
                    (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
     # --- tolerances ----------------------------------------------------------------------
     "TOL-001": Rule("T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)", H,

@@ -84,7 +84,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         topk: k branches per draft step (EAGLE top-k tree, docs/spec/tree.md); 1 = the chain.
         num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
             only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
-            (TR-002).  k > 1 runs with backend "oracle" (v1 or v2), no drafter / accept.
+            (TR-002).  k > 1 runs with backend "oracle" (v1 or v2) or "fa3" (the production
+            :class:`~refspec.speculative.tree.TreeEngine`, v1), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).
@@ -102,7 +103,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     _check_args(target, prompts, num_steps, page_size, arrivals)
     budgets = _budgets(prompts, max_new_tokens)
     num_draft_tokens = _check_tree_args(topk, num_steps, num_draft_tokens)
-    if topk > 1:
+    if topk > 1 and backend == "oracle":
         return _generate_tree(target, prompts, budgets, backend=backend, version=version, draft=draft,
                               drafter=drafter, accept=accept, num_steps=num_steps, topk=topk,
                               num_draft_tokens=num_draft_tokens, eos=eos, draft_seed=draft_seed)
@@ -121,11 +122,17 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
                               "eos" if eos is not None and o.tokens[-1] == eos else "length")
                 for i, o in enumerate(outs)]
         return GenerateResult(reqs, backend, version)
-    eng = Engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
+    engine, tree_kw = Engine, {}
+    if topk > 1:  # the production top-k > 1 loop (refspec.speculative.tree)
+        from refspec.speculative.tree import TreeEngine
+        if backend != "fa3":
+            raise ValueError(f"topk = {topk} > 1 runs on backend 'oracle' or 'fa3', got {backend!r}")
+        engine, tree_kw = TreeEngine, dict(topk=topk, num_draft_tokens=num_draft_tokens)
+    eng = engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
                  max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
                  attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
                  provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
-                 observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill)
+                 observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill, **tree_kw)
     for i, (p, m) in enumerate(zip(prompts, budgets)):
         eng.add_request(i, p, m, arrival=arrivals[i] if arrivals else 0)
     eng.run()
@@ -158,7 +165,7 @@ def _generate_tree(target, prompts, budgets, *, backend, version, draft, drafter
                    num_draft_tokens, eos, draft_seed) -> GenerateResult:
     """k > 1 on the oracle: :func:`refspec.oracle.tree_loop.speculative_tree_greedy` per request."""
     if backend != "oracle":
-        raise ValueError(f"topk > 1 runs on backend='oracle' only for now, got backend={backend!r}")
+        raise ValueError(f"_generate_tree is the oracle's top-k > 1 path, got backend={backend!r}")
     if drafter is not None or accept is not None:
         raise ValueError("topk > 1: drafter / accept overrides are not supported (the tree comes from the draft)")
     dm = make_draft(draft, target, seed=draft_seed)

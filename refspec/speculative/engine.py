@@ -127,21 +127,21 @@ class Engine:
         self.max_context = max_context
         p = next(target.parameters())
         self.target, self.draft, self.version = target, draft, version
-        self.Sd, self.N, self.P = num_steps, num_steps + 1, page_size
+        self.Sd, self.N, self.P = num_steps, self._verify_width(num_steps), page_size
         self.max_batch, self.eos, self.observer = max_batch, eos, observer
         self.drafter, self.accept = drafter or Drafter(), accept
-        pages_per_req = -(-(max_context + self.N) // page_size) + 1
+        span = self._row_span()  # positions past the committed length a round may give slots
+        pages_per_req = -(-(max_context + span) // page_size) + 1
         num_pages = num_pages or 1 + max_batch * pages_per_req
-        self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=4 + self.N, device=p.device,
+        self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=4 + span, device=p.device,
                           seed=shuffle_pages)
         c = target.config
         self.target_pool = KVPool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
                                   dtype=p.dtype, device=p.device, fill=pool_fill)
         self.draft_pool = KVPool(draft.num_layers, num_pages, page_size, draft.num_kv_heads, draft.head_dim,
                                  dtype=p.dtype, device=p.device, fill=pool_fill)
-        self.runners = SpecRunners(target, draft, self.kv, self.target_pool, self.draft_pool, num_steps=num_steps,
-                                   version=version, attention=attention, graphs=graphs, capture_bs=capture_bs,
-                                   provider=provider, validate=validate)
+        self.runners = self._make_runners(num_steps=num_steps, version=version, attention=attention, graphs=graphs,
+                                          capture_bs=capture_bs, provider=provider, validate=validate)
         self.device = p.device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -149,6 +149,32 @@ class Engine:
         self.trace: list[RoundTrace] = []
         self.syncs: Counter = Counter()
         self.free_pages_at_start = self.kv.allocator.num_free_pages
+
+    # ---- what a sibling engine (refspec.speculative.tree.TreeEngine) replaces ----
+    def _verify_width(self, num_steps: int) -> int:
+        """N, the verify rows per request: Sd + 1 for a chain (SD-010)."""
+        return num_steps + 1
+
+    def _row_span(self) -> int:
+        """Positions past the committed length that one round gives slots: N for a chain."""
+        return self.N
+
+    def _make_runners(self, **kw) -> SpecRunners:
+        return SpecRunners(self.target, self.draft, self.kv, self.target_pool, self.draft_pool, **kw)
+
+    def _set_draft_state(self, reqs, draft_logits, draft_hidden) -> None:
+        """After the draft prefill: ``d_1`` = the kept row's argmax, and its hidden (EAGLE)."""
+        d1 = draft_logits.argmax(-1)
+        for b, r in enumerate(reqs):
+            r.d1 = d1[b]
+            r.dhid = draft_hidden[b] if self.draft.uses_hidden else None
+
+    def _run_round(self, reqs):
+        """One round's rows (module :mod:`refspec.speculative.rounds`), v1 or v2."""
+        if self.version == "v1":
+            return rounds.round_v1(self, reqs)
+        rounds.prepare_v2(self, reqs)  # before the round: allocate_len = seq_len + N
+        return rounds.round_v2(self, reqs)
 
     # ---- small helpers ----
     def observe(self, event: str, **info) -> None:
@@ -226,11 +252,10 @@ class Engine:
         dids = ids.roll(-1)  # draft row j of a request consumes t_(j+1) ...
         dids[last] = first  # ... and its last row the first generated token
         dl, dh = run.draft_prefill(dids, hidden if self.draft.uses_hidden else None, fb)
-        d1, dhid = dl[last].argmax(-1), dh[last]
         for b, r in enumerate(reqs):
             r.seq_len = r.alloc_len = r.target_kv_len = r.draft_kv_len = p[b]
-            r.root, r.d1 = first[b], d1[b]
-            r.dhid = dhid[b] if self.draft.uses_hidden else None
+            r.root = first[b]
+        self._set_draft_state(reqs, dl[last], dh[last])
         self.observe("prefill", reqs=reqs, fb=fb)
         for r, t in zip(reqs, self.host("prefill", first)):
             self._emit(r, [t])
@@ -267,11 +292,7 @@ class Engine:
         before = self.syncs["in_round"]
         counts_before = Counter(self.runners.counts)
         L = [r.seq_len for r in reqs]
-        if self.version == "v1":
-            out = rounds.round_v1(self, reqs)
-        else:
-            rounds.prepare_v2(self, reqs)  # before the round: allocate_len = seq_len + N
-            out = rounds.round_v2(self, reqs)
+        out = self._run_round(reqs)
         in_round = self.syncs["in_round"] - before
         if self.version == "v2":  # the results, read once after the round
             out = self.host("post_round", out)

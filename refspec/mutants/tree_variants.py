@@ -1,0 +1,119 @@
+"""Named wrong variants of the FA3 top-k > 1 path, as *replacement functions* for its seams.
+
+The same shape as :mod:`refspec.mutants.variants` (its :class:`~refspec.mutants.variants.Variant`
+and :func:`~refspec.mutants.replace.replaced`, which rebinds every production binding of the seam
+by identity): production code has no switch for them.  Each entry says what it changes, where the
+wrong rule comes from, what it does, and which invariants catch it; ``tests/test_tree_variants.py``
+proves that they do.  The replacements call the rules they bend through the names bound here at
+import (:mod:`refspec.mutants` is never rebound).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from refspec.fa3 import tree_attention as ta
+from refspec.fa3 import tree_metadata as tm
+from refspec.mutants.replace import replaced
+from refspec.mutants.variants import Variant
+from refspec.speculative import tree_graphs as tg
+from refspec.speculative import tree_kv as tkv
+
+SG = "https://github.com/sgl-project/sglang/pull/"
+_verify_mask_rows = tm.verify_mask_rows  #: the originals, for the replacements that bend them
+_verify_expand_metadata = tm.verify_expand_metadata
+
+
+# ---- the replacements ----
+def _mask_rows_with_siblings(custom_mask, seq_lens, num_draft_tokens):
+    """Each node also sees its siblings (nodes with the same ancestors): a broken ancestor mask."""
+    m = _verify_mask_rows(custom_mask, seq_lens, num_draft_tokens)
+    N = num_draft_tokens
+    out = m.clone()
+    for blk in range(m.shape[0] // N):
+        rows = m[blk * N:(blk + 1) * N]
+        for i in range(N):
+            for j in range(N):
+                a_i, a_j = rows[i].clone(), rows[j].clone()
+                a_i[i], a_j[j] = False, False
+                if i != j and torch.equal(a_i, a_j):
+                    out[blk * N + i, j] = True
+    return out
+
+
+def _expand_with_prefix(custom_mask, seq_lens, req_pool_indices, req_to_token, num_draft_tokens):
+    """The expand part lists the committed prefix as well: the prefix is attended twice."""
+    md = _verify_expand_metadata(custom_mask, seq_lens, req_pool_indices, req_to_token, num_draft_tokens)
+    N, rows = num_draft_tokens, []
+    Ls = seq_lens.tolist()
+    width = max(Ls) + N
+    table = torch.zeros((md.page_table.shape[0], width), dtype=torch.int32, device=md.page_table.device)
+    for t in range(md.page_table.shape[0]):
+        b, K = t // N, int(md.cache_seqlens_int32[t])
+        prefix = req_to_token[req_pool_indices[b], :Ls[b]]
+        row = torch.cat([prefix, md.page_table[t, :K]])
+        table[t, :row.numel()] = row
+        rows.append(row.numel())
+    md.page_table = table
+    md.cache_seqlens_int32 = torch.tensor(rows, dtype=torch.int32, device=table.device)
+    md.cu_seqlens_k = tm.cumsum0(md.cache_seqlens_int32)
+    return md
+
+
+def _merge_without_rescale(o1, lse1, o2, lse2):
+    """Average the two partial outputs, ignoring their log-sum-exps."""
+    return ((o1.float() + o2.float()) / 2).to(o1.dtype), torch.maximum(lse1, lse2)
+
+
+def _no_tail_copy(kv, rows, seq_lens, topk, num_steps):
+    """No duplication of the partial tail page into branches t >= 1 (the P > 1 divergence)."""
+    z = torch.zeros(0, dtype=torch.long, device=kv.device)
+    return z, z
+
+
+def _replay_expand_unsliced(page_table, cache_seqlens, draft_cache_loc, seq_lens, step, topk, num_steps, page_size):
+    """Replay feeds the whole ``cache_loc`` row (all S steps) to the scatter (#25077)."""
+    cache_loc = tm.draft_cache_loc_rows(draft_cache_loc, num_steps)
+    if page_size == 1:
+        page_table[:, :step + 1].copy_(cache_loc[:, :step + 1])
+        cache_seqlens.fill_(step + 1)
+        return
+    tm.draft_decode_set_expand_metadata(cache_seqlens, page_table, tm.last_page_lens(seq_lens, page_size),
+                                        step + 1, cache_loc, topk, page_size)
+
+
+TREE_VARIANTS: dict[str, Variant] = {v.name: v for v in [
+    Variant("tree-mask-sibling-visible", tm.verify_mask_rows, _mask_rows_with_siblings,
+            "verify mask rows also allow a node's siblings (same ancestors)",
+            "the ancestor-mask rule of build_tree_efficient (FULL_MASK); docs/spec/tree.md TR-004",
+            "a verify node attends its siblings' KV: its logits differ from the chain it stands for",
+            ("TR-011", "TR-004", "TR-019")),
+    Variant("expand-reads-prefix-twice", tm.verify_expand_metadata, _expand_with_prefix,
+            "the verify expand table lists the committed prefix before the node's tree slots",
+            "the cascade split of FA3 forward_extend (prefix and expand are disjoint); docs/spec/tree.md TR-011",
+            "every committed key is counted twice in the merged softmax", ("TR-011", "TR-012")),
+    Variant("lse-merge-no-rescale", ta.merge_state, _merge_without_rescale,
+            "the prefix and expand outputs are averaged, their LSEs ignored",
+            "sgl_kernel merge_state_v2 (o = sum e^(lse - m) o / sum e^(lse - m)); docs/spec/tree.md TR-012",
+            "prefix and expand weighted 1:1 whatever their key counts and scores", ("TR-012",)),
+    Variant("branch-no-tail-copy", tkv.tail_copy_slots, _no_tail_copy,
+            "the last partial page's lp tokens are not copied into branches t >= 1",
+            f"{SG}4908 (P > 1 for top-k = 1 only), {SG}7725 (copy the real tail KV into every branch)",
+            "P > 1: branches t >= 1 read an unwritten tail (stale or NaN KV), their drafts diverge",
+            ("TR-015", "TR-019")),
+    Variant("draft-expand-unsliced-cache-loc", tg.replay_draft_expand_table, _replay_expand_unsliced,
+            "draft expand replay feeds all S steps of cache_loc to the unique-pages scatter",
+            f"{SG}25077, {SG}27360 (replay scatter_ not sliced to s + 1)",
+            "the scatter writes past the s + 2 wide buffer (out of bounds on a GPU, an error on CPU)",
+            ("TR-018",)),
+]}
+
+
+@contextmanager
+def apply_variant(name: str):
+    """Inside the block the seam of tree variant ``name`` is its replacement (every call site)."""
+    v = TREE_VARIANTS[name]
+    with replaced(v.target, v.replacement, v.within):
+        yield v

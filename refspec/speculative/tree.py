@@ -1,0 +1,167 @@
+"""The production top-k > 1 round (EAGLE tree, v1) and its engine: a sibling of :mod:`rounds`.
+
+One round over the running batch at committed lengths L (roots t_L known, the previous draft
+extend left each request's root children ``topk_p``, ``topk_index`` and, for an EAGLE draft,
+its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
+
+1. **draft** (TR-013..TR-015): allocate every branch's page-aligned region under
+   ``backup_state``, copy the partial tail page into branches t >= 1, run the S - 1 draft steps
+   over B*k branch rows with the per-step top-k expansion, restore the allocator (the draft
+   slots are transient, as in v1);
+2. **tree** (TR-016): ``organize_draft_results`` + ``build_tree`` -> N nodes per request,
+   positions L + depth, the flat FULL_MASK;
+3. **verify** (TR-010..TR-012): allocate L..L+N-1, TARGET_VERIFY (cascade prefix + expand);
+4. **accept** (TR-016 / TR-006): ``verify_tree_greedy`` -> path, n, a = n + 1 (1 host read);
+5. **compact** (TR-017): the path's target KV to L..L+a-1, whole pages from
+   ``ceil_P(L + a)`` on freed;
+6. **draft extend** (v1 DRAFT_EXTEND, SD-004): the a emitted tokens at draft KV L..L+a-1 with
+   the target hidden of the path nodes; the last row's softmax top-k seed the next round.
+
+The row per request is the chain's contract (:mod:`refspec.speculative.rounds`): ``[a, c_0 ..
+c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) and ``d`` the
+accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
+-> ``draft`` / ``verify`` / ``forward_draft_extend_after_decode``; ``eagle_info.py``
+``EagleVerifyInput.verify`` (v1).  Upstream's v2 worker runs trees too (sgl-project/sglang#26866,
+page size 1; top-k > 1 with page size > 1 falls back to v1 there); refspec implements v1 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.core.batch import draft_extend_batch
+from refspec.speculative import tree_kv
+from refspec.speculative.drafters import Drafter
+from refspec.speculative.engine import Engine
+from refspec.speculative.tree_build import (
+    build_tree,
+    draft_topk,
+    organize_draft_results,
+    verify_tree_greedy,
+)
+from refspec.speculative.tree_runners import (
+    TreeRunners,
+    tree_draft_batch,
+    tree_verify_batch,
+)
+
+
+def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
+    """ValueError unless k >= 2, S >= 1 and 2 <= N <= 1 + k + (S-1) k^2 (TR-002)."""
+    for name, n, least in (("topk", topk, 2), ("num_steps", num_steps, 1), ("num_draft_tokens", num_draft_tokens, 2)):
+        if not isinstance(n, int) or n < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
+    most = 1 + topk + (num_steps - 1) * topk * topk
+    if num_draft_tokens > most:
+        raise ValueError(f"num_draft_tokens N = {num_draft_tokens} > 1 + k + (S-1) k^2 = {most} for k = {topk}, "
+                         f"S = {num_steps} (TR-002)")
+
+
+def _draft(eng, reqs, rows, L):
+    """Step 1: the branch regions, the tail copies, the S - 1 steps -> scores, tokens, parents."""
+    kv, k, S = eng.kv, eng.topk, eng.Sd
+    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
+    hidden = torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None
+    if S == 1:
+        return eng.runners._tree_draft_fn(None, x)
+    state = kv.allocator.backup_state()
+    kv.alloc_extend(rows, L, [tree_kv.draft_alloc_len(l, k, S, eng.P) for l in L])
+    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
+    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
+    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
+    fb = tree_draft_batch(kv, rows, L, k, S, loc)
+    out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
+    eng.observe("draft_decode", reqs=reqs, fb=fb)
+    kv.allocator.restore_state(state)
+    return out
+
+
+def round_tree_v1(eng, reqs) -> list[list[int]]:
+    """One v1 top-k round (module doc); returns the host rows."""
+    kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
+    rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
+    B = len(reqs)
+    scores, tokens, parents = _draft(eng, reqs, rows, L)
+    # 2. the tree
+    # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
+    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
+    roots = torch.stack([r.root for r in reqs])
+    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
+    # 3. verify at L..L+N-1
+    kv.alloc_extend(rows, L, [l + N for l in L])
+    for r, l in zip(reqs, L):
+        r.alloc_len = l + N
+    fb = tree_verify_batch(kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
+    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    eng.observe("verify", reqs=reqs, fb=fb)
+    # 4. accept
+    predicts, accept_index, n = verify_tree_greedy(
+        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
+        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
+    host = eng.host("in_round", torch.cat([(n + 1)[:, None], accept_index], dim=1))
+    a = [h[0] for h in host]
+    path = accept_index[accept_index >= 0]  # flat node ids, request-major, path order
+    emitted = predicts[path]
+    # 5. compact the path's target KV to L..L+a-1; free whole pages past ceil_P(L + a)
+    tree_kv.compact_accepted_path(kv, eng.target_pool, rows, L, fb.out_cache_loc, accept_index, n, N)
+    for r, l, ab in zip(reqs, L, a):
+        r.alloc_len = r.seq_len = r.target_kv_len = l + ab
+    # 6. v1 draft extend over the a emitted tokens (their KV index L + j consumes t_(L+j+1))
+    de = draft_extend_batch(kv, rows, [l + ab for l, ab in zip(L, a)], a, num_draft_tokens=S + 1)
+    dl, dh = eng.runners.draft_extend(de, emitted, hidden[path])
+    eng.observe("draft_extend", reqs=reqs, fb=de)
+    keep = torch.cumsum(torch.tensor(a, device=dl.device), 0) - 1
+    topk_p, topk_index = draft_topk(dl[keep], k)
+    em = emitted.tolist()
+    out, start = [], 0
+    for b, (r, ab) in enumerate(zip(reqs, a)):
+        r.root, r.topk_p, r.topk_index = emitted[keep[b]], topk_p[b], topk_index[b]
+        r.dhid = dh[keep[b]] if eng.draft.uses_hidden else None
+        r.draft_kv_len = L[b] + ab
+        c = em[start:start + ab]
+        out.append([ab] + c + [-1] * (N - ab) + c[:-1] + [-1] * (S + 1 - ab) + [L[b] + ab])
+        start += ab
+    return out
+
+
+class TreeEngine(Engine):
+    """The continuous-batching engine with EAGLE top-k > 1 trees (v1, FA3 tree backend).
+
+    Args: as :class:`~refspec.speculative.engine.Engine`, plus ``topk`` (k >= 2) and
+    ``num_draft_tokens`` (N, root included; ``2 <= N <= 1 + k + (S-1) k^2``).  ``version`` must
+    be "v1", ``attention`` "fa3"; the chain-only hooks ``drafter`` / ``accept`` are refused.
+    Each request's ``topk_p`` / ``topk_index`` ([k]) hold its root children between rounds.
+    Raises: ValueError for any of the above.
+    """
+
+    def __init__(self, target, draft, *, topk: int, num_draft_tokens: int, num_steps: int = 3, version: str = "v1",
+                 drafter=None, accept=None, **kw):
+        check_tree_args(topk, num_steps, num_draft_tokens)
+        if version != "v1":
+            raise ValueError(f"top-k > 1 runs v1 only (refspec has no v2 tree round), got version={version!r}")
+        if (drafter is not None and type(drafter) is not Drafter) or accept is not None:
+            raise ValueError("top-k > 1: the drafter / accept hooks are for the chain loop only")
+        self.topk, self._tree_N = topk, num_draft_tokens
+        super().__init__(target, draft, version=version, num_steps=num_steps, **kw)
+
+    def _verify_width(self, num_steps: int) -> int:
+        return self._tree_N
+
+    def _row_span(self) -> int:
+        """The most positions past L a round gives slots: the k branch regions, or the N verify slots."""
+        P, k, S = self.P, self.topk, self.Sd
+        npp = S if P == 1 else -(-(P - 1 + S) // P)
+        return max(self.N, k * npp * P)
+
+    def _make_runners(self, **kw) -> TreeRunners:
+        return TreeRunners(self.target, self.draft, self.kv, self.target_pool, self.draft_pool, topk=self.topk,
+                           num_draft_tokens=self.N, **kw)
+
+    def _set_draft_state(self, reqs, draft_logits, draft_hidden) -> None:
+        topk_p, topk_index = draft_topk(draft_logits, self.topk)
+        for b, r in enumerate(reqs):
+            r.topk_p, r.topk_index = topk_p[b], topk_index[b]
+            r.dhid = draft_hidden[b] if self.draft.uses_hidden else None
+
+    def _run_round(self, reqs):
+        return round_tree_v1(self, reqs)

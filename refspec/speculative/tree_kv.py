@@ -1,0 +1,160 @@
+"""Paged KV for top-k > 1: the per-branch draft layout and the accepted-path compaction (v1).
+
+**Branch layout (TR-015, sgl-project/sglang#7725).**  With P > 1 the k draft branches of a
+request cannot share the last, partial committed page: every branch continues it at the same
+offsets.  So each branch gets its own page-aligned region of the ``req_to_token`` row, and the
+lp = L mod P committed tokens of that page are *copied* into branches t >= 1::
+
+    | full prefix pages | tail + b0 drafts .. | tail' + b1 drafts .. | ... |
+      prefix_base = L - lp;  npp = ceil((lp + S) / P) pages per branch
+      branch t: positions [prefix_base + t*npp*P, prefix_base + (t+1)*npp*P)
+      its step j: position prefix_base + t*npp*P + lp + j
+
+Branch 0's region starts on the real last page (its tail *is* the committed tail).  At P = 1,
+lp = 0 and npp = S, so branch t, step j sits at position L + t*S + j.  v1 allocates the
+regions under ``backup_state`` and restores the allocator after the draft (the slots are
+transient).  Upstream v1: ``eagle_worker.py`` ``EAGLEWorker._draft_preprocess_decode``
+(``get_last_loc_large_page_size_large_top_k``, ``alloc_paged_token_slots_extend``,
+``assign_draft_cache_locs``, then ``move_kv_cache`` of the tail copies).
+
+**Accepted-path compaction (TR-017).**  Verify writes node i at position L + i; the accepted
+path (nodes ``accept_index[0..n]``) is generally not ``0..n``.  Upstream v1 (``eagle_info.py``
+``EagleVerifyInput.verify``, top-k > 1 and P > 1; ``spec_utils.py`` ``get_src_tgt_cache_loc`` /
+``get_target_cache_loc``) moves the accepted nodes' KV to the first n + 1 verify slots
+(``req_to_token`` already maps L..L+n there) and frees the slots from
+``keep = min(ceil_P(L + n + 1), L + N)`` on: whole pages, since keep is page-aligned.
+refspec uses this one rule for every P (at P = 1 it frees exactly the rejected slots).
+
+Units: positions are tokens of a row, slots are flat pool indices, pages are ``slot // P``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVCache, KVPool
+
+
+def branch_geometry(L: int, num_steps: int, page_size: int) -> tuple[int, int, int]:
+    """``(prefix_base, lp, npp)`` of a request with committed length L (TR-015).
+
+    P = 1: ``(L, 0, S)``.  P > 1: ``(L - L % P, L % P, ceil((L % P + S) / P))``.
+    """
+    if page_size == 1:
+        return L, 0, num_steps
+    lp = L % page_size
+    return L - lp, lp, -(-(lp + num_steps) // page_size)
+
+
+def draft_alloc_len(L: int, topk: int, num_steps: int, page_size: int) -> int:
+    """Row positions that hold slots during the draft: ``prefix_base + k * npp * P`` (tokens)."""
+    base, _, npp = branch_geometry(L, num_steps, page_size)
+    return base + topk * npp * page_size
+
+
+def branch_step_positions(L: int, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
+    """TR-015: int64 ``[k, S]``: the row position of branch t's step j."""
+    base, lp, npp = branch_geometry(L, num_steps, page_size)
+    t = torch.arange(topk)[:, None]
+    j = torch.arange(num_steps)[None, :]
+    return base + t * npp * page_size + lp + j
+
+
+def assign_draft_cache_locs(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int,
+                            num_steps: int) -> torch.Tensor:
+    """The draft ``out_cache_loc``: int64 ``[B*k*S]``, layout ``[B, k, S]`` (request, branch, step).
+
+    Reads the slots that the allocator gave the branch positions (:func:`branch_step_positions`)
+    from ``req_to_token``; they must hold slots already (:func:`draft_alloc_len` positions).
+    """
+    P, dev = kv.page_size, kv.device
+    out = []
+    for r, L in zip(rows, seq_lens):
+        pos = branch_step_positions(L, topk, num_steps, P).to(dev)
+        out.append(kv.req_to_token[r, pos.flatten()].long())
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
+
+
+def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int,
+                    num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TR-015: ``(src, tgt)`` int64 slots: the lp tail tokens, copied into every branch t >= 1.
+
+    ``src = req_to_token[r, prefix_base + i]``, ``tgt = req_to_token[r, prefix_base + t*npp*P + i]``
+    for i < lp, t = 1..k-1.  Empty at P = 1 and whenever L is page-aligned.
+    """
+    P, dev = kv.page_size, kv.device
+    src, tgt = [], []
+    for r, L in zip(rows, seq_lens):
+        base, lp, npp = branch_geometry(L, num_steps, P)
+        for t in range(1, topk):
+            src.append(kv.req_to_token[r, base:base + lp].long())
+            tgt.append(kv.req_to_token[r, base + t * npp * P:base + t * npp * P + lp].long())
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
+    return cat(src), cat(tgt)
+
+
+def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
+    """``pool[tgt] = pool[src]`` in every layer (gather first: overlapping src / tgt are safe)."""
+    if tgt.numel() == 0:
+        return
+    for layer_id in range(len(pool.k_buffer)):
+        fk, fv = pool.get_flat_kv(layer_id)
+        fk[tgt] = fk[src].clone()
+        fv[tgt] = fv[src].clone()
+
+
+# ------------------------------------------------------------------ accepted-path compaction
+def get_src_tgt_cache_loc(seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+                          num_correct_drafts: torch.Tensor, num_draft_tokens: int, page_size: int):
+    """TR-017, upstream ``get_src_tgt_cache_loc``: the accepted nodes' slots and what to free.
+
+    Shapes: seq_lens [B] (L), out_cache_loc int64 [B*N] (node i of request b at ``b*N + i``),
+    accept_index int [B, S+1] (flat node ids, -1 padded), num_correct_drafts [B] (n).
+    Returns ``src`` int64 [sum(n + 1)] (request-major, path order), ``keep_len`` [B] =
+    ``min(ceil_P(L + n + 1), L + N)`` and ``to_free_num_slots`` [B] = ``L + N - keep_len``.
+    """
+    src = out_cache_loc[accept_index[accept_index >= 0].long()]
+    extended = seq_lens.long() + num_draft_tokens
+    keep = torch.minimum((seq_lens.long() + num_correct_drafts.long() + 1 + page_size - 1)
+                         // page_size * page_size, extended)
+    return src, keep, extended - keep
+
+
+def get_target_cache_loc(out_cache_loc: torch.Tensor, num_correct_drafts: torch.Tensor,
+                         to_free_num_slots: torch.Tensor, num_draft_tokens: int):
+    """TR-017, upstream ``get_target_cache_loc``: ``tgt`` = the first n + 1 verify slots of each
+    request, ``to_free`` = its last ``to_free_num_slots`` verify slots (both int64, request-major)."""
+    N = num_draft_tokens
+    rows = out_cache_loc.view(-1, N)
+    tgt, free = [], []
+    for b, (n, f) in enumerate(zip(num_correct_drafts.tolist(), to_free_num_slots.tolist())):
+        tgt.append(rows[b, :n + 1])
+        free.append(rows[b, N - f:])
+    return torch.cat(tgt), torch.cat(free)
+
+
+def compact_accepted_path(kv: KVCache, target_pool: KVPool, rows: list[int], seq_lens: list[int],
+                          out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+                          num_correct_drafts: torch.Tensor, num_draft_tokens: int) -> list[int]:
+    """TR-017: free the whole pages past ``keep_len``, then move the accepted KV to the front.
+
+    After it, positions L..L+n of each row hold the accepted path's target KV (in path order)
+    and the row owns exactly ``ceil(keep_len / P)`` pages.  Returns ``keep_len`` per request (the
+    row's new ``alloc_len``).  Raises: InvariantError TR-017 if a freed page still backs a kept
+    position of its row (a leak-or-corrupt layout).
+    """
+    N, P, dev = num_draft_tokens, kv.page_size, kv.device
+    L = torch.as_tensor(seq_lens, dtype=torch.long, device=dev)
+    src, keep, to_free_num = get_src_tgt_cache_loc(L, out_cache_loc, accept_index, num_correct_drafts, N, P)
+    tgt, to_free = get_target_cache_loc(out_cache_loc, num_correct_drafts, to_free_num, N)
+    keep_len = keep.tolist()
+    if to_free.numel():
+        freed = set((to_free // P).tolist())
+        for r, k in zip(rows, keep_len):
+            kept = set(kv.row_pages(r, k))
+            require(not (freed & kept), "TR-017",
+                    f"row {r}: pages {sorted(freed & kept)} are freed but back positions < keep_len {k}")
+        kv.allocator.free(to_free)
+    move_kv_cache(target_pool, tgt, src)
+    return keep_len

@@ -1,0 +1,123 @@
+"""Runners of the production top-k > 1 loop: tree verify and branch draft decode on the FA3 tree backend.
+
+:class:`TreeRunners` extends :class:`~refspec.speculative.runners.SpecRunners` (prefill, draft
+prefill and the v1 draft extend are the chain's, unchanged: the a accepted tokens of a tree are a
+chain) with
+
+* ``tree_draft``: the S - 1 draft-decode forwards over B*k branch rows, each on the
+  :class:`~refspec.fa3.tree_backend.FlashAttentionTreeBackend` of its step, with SGLang's
+  per-step top-k expansion between them (``EAGLEWorker.draft_forward``);
+* ``tree_verify``: TARGET_VERIFY over the N tree nodes of every request.
+
+Both run eagerly or, with ``graphs``, replay a captured graph of the same forward function
+(:mod:`refspec.speculative.tree_graphs`).  Batch builders for both live here too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.core.modes import ForwardMode
+from refspec.fa3.tree_backend import (
+    FlashAttentionTreeBackend,
+    TreeDraftBatch,
+    TreeVerifyBatch,
+    draft_step_batch,
+)
+from refspec.speculative.runners import SpecRunners
+from refspec.speculative.tree_build import (
+    draft_topk,
+    select_top_k_tokens_first,
+    select_top_k_tokens_later,
+)
+
+
+def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
+                      positions: torch.Tensor, custom_mask: torch.Tensor) -> TreeVerifyBatch:
+    """TARGET_VERIFY over the tree: node i of request b writes ``req_to_token[r_b, L_b + i]`` and
+    runs at ``positions[b*N + i] = L_b + depth(i)`` (TR-005)."""
+    N, dev = num_draft_tokens, kv.device
+    loc = torch.cat([kv.req_to_token[r, L:L + N].long() for r, L in zip(rows, seq_lens)])
+    return TreeVerifyBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor(rows, dtype=torch.long, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(seq_lens),
+        out_cache_loc=loc, positions=positions.to(dev), num_draft_tokens=N, topk=topk, custom_mask=custom_mask)
+
+
+def tree_draft_batch(kv, rows: list[int], seq_lens: list[int], topk: int, num_steps: int,
+                     draft_cache_loc: torch.Tensor) -> TreeDraftBatch:
+    """All draft steps of a round: ``draft_cache_loc`` [B*k*S] (layout [B, k, S]); branch row
+    ``b*k + t`` runs step j at RoPE position ``L_b + j`` (its depth j + 1 token, SD-007)."""
+    dev = kv.device
+    pos = torch.tensor([L + j for L in seq_lens for _ in range(topk) for j in range(num_steps)], device=dev)
+    return TreeDraftBatch(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(rows, dtype=torch.long, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(seq_lens),
+        out_cache_loc=draft_cache_loc, positions=pos, topk=topk, num_steps=num_steps,
+        draft_cache_loc=draft_cache_loc)
+
+
+class TreeRunners(SpecRunners):
+    """:class:`SpecRunners` plus the tree phases (module doc).
+
+    Args: as :class:`SpecRunners`, plus ``topk`` (k >= 2) and ``num_draft_tokens`` (N).
+    ``attention`` must be "fa3".  Raises: ValueError otherwise.
+    """
+
+    def __init__(self, target, draft, kv, target_pool, draft_pool, *, topk, num_draft_tokens, num_steps,
+                 attention="fa3", provider=None, validate=True, **kw):
+        if attention != "fa3":
+            raise ValueError(f"top-k > 1 runs on the FA3 tree backend only, got attention={attention!r}")
+        self.topk, self.num_draft_tokens = topk, num_draft_tokens
+        bkw = dict(topk=topk, provider=provider, validate=validate)
+        self.tree_verify_be = FlashAttentionTreeBackend(target_pool, kv, num_draft_tokens=num_draft_tokens, **bkw)
+        self.tree_step_bes = [FlashAttentionTreeBackend(draft_pool, kv, num_steps=num_steps, speculative_step_id=s,
+                                                        **bkw) for s in range(num_steps - 1)]
+        super().__init__(target, draft, kv, target_pool, draft_pool, num_steps=num_steps, attention=attention,
+                         provider=provider, validate=validate, **kw)
+
+    def _capture(self, capture_bs, dtype):
+        from refspec.speculative.tree_graphs import capture_tree_graphs
+        capture_tree_graphs(self, capture_bs, dtype)
+
+    # ---- forward functions (eager and graphed alike) ----
+    def _tree_verify_fn(self, fb, x):
+        return self.target.forward(x["ids"], fb, self.tree_verify_be)
+
+    def _tree_draft_fn(self, fb, x):
+        """S - 1 draft steps + the expansion between them.  ``x``: ``topk_p``, ``topk_index``
+        [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).  Returns ``(scores [B, C],
+        tokens [B, C], parents [B, 1 + (S-1) k])`` with C = k + (S-1) k^2: SGLang's
+        ``score_list`` / ``token_list`` concatenated and ``parents_list[:-1]`` concatenated."""
+        k, S = self.topk, self.Sd
+        hidden = x.get("hidden")
+        ids, hid, scores, info = select_top_k_tokens_first(x["topk_p"], x["topk_index"], hidden, k)
+        score_list, token_list, parents_list = [info[0]], [info[1]], [info[2]]
+        for s in range(S - 1):
+            logits, hid_out = self.draft.forward(ids, hid, draft_step_batch(fb, s), self.tree_step_bes[s])
+            p, i = draft_topk(logits, k)
+            ids, hid, scores, info = select_top_k_tokens_later(s + 1, p, i, hid_out if hidden is not None else None,
+                                                               scores, k)
+            score_list.append(info[0])
+            token_list.append(info[1])
+            parents_list.append(info[2])
+        B = x["topk_p"].shape[0]
+        return (torch.cat(score_list, dim=1).flatten(1), torch.cat(token_list, dim=1),
+                torch.cat(parents_list[:-1], dim=1) if S > 1 else torch.zeros((B, 0), dtype=torch.long))
+
+    # ---- public phases ----
+    def tree_verify(self, ids, fb: TreeVerifyBatch):
+        """TARGET_VERIFY over the tree: ``ids [B*N]`` -> ``logits [B*N, V]``, ``hidden [B*N, E]``."""
+        return self._run("tree_verify", fb, {"ids": ids}, self._tree_verify_fn,
+                         self.tree_verify_be.init_forward_metadata)
+
+    def tree_draft(self, fb: TreeDraftBatch, topk_p, topk_index, hidden):
+        """All draft steps of a round (module doc) -> ``(scores, tokens, parents)``."""
+        x = {"topk_p": topk_p, "topk_index": topk_index}
+        if hidden is not None and self.draft.uses_hidden:
+            x["hidden"] = hidden
+
+        def eager_init(fb):
+            for be in self.tree_step_bes:
+                be.init_forward_metadata(fb)
+        return self._run("tree_draft", fb, x, self._tree_draft_fn, eager_init)

@@ -1,0 +1,28 @@
+"""``python -m refspec check --sections tree --quick``: every tree row passes, and a wrong variant fails it."""
+
+from __future__ import annotations
+
+import pytest
+
+from refspec.cli.check import main
+from refspec.mutants.tree_variants import apply_variant
+
+
+@pytest.mark.spec("TR-018", "TR-019")
+def test_tree_check_quick_passes_with_every_row(capsys):
+    rc = main(["--quick", "--sections", "tree"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tree ")]
+    modes = {(r[1], r[2]) for r in rows}
+    assert {("TREE_VERIFY", "k=2"), ("TREE_VERIFY", "k=4"), ("TREE_DRAFT", "k=2"), ("TREE_DRAFT", "k=4"),
+            ("TREE_LOOP", "k=2"), ("TREE_LOOP", "k=4")} <= modes
+    assert all("pass" in r for r in rows) and len(rows) == 2 * 2 * (3 + 3 + 2)
+
+
+@pytest.mark.spec("TR-012")
+def test_tree_check_fails_on_the_unscaled_merge(capsys):
+    with apply_variant("lse-merge-no-rescale"):
+        rc = main(["--quick", "--sections", "tree", "--page-sizes", "4"])
+    out = capsys.readouterr().out
+    assert rc == 1 and " FAIL " in out
