@@ -126,6 +126,7 @@ class GraphMetadataMixin:
                              f"come first)")
         md, bound = self.graph_state.captured[key]
         if self.validate:
+            self.count_validation()
             validate_batch(fb, self.kv.req_to_token, num_real=num_real)
         self._update_lengths(md, fb, bs)
         if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
