@@ -301,12 +301,12 @@ class KVCache:
             self.allocator.free_pages(self.row_pages(r, alloc_len, start=start))
 
     def check_mirror(self) -> None:
-        """``req_to_token_cpu`` equals the device ``req_to_token`` (KV-001; reads the device:
-        an audit, not a hot-path call).  Raises InvariantError KV-001 naming the first entry."""
+        """``req_to_token_cpu`` equals the device ``req_to_token`` (KV-007; reads the device:
+        an audit, not a hot-path call).  Raises InvariantError KV-007 naming the first entry."""
         dev = self.req_to_token.cpu()
         if not torch.equal(dev, self.req_to_token_cpu):
             r, c = (dev != self.req_to_token_cpu).nonzero()[0].tolist()
-            raise InvariantError("KV-001", f"req_to_token[{r}, {c}] = {int(dev[r, c])} on the device, "
+            raise InvariantError("KV-007", f"req_to_token[{r}, {c}] = {int(dev[r, c])} on the device, "
                                  f"{int(self.req_to_token_cpu[r, c])} in the allocator's host mirror")
 
     def check_page_contiguous(self, r: int, length: int) -> None:

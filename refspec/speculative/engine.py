@@ -55,7 +55,6 @@ still synchronizes on.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
@@ -68,37 +67,10 @@ from refspec.speculative.accept import num_correct_drafts
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.future import FutureMap
 from refspec.speculative.metrics import RoundTrace
+from refspec.speculative.request import Request
 from refspec.speculative.runners import SpecRunners
 
-
-@dataclass
-class Request:
-    """A request's host and device state (lengths in tokens)."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    arrival: int = 0
-    row: int = 0  #: req_to_token row
-    seq_len: int = 0  #: L, committed target KV
-    alloc_len: int = 0  #: positions of the row that hold slots (v1: L after a round; v2: L + N)
-    target_kv_len: int = 0  #: updated where the target's KV is committed (verify)
-    draft_kv_len: int = 0  #: what the draft extend committed (its extent; v2: kept row index + 1)
-    output: list[int] = field(default_factory=list)
-    accepts: list[int] = field(default_factory=list)
-    emitted: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
-    finish_reason: str = ""
-    launched: int = 0  #: verify rounds launched (= len(accepts) unless one is in flight)
-
-    @property
-    def tokens(self) -> list[int]:
-        """t_0..t_L: the prompt and every emitted token (the root included)."""
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
+__all__ = ["Engine", "Request"]
 
 
 class Engine:
@@ -108,7 +80,8 @@ class Engine:
         target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         version: "v1" or "v2".  num_steps: Sd >= 1 (N = Sd + 1).  page_size: P.
         max_context: bound on prompt + max_new_tokens (tokens); ``req_to_token`` rows get
-            4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window.
+            4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window
+            (overlap: :func:`~refspec.speculative.overlap.row_width` columns in all).
         max_batch: most running requests; later arrivals wait.
         attention, graphs, capture_bs, provider, validate: see :class:`SpecRunners`.
         drafter, accept, eos, observer: module doc.
@@ -127,13 +100,8 @@ class Engine:
         if version not in ("v1", "v2"):
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
         p = next(target.parameters())
-        overlap = (version == "v2" and p.device.type == "cuda") if overlap is None else bool(overlap)
-        if overlap and version != "v2":
-            raise ValueError("overlap needs version 'v2' (v1 reads the accept counts inside the round)")
         self.drafter = drafter or Drafter()
-        if overlap and type(self.drafter) is not Drafter and not self.drafter.position_only:
-            raise ValueError(f"overlap needs a position_only drafter (propose_at); {self.drafter.name!r} is not")
-        self.overlap = overlap
+        self.overlap = overlap = overlap_loop.resolve(overlap, version, p.device, self.drafter)
         if num_steps < 1:
             raise ValueError("num_steps (Sd) must be >= 1")
         for name, n in (("page_size", page_size), ("max_context", max_context), ("max_batch", max_batch)):
@@ -159,6 +127,7 @@ class Engine:
                                    provider=provider, validate=validate, syncs=self.syncs)
         self.device = p.device
         self.future = FutureMap(self.kv.req_to_token.shape[0], p.device)  #: next-round inputs per row
+        self.rounds_launched = 0  #: rounds launched so far (the next one's index)
         self.in_flight = None  #: overlap: the launched round whose results are not read yet
         self.draft_table = None  #: overlap: a position_only drafter's propose_at per (row, L), [R, W, Sd]
         self.waiting: list[Request] = []
@@ -304,6 +273,7 @@ class Engine:
             out = rounds.round_v2(self, reqs)
         for r in reqs:
             r.launched += 1
+        self.rounds_launched += 1
         in_round = self.syncs["in_round"] - before
         if self.version == "v2":  # the results, read once after the round
             out = self.host("post_round", out)

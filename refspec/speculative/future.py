@@ -34,7 +34,7 @@ class FutureMap:
     """
 
     def __init__(self, num_rows: int, device: torch.device):
-        z = dict(dtype=torch.long, device=device)
+        z = {"dtype": torch.long, "device": device}
         self.num_rows = num_rows
         self.seq_lens, self.root, self.d1 = (torch.zeros(num_rows, **z) for _ in range(3))
         self.hidden: torch.Tensor | None = None

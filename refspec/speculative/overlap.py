@@ -65,12 +65,26 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec.core.future_batch import (draft_decode_steps_batch_future, draft_extend_v2_batch_future,
-                                       verify_batch_future)
+from refspec.core.future_batch import (
+    draft_decode_steps_batch_future,
+    draft_extend_v2_batch_future,
+    verify_batch_future,
+)
 from refspec.core.invariants import require
 from refspec.core.transfer import ResultCopy, h2d
 from refspec.speculative import rounds
 from refspec.speculative.drafters import Drafter
+
+
+def resolve(overlap: bool | None, version: str, device: torch.device, drafter) -> bool:
+    """``Engine(overlap=...)``: None = on for v2 on CUDA.  Raises ValueError for v1 (its round
+    reads the accept counts inside it) or a drafter that proposes from tokens, not from L."""
+    overlap = (version == "v2" and torch.device(device).type == "cuda") if overlap is None else bool(overlap)
+    if overlap and version != "v2":
+        raise ValueError("overlap needs version 'v2' (v1 reads the accept counts inside the round)")
+    if overlap and type(drafter) is not Drafter and not drafter.position_only:
+        raise ValueError(f"overlap needs a position_only drafter (propose_at); {drafter.name!r} is not")
+    return overlap
 
 
 def reserve_len(L: int, N: int, P: int) -> int:
@@ -133,6 +147,7 @@ def launch(eng, reqs, joined: list[int]) -> InFlight:
     out = rounds.round_v2(eng, reqs, batches)
     for r in reqs:
         r.launched += 1
+    eng.rounds_launched += 1
     return InFlight(list(reqs), ResultCopy(out), joined, eng.graphs_used(counts), eng.syncs["in_round"] - before)
 
 
@@ -142,7 +157,7 @@ def finish(eng, fl: InFlight) -> None:
     rows = eng.host("post_round", fl.copy)
     keep = [(r, row) for r, row in zip(fl.reqs, rows) if not r.finished]
     for r, row in keep:
-        require(row[-1] == r.seq_len, "SD-008", lambda: f"request {r.rid}: host L {r.seq_len}, device L {row[-1]}")
+        require(row[-1] == r.seq_len, "SD-008", f"request {r.rid}: host L {r.seq_len}, device L {row[-1]}")
     eng.commit([r for r, _ in keep], [r.seq_len for r, _ in keep], [row for _, row in keep], fl.joined,
                fl.in_round, fl.graph, discarded=[r.rid for r in fl.reqs if r.finished])
 
@@ -160,9 +175,8 @@ def run(eng) -> list:
             prev = eng.in_flight
             flying = {id(r) for r in prev.reqs} if prev else set()
             batch = [r for r in eng.running if not (id(r) in flying and len(r.output) + 1 >= r.max_new_tokens)]
-            nxt = launch(eng, batch, [r.rid for r in joined]) if batch else None
+            eng.in_flight = launch(eng, batch, [r.rid for r in joined]) if batch else None
             if prev is not None:
-                finish(eng, prev)
-            eng.in_flight = nxt
+                finish(eng, prev)  # observers of its round_end see the next round in flight
             step += 1
     return eng.done
