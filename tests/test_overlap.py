@@ -171,7 +171,7 @@ def test_mirror_and_kv_audit_after_every_round_with_joins_and_finishes():
     assert audited == list(range(len(res.trace)))
     assert {r.finish_reason for r in res.requests} == {"eos", "length"}
     assert any(t.joined for t in res.trace[1:]) and any(t.discarded for t in res.trace)
-    assert res.tokens == [ref[i][len(p):] for i, p in enumerate(PROMPTS)]
+    assert res.tokens == [ref[i][len(p):len(p) + b] for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
     assert res.free_pages[0] == res.free_pages[1]
 
 

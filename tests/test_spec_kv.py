@@ -61,8 +61,8 @@ class Ledger:
     """The test's own accounting, from the trace only: committed length = prompt + sum(a).
 
     Overlap: at a round's ``round_end`` the next round is already launched, for every live
-    request, at the host-known L = the length after this round (newcomers: their prompt), so
-    each holds ``overlap_reserve(L)`` slots."""
+    request, at the host-known L = this round's start (it was launched before this round was
+    read; newcomers: their prompt), so each holds ``overlap_reserve(L)`` slots."""
 
     def __init__(self, prompts, version, num_steps, page_size, overlap=False):
         self.length = {i: len(p) for i, p in enumerate(prompts)}
@@ -78,7 +78,7 @@ class Ledger:
     def at_round_end(self, L_new, a):
         """Slots a live request holds at round_end, its length now L_new after accepting a."""
         if self.overlap:
-            return overlap_reserve(L_new, self.N, self.P)  # the next round, launched at L_new
+            return overlap_reserve(L_new - a, self.N, self.P)  # the next round, launched at this one's L
         return L_new if self.version == "v1" else L_new - a + self.N  # v2: L + N from before the round
 
     def __call__(self, event, eng, **info):

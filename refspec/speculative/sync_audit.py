@@ -15,6 +15,9 @@ Two probes, both wrapped around :meth:`Engine.run`:
   ``Event.synchronize`` (the counted result read, :class:`~refspec.core.transfer.ResultCopy`)
   is not a warned call: it is counted in ``Engine.syncs`` instead.
 
+* :func:`profiled_syncs` (CUDA, ``--profiler``): the blocking CUDA runtime calls
+  (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) counted by ``torch.profiler``.
+
 ``python -m refspec.speculative.sync_audit --device cuda`` runs a random-init model of
 SmolLM2-135M's shapes (v2, overlap, graphs, validation off) and prints both tables; exit 1 when a
 ``launch`` phase synchronized (``--strict``).
@@ -119,6 +122,21 @@ def cuda_syncs(eng) -> Counter:
     return seen
 
 
+RUNTIME_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profiled_syncs(eng) -> Counter:
+    """Run ``eng`` under ``torch.profiler`` (CPU + CUDA activities): ``Counter`` of the CUDA
+    runtime calls that block the host (:data:`RUNTIME_SYNCS`; ``cudaEventSynchronize`` is the
+    counted result read), whole run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.run()
+        torch.cuda.synchronize()
+    return Counter(e.name for e in prof.events() if e.name in RUNTIME_SYNCS)
+
+
 def _per_phase(seen: Counter) -> Counter:
     kinds = Counter()
     for (phase, *_), n in seen.items():
@@ -138,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="the tiny test config instead of SmolLM2's shapes")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a launch phase synchronized")
+    ap.add_argument("--profiler", action="store_true",
+                    help="count blocking CUDA runtime calls with torch.profiler instead of sync debug warnings")
     ns = ap.parse_args(argv)
     from refspec.model.drafts import make_draft
     from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
@@ -159,8 +179,11 @@ def main(argv=None) -> int:
                  overlap={"auto": None, "on": True, "off": False}[ns.overlap])
     for i, p in enumerate(prompts):
         eng.add_request(i, p, ns.max_new_tokens)
+    runtime = Counter()
     with host_reads() as reads:
-        if dev.type == "cuda":
+        if dev.type == "cuda" and ns.profiler:
+            runtime, seen = profiled_syncs(eng), Counter()
+        elif dev.type == "cuda":
             seen = cuda_syncs(eng)
         else:
             eng.run()
@@ -172,7 +195,10 @@ def main(argv=None) -> int:
     print("\nvalue reads by site (any device; on a GPU those of device tensors are syncs):")
     for (path, fn, how), n in sorted(reads.items(), key=lambda x: -x[1]):
         print(f"  {n:6d}  {path}:{fn} ({how})")
-    if dev.type == "cuda":
+    if runtime:
+        print(f"\nblocking CUDA runtime calls (torch.profiler), whole run: {dict(runtime)}; per round "
+              f"{ {k: round(v / max(rounds, 1), 2) for k, v in runtime.items()} }")
+    elif dev.type == "cuda":
         per = _per_phase(seen)
         print(f"\nsynchronizing CUDA calls (set_sync_debug_mode warn): {sum(seen.values())} total; by phase kind "
               f"{dict(per)}; launch phases per round {per['launch'] / max(rounds, 1):.2f}")
