@@ -25,6 +25,9 @@ TARGET_VERIFY       L                 L .. L + N - 1 (N)           L_hi
 DRAFT_EXTEND_V2     L + N             L .. L + N - 1 (N)           L_hi + N
 ==================  ================  ===========================  =====================
 
+The three share one window: positions L .. L + N - 1 and their slots are gathered once per round
+(:func:`round_window`); each builder takes its first q columns.
+
 Example: L = [5, 9] on the device, L_hi = [8, 12] (N = 4, the previous round still in flight):
 verify positions [5..8, 9..12], ``seq_lens_cpu = [8, 12]``, so ``max_seqlen_k = 12 + 4 = 16``
 while ``cache_seqlens = [9, 13]``; the page table spans ceil(16 / P) columns.
@@ -39,44 +42,55 @@ from refspec.core.kv_cache import KVCache
 from refspec.core.modes import ForwardMode
 
 
-def _future_build(mode, kv: KVCache, rows: list[int], rows_dev: torch.Tensor, seq_lens: torch.Tensor,
-                  seq_lens_hi: list[int], start: torch.Tensor, start_hi: list[int], q: int,
-                  **fields) -> ForwardBatch:
-    """Rows checked on the host (PA-008, MD-012); q tokens per request at ``start[b] + i``.
+def round_window(kv: KVCache, rows: list[int], rows_dev: torch.Tensor, seq_lens: torch.Tensor,
+                 seq_lens_hi: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``L_b .. L_b + width - 1`` and their slots: ``(pos, loc)``, both int64 ``[B, width]``.
 
-    Raises: ValueError if a window's bound ``start_hi[b] + q`` passes the ``req_to_token``
-    width (the reserve of KV-005 keeps it inside).
+    Rows checked on the host (PA-008, MD-012).  Raises ValueError if a bound's window
+    ``seq_lens_hi[b] + width`` passes the ``req_to_token`` width (KV-005's reserve keeps it inside).
     """
     _check_rows(kv, rows, seq_lens_hi)
     W = kv.req_to_token.shape[1]
-    for b, hi in enumerate(start_hi):
-        if hi + q > W:
-            raise ValueError(f"{mode.name} request {b}: bound {hi} + {q} query tokens past the req_to_token width {W}")
-    pos = (start[:, None] + torch.arange(q, device=start.device)).flatten()
-    loc = kv.req_to_token[rows_dev.repeat_interleave(q, output_size=len(rows) * q), pos].long()
+    for b, hi in enumerate(seq_lens_hi):
+        if hi + width > W:
+            raise ValueError(f"request {b}: bound {hi} + {width} positions past the req_to_token width {W}")
+    pos = seq_lens[:, None] + torch.arange(width, device=seq_lens.device)
+    return pos, kv.req_to_token[rows_dev[:, None], pos].long()
+
+
+def _future_build(mode, kv: KVCache, rows: list[int], rows_dev: torch.Tensor, seq_lens: torch.Tensor,
+                  seq_lens_hi: list[int], window, q: int, **fields) -> ForwardBatch:
+    """q tokens per request: the first q columns of ``window`` (:func:`round_window`, or None:
+    gather it here from the batch's start positions)."""
+    if window is None:
+        start = seq_lens - (fields.get("num_draft_tokens", 0) if mode.is_draft_extend_v2() else 0)
+        hi = [h - (q if mode.is_draft_extend_v2() else 0) for h in seq_lens_hi]
+        window = round_window(kv, rows, rows_dev, start, hi, q)
+    pos, loc = (w[:, :q].flatten() for w in window)  # request-major [B * q] (a copy when q < width)
     return ForwardBatch(forward_mode=mode, req_pool_indices=rows_dev, seq_lens=seq_lens.to(torch.int32),
                         seq_lens_cpu=torch.tensor(seq_lens_hi, dtype=torch.long), out_cache_loc=loc,
                         positions=pos, seq_lens_cpu_is_bound=True, **fields)
 
 
-def draft_decode_steps_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_steps) -> ForwardBatch:
+def draft_decode_steps_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_steps,
+                                    window=None) -> ForwardBatch:
     """All Sd - 1 draft-decode steps at L .. L + Sd - 2 (request-major, as
     :func:`refspec.core.batch.draft_decode_steps_batch`)."""
-    hi = list(seq_lens_hi)
-    return _future_build(ForwardMode.DECODE, kv, rows, rows_dev, seq_lens, hi, seq_lens, hi, num_steps - 1)
+    return _future_build(ForwardMode.DECODE, kv, rows, rows_dev, seq_lens, list(seq_lens_hi), window, num_steps - 1)
 
 
-def verify_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_draft_tokens) -> ForwardBatch:
+def verify_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_draft_tokens, window=None) -> ForwardBatch:
     """TARGET_VERIFY: ``seq_lens`` L; N tokens at L .. L + N - 1."""
-    hi = list(seq_lens_hi)
-    return _future_build(ForwardMode.TARGET_VERIFY, kv, rows, rows_dev, seq_lens, hi, seq_lens, hi,
+    return _future_build(ForwardMode.TARGET_VERIFY, kv, rows, rows_dev, seq_lens, list(seq_lens_hi), window,
                          num_draft_tokens, num_draft_tokens=num_draft_tokens)
 
 
-def draft_extend_v2_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_draft_tokens) -> ForwardBatch:
-    """DRAFT_EXTEND_V2 after a verify at L: ``seq_lens`` L + N; N tokens at L .. L + N - 1."""
+def draft_extend_v2_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_draft_tokens,
+                                 window=None) -> ForwardBatch:
+    """DRAFT_EXTEND_V2 after a verify at L (``seq_lens`` and the bound are L's): ``seq_lens``
+    L + N; N tokens at L .. L + N - 1."""
     N, B = num_draft_tokens, len(rows)
     ext = torch.full((B,), N, dtype=torch.int32, device=seq_lens.device)
     return _future_build(ForwardMode.DRAFT_EXTEND_V2, kv, rows, rows_dev, seq_lens + N,
-                         [h + N for h in seq_lens_hi], seq_lens, list(seq_lens_hi), N, num_draft_tokens=N,
+                         [h + N for h in seq_lens_hi], window, N, num_draft_tokens=N,
                          extend_seq_lens=ext, extend_seq_lens_cpu=[N] * B)

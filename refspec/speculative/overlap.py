@@ -79,6 +79,7 @@ import torch
 from refspec.core.future_batch import (
     draft_decode_steps_batch_future,
     draft_extend_v2_batch_future,
+    round_window,
     verify_batch_future,
 )
 from refspec.core.invariants import require
@@ -147,11 +148,12 @@ def launch(eng, reqs, joined: list[int]) -> InFlight:
     prev = {id(r) for r in eng.in_flight.reqs} if eng.in_flight else set()
     hi = [r.seq_len + (eng.N if id(r) in prev else 0) for r in reqs]  # L_hi
 
-    def batches(eng, reqs, rows_dev, L_dev):
+    def batches(eng, reqs, rows_dev, L_dev):  # one window L..L+N-1 for all three forwards
         kv, N, rows = eng.kv, eng.N, [r.row for r in reqs]
-        steps = draft_decode_steps_batch_future(kv, rows, rows_dev, L_dev, hi, eng.Sd) if eng.Sd > 1 else None
-        return (steps, verify_batch_future(kv, rows, rows_dev, L_dev, hi, N),
-                draft_extend_v2_batch_future(kv, rows, rows_dev, L_dev, hi, N))
+        win = round_window(kv, rows, rows_dev, L_dev, hi, N)
+        steps = draft_decode_steps_batch_future(kv, rows, rows_dev, L_dev, hi, eng.Sd, win) if eng.Sd > 1 else None
+        return (steps, verify_batch_future(kv, rows, rows_dev, L_dev, hi, N, win),
+                draft_extend_v2_batch_future(kv, rows, rows_dev, L_dev, hi, N, win))
 
     prepare(eng, reqs)
     before, counts = eng.syncs["in_round"], Counter(eng.runners.counts)
