@@ -4,11 +4,11 @@ Both return, per request, the row ``[a, c_0..c_(N-1), d_1..d_Sd, draft_len]`` (`
 committed candidates of :func:`~refspec.speculative.accept.committed_candidates`, ``c[:a]`` the emitted
 tokens; ``draft_len`` the draft KV length the draft extend committed: the kept row's KV index
 + 1): v1 as a host list (it had to read it inside the round), v2 as a device tensor
-``[B, 2 + N + Sd]`` that the engine reads after the round.  Both leave each request's next
-``seq_len``, ``root``, ``d1`` and draft hidden on the device, in the engine's future map
-(:mod:`refspec.speculative.future`), and read them from it at the start.  The overlap round
-(:mod:`refspec.speculative.overlap`) is a sibling that reuses :func:`_start`, :func:`_draft`,
-:func:`_verify` and :func:`_next_state` with batches built from device lengths.
+``[B, 3 + N + Sd]`` (that row, then the device's L) that the engine reads after the round.
+Both leave each request's next ``seq_len``, ``root``, ``d1`` and draft hidden on the device,
+in the engine's future map (:mod:`refspec.speculative.future`), and read them from it at the
+start.  The overlap loop (:mod:`refspec.speculative.overlap`) runs :func:`round_v2` as it is,
+with its batches built from the device lengths and host bounds (``batches=``).
 
 Shapes: B requests, N = Sd + 1; token tensors int64; hidden ``[., E]`` in the model dtype.
 """
