@@ -127,8 +127,7 @@ def test_one_result_read_per_round_after_the_next_launch(graphs, validate):
 #: call sites that read tensor values during a run with validation off, each a read of HOST data
 #: (or of the kernel stand-in): (path under refspec/, function) -> what it reads
 HOST_SITES = {
-    ("speculative/engine.py", "host"): "the counted prefill read (Engine.syncs['prefill'])",
-    ("core/transfer.py", "wait"): "the counted result read: the pinned buffer, after its event",
+    ("core/transfer.py", "wait"): "the counted result and prefill reads: pinned buffers, after their events",
     ("core/kv_cache.py", "alloc_extend"): "req_to_token_cpu, the allocator's host mirror (KV-007)",
     ("core/kv_cache.py", "row_pages"): "req_to_token_cpu (KV-007)",
     ("core/kv_cache.py", "free_pages"): "the allocator's host in-use bitmap",
@@ -143,15 +142,15 @@ KERNEL_STAND_IN = "fa3/emulator.py"  # the CPU contract emulator; the real FA3 k
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
 def test_hot_path_reads_only_host_data(graphs):
     """Every value read of a tensor during an overlap run (validation off) happens at a site
-    that reads host data (HOST_SITES); the two counted sites read exactly Engine.syncs times."""
+    that reads host data (HOST_SITES); the counted site reads exactly Engine.syncs times."""
     eng = engine(graphs=graphs, validate=False)
     with host_reads() as reads:
         eng.run()
     sites = {(path, fn) for path, fn, _ in reads if path != KERNEL_STAND_IN}
     assert sites <= set(HOST_SITES), f"reads outside the host sites: {sites - set(HOST_SITES)}"
     by_site = {k: sum(n for (p, f, _), n in reads.items() if (p, f) == k) for k in HOST_SITES}
-    assert by_site[("core/transfer.py", "wait")] == eng.syncs["post_round"] == eng.rounds_launched
-    assert by_site[("speculative/engine.py", "host")] == eng.syncs["prefill"] == 4
+    assert eng.syncs["post_round"] == eng.rounds_launched and eng.syncs["prefill"] == 4  # arrivals 0..3
+    assert by_site[("core/transfer.py", "wait")] == eng.syncs["post_round"] + eng.syncs["prefill"]
 
 
 @pytest.mark.spec("KV-007", "KV-005", "KV-006", "SD-008")
@@ -173,6 +172,25 @@ def test_mirror_and_kv_audit_after_every_round_with_joins_and_finishes():
     assert any(t.joined for t in res.trace[1:]) and any(t.discarded for t in res.trace)
     assert res.tokens == [ref[i][len(p):len(p) + b] for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
     assert res.free_pages[0] == res.free_pages[1]
+
+
+@pytest.mark.spec("SD-002", "KV-006")
+def test_prefill_tokens_are_read_after_the_next_launch():
+    """A newcomer's first token is read after its first round was launched: max_new_tokens 1
+    leaves it out of that round (no verify round at all); an EOS first token runs the round,
+    whose row is dropped; both end with every page back."""
+    launched_with = []
+
+    def obs(event, eng, **info):
+        if event == "verify":
+            launched_with.append(sorted(r.rid for r in info["reqs"]))
+    eos = reference()[1][len(PROMPTS[1])]  # request 1's first greedy token
+    res = generate(target(), PROMPTS[:3], version="v2", overlap=True, page_size=4, max_new_tokens=[1, 5, 6],
+                   eos=eos, observer=obs)
+    assert res.requests[0].tokens == [reference()[0][len(PROMPTS[0])]] and not res.requests[0].accepts
+    assert res.requests[1].tokens == [eos] and res.requests[1].finish_reason == "eos" and not res.requests[1].accepts
+    assert launched_with[0] == [1, 2] and res.trace[0].discarded == [1] and res.trace[0].rids == [2]
+    assert res.host_syncs["prefill"] == 1 and res.free_pages[0] == res.free_pages[1]
 
 
 @pytest.mark.spec("SD-002", "KV-006")

@@ -39,7 +39,8 @@ packed draft-extend layout and the frees depend on them): 1 ``"in_round"`` read 
 v2's in-round metadata is CPU-known (L and L + N) and the kept row ``b*N + a_b - 1`` is
 gathered on the device: 0 reads inside the round, and 1 ``"post_round"`` read after it.  With
 ``overlap`` (:mod:`refspec.speculative.overlap`) that read happens after the *next* round was
-launched.  Each prefill reads its first tokens (``"prefill"``).  With ``validate=True`` each
+launched.  Each prefill reads its first tokens (``"prefill"``; with overlap, also after the
+next launch).  With ``validate=True`` each
 validated metadata build reads the batch on the host: counted apart, as ``"validation"``.
 The allocator reads nothing from the device (its host mirror of ``req_to_token``,
 :mod:`refspec.core.kv_cache`) and every host -> device copy is pinned and non-blocking
@@ -129,6 +130,7 @@ class Engine:
         self.future = FutureMap(self.kv.req_to_token.shape[0], p.device)  #: next-round inputs per row
         self.rounds_launched = 0  #: rounds launched so far (the next one's index)
         self.in_flight = None  #: overlap: the launched round whose results are not read yet
+        self.prefills = []  #: overlap: (requests, first-token copy) of prefills not read yet
         self.draft_table = None  #: overlap: a position_only drafter's propose_at per (row, L), [R, W, Sd]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -229,9 +231,16 @@ class Engine:
         if self.overlap:
             overlap_loop.tabulate_drafts(self, reqs)
         self.observe("prefill", reqs=reqs, fb=fb)
-        for r, t in zip(reqs, self.host("prefill", first)):
-            self._emit(r, [t])
         self.running.extend(reqs)
+        if self.overlap:  # read after the next round is launched (overlap.read_prefills)
+            self.prefills.append((reqs, ResultCopy(first)))
+        else:
+            self.emit_first(reqs, self.host("prefill", first))
+
+    def emit_first(self, reqs, first: list[int]) -> None:
+        """Emit each request's first token (the prefill's); free those it finishes."""
+        for r, t in zip(reqs, first):
+            self._emit(r, [t])
         self._release([r for r in reqs if r.finished])
 
     def _admit(self, step: int) -> list[Request]:

@@ -7,9 +7,10 @@ copy.  This module is that loop for refspec's engine (``Engine(..., overlap=True
 
 1. admit and prefill newcomers; build round k+1 from what the host knows (below);
 2. launch round k+1 (:func:`launch`), whose inputs come from the device (the future map);
-3. read round k's results (ONE device -> host copy, started when round k was launched:
-   pinned buffer, ``non_blocking``, an event, :class:`~refspec.core.transfer.ResultCopy`) and
-   commit them: emission, finishes, frees, the trace entry (:func:`finish`).
+3. read the first tokens of the prefills of step 1 (:func:`read_prefills`), then round k's
+   results (ONE device -> host copy, started when round k was launched: pinned buffer,
+   ``non_blocking``, an event, :class:`~refspec.core.transfer.ResultCopy`) and commit them:
+   emission, finishes, frees, the trace entry (:func:`finish`).
 
 **What the host knows when it builds round k+1.**  Round k is in flight, so a request's
 committed length at round k+1 is known only on the device.  The host keeps L, the start
@@ -50,8 +51,10 @@ A freed batch slot is therefore reused one round later than without overlap: the
 (``RoundTrace`` rids / joins) can differ from the non-overlap loop's, the tokens cannot (SD-009).
 
 **Syncs.**  Per round: 0 model-result reads while it is built and launched, 1 (``"post_round"``)
-after the next round was launched, counted in ``Engine.syncs``.  A prefill still reads its
-first tokens at once (``"prefill"``; on a GPU that waits for the round in flight).  With
+after the next round was launched, counted in ``Engine.syncs``.  A prefill's first tokens are
+read the same way (``"prefill"``, one per prefill): after the round that follows it (its
+newcomers' first round) was launched; a newcomer with ``max_new_tokens = 1`` is left out of
+that round, one whose first token is EOS runs it and its row is dropped.  With
 ``validate=True`` every metadata check reads the device values it checks (exact lengths, so
 every check of :mod:`refspec.fa3.validate` still runs, MD-006 as ``seq_lens <= seq_lens_cpu``):
 counted as ``"validation"``, never as result reads, and on a GPU they serialize the loop: use
@@ -175,6 +178,13 @@ def finish(eng, fl: InFlight) -> None:
                fl.in_round, fl.graph, discarded=[r.rid for r in fl.reqs if r.finished])
 
 
+def read_prefills(eng) -> None:
+    """Read the first tokens of the prefills launched before the current round; emit them."""
+    for reqs, copy in eng.prefills:
+        eng.emit_first(reqs, eng.host("prefill", copy))
+    eng.prefills = []
+
+
 def run(eng) -> list:
     """The overlap loop (module doc) until every request finished; completion order."""
     step = 0
@@ -185,10 +195,12 @@ def run(eng) -> list:
             joined = eng._admit(step)
             if joined:
                 eng._prefill(joined)
-            prev = eng.in_flight
-            flying = {id(r) for r in prev.reqs} if prev else set()
-            batch = [r for r in eng.running if not (id(r) in flying and len(r.output) + 1 >= r.max_new_tokens)]
+            prev = eng.in_flight  # every unread result (a round, a prefill) emits >= 1 token:
+            unread = {id(r) for r in prev.reqs} if prev else set()
+            unread |= {id(r) for reqs, _ in eng.prefills for r in reqs}
+            batch = [r for r in eng.running if not (id(r) in unread and len(r.output) + 1 >= r.max_new_tokens)]
             eng.in_flight = launch(eng, batch, [r.rid for r in joined]) if batch else None
+            read_prefills(eng)
             if prev is not None:
                 finish(eng, prev)  # observers of its round_end see the next round in flight
             step += 1
