@@ -132,6 +132,8 @@ HOST_SITES = {
     ("core/kv_cache.py", "row_pages"): "req_to_token_cpu (KV-007)",
     ("core/kv_cache.py", "free_pages"): "the allocator's host in-use bitmap",
     ("fa3/metadata.py", "init_forward_metadata"): "seq_lens_cpu (mirror or bound, MD-006)",
+    ("fa3/metadata.py", "eager_cache_seqlens"): "max(seq_lens_cpu) (MD-006)",
+    ("fa3/metadata.py", "eager_query_layout"): "seq_lens_cpu vs extend_seq_lens_cpu (EXTEND's prefix test)",
     ("fa3/graph_metadata.py", "_update_lengths"): "seq_lens_cpu (MD-006)",
     ("graphs/runner.py", "<listcomp>"): "the live batch's CPU lists into the static batch's mirrors",
 }
