@@ -23,6 +23,9 @@ from refspec.core.tolerance import T2_DELTA, t2
 
 pytestmark = pytest.mark.gpu
 
+#: loops: name -> (version, overlap); on CUDA v2 runs the overlap loop by default
+MODES = {"v1": ("v1", None), "v2": ("v2", None), "v2-no-overlap": ("v2", False)}
+
 SMALL = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -57,6 +60,7 @@ def _check_t2(m32, m16, prompts, budgets, **kw):
     ref = {i: p + g.tokens for i, (p, g) in enumerate(zip(prompts, base))}
     ora = generate(m32, prompts, backend="oracle", max_new_tokens=budgets, reference=ref, **kw)
     assert ora.tokens == [g.tokens for g in base], "fp32 oracle loop is not lossless"
+    kw["version"], kw["overlap"] = MODES[kw["version"]]
     prod = generate(m16, prompts, backend="fa3", provider="fa3", max_new_tokens=budgets, reference=ref, **kw)
     delta = max(T2_DELTA, 2 * max(_teacher_forced_err(m32, m16, ref[i]) for i in range(len(prompts))))
     for i, g in enumerate(base):
@@ -69,7 +73,7 @@ def _check_t2(m32, m16, prompts, budgets, **kw):
 @pytest.mark.spec("TOL-003", "SD-002", "CG-002")
 @pytest.mark.parametrize("drafter", ["perfect", "random", None])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_gpu_fa3_graph_loop_matches_oracle_t2(version, page_size, drafter):
     m32, m16 = _pair(SMALL)
     prompts = _prompts(SMALL, [5, 17, 33, 64, 9])
@@ -79,7 +83,7 @@ def test_gpu_fa3_graph_loop_matches_oracle_t2(version, page_size, drafter):
 
 
 @pytest.mark.spec("TOL-003", "SD-002")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_gpu_fa3_eager_loop_matches_oracle_t2(version):
     m32, m16 = _pair(SMALL, seed=1)
     prompts = _prompts(SMALL, [3, 40, 12], seed=1)
@@ -88,7 +92,7 @@ def test_gpu_fa3_eager_loop_matches_oracle_t2(version):
 
 
 @pytest.mark.spec("TOL-003", "SD-002", "CG-007")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_gpu_smollm2_sized_model_t2(version):
     """SmolLM2-135M's shapes (30 layers, GQA 9/3, vocab 49 152, tied), random init, early-exit
     draft of 15 layers; 6 requests with graphs for 1, 2, 4 (the first rounds run eagerly)."""

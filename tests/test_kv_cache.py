@@ -95,13 +95,16 @@ def test_alloc_extend_exact_page_boundary_takes_a_new_page():
     assert kv.allocator.num_free_pages == 1
 
 
-@pytest.mark.spec("KV-001")
+@pytest.mark.spec("KV-001", "KV-007")
 def test_alloc_extend_refuses_a_row_whose_last_slot_is_misplaced():
     """SGLang's assert ``(last_loc + 1) % P == prefix_len % P``: last slot 9 at prefix 3, P = 4."""
     kv = KVCache(max_reqs=2, max_context=16, num_pages=4, page_size=4)
     r = kv.alloc_req()
     kv.alloc_extend([r], [0], [3])
-    kv.req_to_token[r, 2] = 9  # (9 + 1) % 4 == 2 != 3
+    kv.req_to_token[r, 2] = 9  # (9 + 1) % 4 == 2 != 3, on the device ...
+    with raises("KV-007"):  # ... which the audit's mirror check sees
+        kv.check_mirror()
+    kv.req_to_token_cpu[r, 2] = 9  # ... and in the host mirror, the copy the allocator reads
     with raises("KV-001"):
         kv.alloc_extend([r], [3], [4])
 

@@ -18,6 +18,9 @@ from refspec.speculative.audit import audit_kv
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 
+#: production loops: name -> (version, overlap); "v2-overlap" reads round k after launching k+1
+MODES = {"v1": ("v1", False), "v2": ("v2", False), "v2-overlap": ("v2", True)}
+
 
 @functools.lru_cache(maxsize=None)
 def micro() -> LlamaModel:
@@ -48,57 +51,84 @@ def assert_writes_reserved(eng, fb, reqs, per_req=None):
         assert pages <= own, f"request {r.rid} writes pages {sorted(pages - own)} outside its row"
 
 
-class Ledger:
-    """The test's own accounting, from the trace only: committed length = prompt + sum(a)."""
+def overlap_reserve(L, N, P):
+    """The overlap loop's allocate_len for a round launched at host-known L (hand rule, KV-005):
+    the round may start at up to L + N and writes N positions from there."""
+    return ceil_div(L + 2 * N, P) * P
 
-    def __init__(self, prompts, version, num_steps, page_size):
+
+class Ledger:
+    """The test's own accounting, from the trace only: committed length = prompt + sum(a).
+
+    Overlap: at a round's ``round_end`` the next round is already launched, for every live
+    request, at the host-known L = this round's start (it was launched before this round was
+    read; newcomers: their prompt), so each holds ``overlap_reserve(L)`` slots."""
+
+    def __init__(self, prompts, version, num_steps, page_size, overlap=False):
         self.length = {i: len(p) for i, p in enumerate(prompts)}
-        self.version, self.N, self.P = version, num_steps + 1, page_size
+        self.version, self.N, self.P, self.overlap = version, num_steps + 1, page_size, overlap
         self.rounds = 0
         self.free_in_round: dict[str, int] = {}
+        self.newcomers: set[int] = set()  #: prefilled since the last round_end (in the next round)
+
+    def before_round(self, L):
+        """v2: slots a request holds while a round launched at host-known L runs."""
+        return overlap_reserve(L, self.N, self.P) if self.overlap else L + self.N
+
+    def at_round_end(self, L_new, a):
+        """Slots a live request holds at round_end, its length now L_new after accepting a."""
+        if self.overlap:
+            return overlap_reserve(L_new - a, self.N, self.P)  # the next round, launched at this one's L
+        return L_new if self.version == "v1" else L_new - a + self.N  # v2: L + N from before the round
 
     def __call__(self, event, eng, **info):
         if event in ("prefill", "draft_decode", "verify", "draft_extend"):
             steps = eng.Sd - 1 if event == "draft_decode" else None
             assert_writes_reserved(eng, info["fb"], info["reqs"], per_req=steps)
+        if event == "prefill":
+            self.newcomers |= {r.rid for r in info["reqs"]}
         if event in ("draft_decode", "verify", "draft_extend") and self.version == "v2":
             # KV-005: everything allocated before the round, nothing allocated or freed inside it
+            if self.free_in_round.get("round") != eng.rounds_launched:  # (overlap: a round_end lies
+                self.free_in_round = {"round": eng.rounds_launched}    # between two launches, or not)
             self.free_in_round[event] = eng.kv.allocator.num_free_pages
             for r in info["reqs"]:
-                assert r.alloc_len == r.seq_len + self.N, (r.rid, r.alloc_len, r.seq_len)
+                assert r.alloc_len == self.before_round(r.seq_len), (r.rid, r.alloc_len, r.seq_len)
                 eng.kv.check_page_contiguous(r.row, r.alloc_len)
-            assert len(set(self.free_in_round.values())) == 1, self.free_in_round
+            assert len({v for k, v in self.free_in_round.items() if k != "round"}) == 1, self.free_in_round
         if event != "round_end":
             return
-        self.free_in_round = {}
         tr = info["trace"]
         self.rounds += 1
-        expected_pages = 0
         for rid, L, a in zip(tr.rids, tr.seq_lens, tr.num_accept_tokens):
             assert L == self.length[rid], f"request {rid}: round started at L={L}, ledger says {self.length[rid]}"
             self.length[rid] = L + a
-            if rid not in tr.finished:  # v1 keeps ceil((L+a)/P) pages, v2 ceil((L+N)/P) (over-allocated)
-                expected_pages += ceil_div(L + a if self.version == "v1" else L + self.N, self.P)
         live = {r.rid: r for r in eng.running}
-        assert set(live) == set(tr.rids) - set(tr.finished)
+        joined_next = self.newcomers - set(tr.rids) if self.overlap else set()
+        self.newcomers = set()
+        assert set(live) - joined_next == set(tr.rids) - set(tr.finished)
+        expected_pages = 0
         for rid, r in live.items():  # SD-008 / case B13: both KV lengths = prompt + sum(a)
             assert r.target_kv_len == r.draft_kv_len == self.length[rid]
+            a = tr.num_accept_tokens[tr.rids.index(rid)] if rid in tr.rids else 0  # 0: a newcomer
+            expected_pages += ceil_div(self.at_round_end(self.length[rid], a), self.P)
         alloc = eng.kv.allocator
         assert alloc.num_pages - 1 - alloc.num_free_pages == expected_pages, "pages in use != the ledger"
         audit_kv(eng)
 
 
 def run_audited(target, prompts, *, version, num_steps, page_size, **kw):
-    ledger = Ledger(prompts, version, num_steps, page_size)
+    version, overlap = MODES[version]
+    ledger = Ledger(prompts, version, num_steps, page_size, overlap)
     res = generate(target, prompts, backend="fa3", version=version, num_steps=num_steps, page_size=page_size,
-                   observer=ledger, **kw)
+                   observer=ledger, overlap=overlap, **kw)
     assert res.free_pages[0] == res.free_pages[1], f"KV-006: pages leaked {res.free_pages}"
     return res, ledger
 
 
 @pytest.mark.spec("PA-001", "KV-002", "KV-004", "KV-005", "KV-006", "SD-008")
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16, 64])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_accounting_after_every_round(version, page_size):
     rng = random.Random(page_size)
     prompts = [[rng.randrange(64) for _ in range(n)] for n in (3, 15, 16, 17, 1)]
@@ -143,12 +173,32 @@ def test_v2_over_allocates_seq_len_plus_n_and_frees_the_row_at_finish():
     assert res.free_pages[0] == res.free_pages[1]
 
 
+@pytest.mark.spec("KV-005", "KV-006")
+def test_overlap_reserves_two_windows_page_aligned_and_frees_the_row_at_finish():
+    """P = 4, prompt 5, N = 4, a = [1, 4, 2], budget 8 (finishes in round 2).  Each round is
+    launched at the host-known L (the round before it is still in flight) with
+    ceil((L + 2N) / P) * P slots:  round 0 at L = 5 (nothing in flight): 16 slots, 4 pages;
+    round 1 at L = 5 again (round 0 unread): 4 pages;  round 2 at L = 6: ceil(14 / 4) = 4 pages;
+    round 3 at L = 10: ceil(18 / 4) = 5 pages, launched before round 2's finish was read, its
+    row dropped; every page is back at the end."""
+    during = []
+
+    def obs(event, eng, **info):
+        if event == "verify":
+            during.append(eng.free_pages_at_start - eng.kv.allocator.num_free_pages)
+    res = generate(micro(), [[1, 2, 3, 4, 5]], version="v2", page_size=4, num_steps=3, draft="early-exit",
+                   accept={0: [1, 4, 2]}, max_new_tokens=1 + 1 + 4 + 2, observer=obs, overlap=True)
+    assert during == [4, 4, 4, 5]
+    assert res.requests[0].accepts == [1, 4, 2] and [t.discarded for t in res.trace] == [[], [], [], [0]]
+    assert res.free_pages[0] == res.free_pages[1]
+
+
 ROUNDS = {"total": 0}
 
 
 @pytest.mark.spec("KV-002", "KV-004", "KV-005", "KV-006", "SD-008", "PA-001")
 @settings(deadline=None)
-@given(version=st.sampled_from(["v1", "v2"]), page_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
+@given(version=st.sampled_from(list(MODES)), page_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
        num_steps=st.integers(1, 4), graphs=st.booleans(), data=st.data())
 def test_random_schedules_never_leak(version, page_size, num_steps, graphs, data):
     """Random prompts, budgets, arrivals, batch caps and scripted accept patterns (forced a per
@@ -169,19 +219,22 @@ def test_random_schedules_never_leak(version, page_size, num_steps, graphs, data
     ROUNDS["total"] += ledger.rounds
     for i, r in enumerate(res.requests):
         assert r.accepts == [min(a, N) for a in script[i][:len(r.accepts)]]
-    ora = generate(micro(), prompts, backend="oracle", version=version, num_steps=num_steps, draft="early-exit",
-                   accept=script, max_new_tokens=budgets)
+    ora = generate(micro(), prompts, backend="oracle", version=MODES[version][0], num_steps=num_steps,
+                   draft="early-exit", accept=script, max_new_tokens=budgets)
     assert res.tokens == ora.tokens
 
 
 @pytest.mark.spec("SD-002", "KV-004", "KV-005")
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_poisoned_rejected_slots_and_free_pages_change_nothing(version, graphs, page_size):
     """NaN in every slot that holds no committed KV (rejected drafts' slots in kept pages, the
     over-allocated tail, free pages, the dummy page 0), both pools, after every round: the
-    tokens, accepts and drafts equal the clean run (nothing stale is ever read, SD-008)."""
+    tokens, accepts and drafts equal the clean run (nothing stale is ever read, SD-008).
+    Overlap: the round in flight has written L .. L + N - 1 and committed an unread part of it,
+    so a live request's window up to L + N is spared."""
+    version, overlap = MODES[version]
     rng = random.Random(11)
     prompts = [[rng.randrange(128) for _ in range(n)] for n in (6, 13, 3)]
     budgets = [12, 9, 14]
@@ -193,8 +246,10 @@ def test_poisoned_rejected_slots_and_free_pages_change_nothing(version, graphs, 
         kv, P, nan = eng.kv, eng.P, float("nan")
         slots = [torch.arange(p * P, p * P + P) for p in range(kv.allocator.num_pages)
                  if p == 0 or not kv.allocator.is_in_use(p)]
+        flying = {id(r) for r in eng.in_flight.reqs} if overlap and eng.in_flight else set()
         for r in eng.running:
-            committed = set(kv.req_to_token[r.row, :r.seq_len].tolist())
+            maybe = r.seq_len + (eng.N if id(r) in flying else 0)
+            committed = set(kv.req_to_token[r.row, :maybe].tolist())
             for p in set(kv.row_pages(r.row, r.alloc_len)):
                 slots.append(torch.tensor([s for s in range(p * P, p * P + P) if s not in committed], dtype=torch.long))
         loc = torch.cat(slots)
@@ -204,7 +259,7 @@ def test_poisoned_rejected_slots_and_free_pages_change_nothing(version, graphs, 
                 v.flatten(0, 1)[loc] = nan
 
     kw = dict(version=version, graphs=graphs, page_size=page_size, draft="early-exit", max_new_tokens=budgets,
-              reference=ref, num_steps=3)
+              reference=ref, num_steps=3, overlap=overlap)
     clean = generate(tiny(), prompts, **kw)
     dirty = generate(tiny(), prompts, observer=poison, pool_fill=float("nan"), **kw)
     assert dirty.tokens == clean.tokens == [ref[i][len(p):] for i, p in enumerate(prompts)]

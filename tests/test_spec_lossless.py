@@ -1,6 +1,9 @@
-"""Lossless speculative decoding (SD-002): every drafter x page size x v1/v2 x eager/graph equals
-plain greedy decoding of the target bit for bit (fp32, TOL-001), and the production loop equals
-the oracle loop token for token and accept count for accept count."""
+"""Lossless speculative decoding (SD-002): every drafter x page size x v1/v2/v2-overlap x
+eager/graph equals plain greedy decoding of the target bit for bit (fp32, TOL-001), and the
+production loop equals the oracle loop token for token and accept count for accept count.
+
+"v2-overlap" is v2 under the overlap loop (``overlap=True``: round k+1 launched before round
+k's results are read, :mod:`refspec.speculative.overlap`); its oracle is the v2 oracle loop."""
 
 from __future__ import annotations
 
@@ -53,7 +56,13 @@ DRAFTERS = {
 }
 
 
+#: production loops: version name -> (version, overlap)
+MODES = {"v1": ("v1", False), "v2": ("v2", False), "v2-overlap": ("v2", True)}
+
+
 def run(name, bs, **kw):
+    if kw.get("version") in MODES:
+        kw["version"], kw["overlap"] = MODES[kw["version"]]
     draft, drafter = DRAFTERS[name]
     draft = small_lm() if draft == "small-lm" else draft
     kw.setdefault("max_new_tokens", BUDGETS[:bs])
@@ -62,10 +71,10 @@ def run(name, bs, **kw):
 
 @functools.lru_cache(maxsize=None)
 def oracle(name, version):
-    return run(name, 5, backend="oracle", version=version)
+    return run(name, 5, backend="oracle", version=MODES[version][0])
 
 
-CASES = [(d, P, v, g) for d in DRAFTERS for P in (1, 2, 4, 16, 64) for v in ("v1", "v2") for g in (False, True)]
+CASES = [(d, P, v, g) for d in DRAFTERS for P in (1, 2, 4, 16, 64) for v in MODES for g in (False, True)]
 
 
 @pytest.mark.spec("SD-002", "TOL-001", "KV-006")
@@ -85,7 +94,7 @@ def test_lossless_and_equal_to_oracle_loop(name, page_size, version, graphs):
 
 
 @pytest.mark.spec("SD-002")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_paged_oracle_attention_loop_is_lossless(version):
     res = run("random", 5, backend="paged-oracle", version=version, page_size=4)
     assert res.tokens == baseline(5)
@@ -94,30 +103,31 @@ def test_paged_oracle_attention_loop_is_lossless(version):
 
 @pytest.mark.spec("SD-002", "SD-010")
 @pytest.mark.parametrize("num_steps", [1, 2, 5])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_lossless_for_other_draft_lengths(num_steps, version):
     """Sd = 1 (no draft-decode forward at all), 2, 5: N = Sd + 1 tokens verified per round."""
     res = run("random", 3, backend="fa3", version=version, page_size=4, graphs=True, num_steps=num_steps)
     assert res.tokens == baseline(3)
     assert all(1 <= a <= num_steps + 1 for t in res.trace for a in t.num_accept_tokens)
-    ora = run("random", 3, backend="oracle", version=version, num_steps=num_steps)
+    ora = run("random", 3, backend="oracle", version=MODES[version][0], num_steps=num_steps)
     assert res.accepts == ora.accepts
 
 
 @pytest.mark.spec("SD-002", "CG-007")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_batches_above_the_largest_graph_run_eagerly(version):
-    """5 requests, graphs captured for 1 and 2: eager rounds while > 2 run, graphs afterwards."""
+    """5 requests, graphs captured for 1 and 2: eager rounds while > 2 run, graphs afterwards
+    (a round's batch: its rids and, under overlap, the rows it ran for requests already finished)."""
     res = run("random", 5, backend="fa3", version=version, page_size=2, graphs=True, capture_bs=(1, 2))
     assert res.tokens == baseline(5)
-    sizes_graphed = {len(t.rids) for t in res.trace if t.graph}
-    sizes_eager = {len(t.rids) for t in res.trace if not t.graph}
+    sizes_graphed = {len(t.rids) + len(t.discarded) for t in res.trace if t.graph}
+    sizes_eager = {len(t.rids) + len(t.discarded) for t in res.trace if not t.graph}
     assert sizes_graphed and max(sizes_graphed) <= 2
     assert sizes_eager and min(sizes_eager) > 2
 
 
 @pytest.mark.spec("SD-002", "SD-009")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_requests_join_and_leave_mid_run(version):
     """At most 2 running; later arrivals are prefilled (EXTEND) while others are mid-decode."""
     res = run("random", 5, backend="fa3", version=version, page_size=4, graphs=True, max_batch=2,
@@ -130,16 +140,19 @@ def test_requests_join_and_leave_mid_run(version):
 
 
 @pytest.mark.spec("SD-002")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_eos_stops_inside_an_accepted_run(version):
     """An EOS among the accepted tokens ends the request there (it is emitted, nothing after)."""
     eos = reference()[0][len(PROMPTS[0]) + 5]  # request 0's 6th greedy token
     ref = greedy_reference(target(), PROMPTS, BUDGETS, eos=eos)
+    v, overlap = MODES[version]
     res = generate(target(), PROMPTS, draft="eagle", drafter="perfect", reference=ref, max_new_tokens=BUDGETS,
-                   eos=eos, version=version, page_size=4)
+                   eos=eos, version=v, page_size=4, overlap=overlap)
     assert res.tokens == [ref[i][len(p):] for i, p in enumerate(PROMPTS)]
     assert res.requests[0].finish_reason == "eos" and res.tokens[0][-1] == eos
     assert len(res.tokens[0]) <= 6
+    if overlap:  # the EOS is read one round late: request 0 ran one more round, dropped
+        assert any(0 in t.discarded for t in res.trace)
     assert res.free_pages[0] == res.free_pages[1]
 
 
@@ -152,6 +165,10 @@ def test_v1_and_v2_draft_extend_give_the_same_drafts(backend):
     v1, v2 = run("eagle", 5, version="v1", **kw), run("early-exit", 5, version="v1", **kw)
     w1, w2 = run("eagle", 5, version="v2", **kw), run("early-exit", 5, version="v2", **kw)
     assert v1.accepts == w1.accepts and v2.accepts == w2.accepts
+    assert v1.drafts == w1.drafts and v2.drafts == w2.drafts
     if backend == "fa3":
         assert [t.drafts for t in v1.trace] == [t.drafts for t in w1.trace]
         assert [t.drafts for t in v2.trace] == [t.drafts for t in w2.trace]
+        o1, o2 = run("eagle", 5, version="v2-overlap", **kw), run("early-exit", 5, version="v2-overlap", **kw)
+        assert o1.accepts == v1.accepts and o1.drafts == v1.drafts
+        assert o2.accepts == v2.accepts and o2.drafts == v2.drafts

@@ -31,7 +31,13 @@ def reference():
     return greedy_reference(target(), PROMPTS, [b + 8 for b in BUDGETS])  # + N: last-round drafts
 
 
+#: production loops: name -> (version, overlap); "v2-overlap" reads round k after launching k+1
+MODES = {"v1": ("v1", False), "v2": ("v2", False), "v2-overlap": ("v2", True)}
+
+
 def run(**kw):
+    if kw.get("version") in MODES:
+        kw["version"], kw["overlap"] = MODES[kw["version"]]
     kw.setdefault("draft", "eagle")
     return generate(target(), PROMPTS, num_steps=SD, max_new_tokens=BUDGETS, reference=reference(), **kw)
 
@@ -49,9 +55,9 @@ def test_greedy_accept_rule_by_hand():
 
 
 @pytest.mark.spec("SD-003")
-@pytest.mark.parametrize("backend", ["oracle", "fa3"])
-def test_perfect_drafter_accepts_everything(backend):
-    res = run(backend=backend, drafter="perfect", page_size=4)
+@pytest.mark.parametrize("backend,version", [("oracle", "v1"), ("fa3", "v1"), ("fa3", "v2-overlap")])
+def test_perfect_drafter_accepts_everything(backend, version):
+    res = run(backend=backend, drafter="perfect", page_size=4, version=version)
     assert all(a == N for r in res.requests for a in r.accepts)
     # requests 0, 1: 1 + k*N tokens -> k full rounds of N (hand-computed), accept length exactly N
     assert [r.verify_rounds for r in res.requests[:2]] == [3, 2]
@@ -63,17 +69,18 @@ def test_perfect_drafter_accepts_everything(backend):
 
 
 @pytest.mark.spec("SD-003")
-@pytest.mark.parametrize("backend", ["oracle", "fa3"])
-def test_adversarial_drafter_accepts_nothing(backend):
-    res = run(backend=backend, drafter="adversarial", page_size=4, version="v2")
+@pytest.mark.parametrize("backend,version", [("oracle", "v2"), ("fa3", "v2"), ("fa3", "v2-overlap")])
+def test_adversarial_drafter_accepts_nothing(backend, version):
+    res = run(backend=backend, drafter="adversarial", page_size=4, version=version)
     assert all(a == 1 for r in res.requests for a in r.accepts)
     assert [r.verify_rounds for r in res.requests] == [b - 1 for b in BUDGETS]
     assert res.accept_length == 1.0
 
 
 @pytest.mark.spec("SD-003")
-def test_random_drafter_accept_length_in_range():
-    res = run(drafter="random", page_size=2)
+@pytest.mark.parametrize("version", list(MODES))
+def test_random_drafter_accept_length_in_range(version):
+    res = run(drafter="random", page_size=2, version=version)
     lens = [r.accept_length for r in res.requests]
     assert all(1.0 <= x <= N for x in lens) and len(set(lens)) > 1
     assert res.tokens == [reference()[i][len(p):len(p) + BUDGETS[i]] for i, p in enumerate(PROMPTS)]
@@ -82,34 +89,39 @@ def test_random_drafter_accept_length_in_range():
 @pytest.mark.spec("KV-005")
 @pytest.mark.parametrize("graphs", [False, True])
 def test_host_syncs_per_round_v1_one_v2_zero(graphs):
-    for version, per_round in (("v1", 1), ("v2", 0)):
+    for version, per_round in (("v1", 1), ("v2", 0), ("v2-overlap", 0)):
         res = run(drafter="random", page_size=4, version=version, graphs=graphs)
         assert [t.host_syncs for t in res.trace] == [per_round] * len(res.trace)
         assert res.host_syncs.get("in_round", 0) == per_round * len(res.trace)
-        assert res.host_syncs.get("post_round", 0) == (len(res.trace) if version == "v2" else 0)
+        assert res.host_syncs.get("post_round", 0) == (len(res.trace) if version != "v1" else 0)
+        assert res.host_syncs["prefill"] == 1  # one prefill of all three requests
 
 
-@pytest.mark.spec("KV-005")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.spec("KV-005", "MD-006")
+@pytest.mark.parametrize("version", list(MODES))
 def test_v2_round_metadata_is_cpu_known_before_the_round(version):
     """Same batch, first-round a = 1 vs a = N (scripted): every forward's CPU-side metadata in
-    that round is identical for v2 (it depends on L only), while v1's draft extend differs."""
+    that round is identical for v2 (it depends on L only), while v1's draft extend differs.
+    Overlap: round 1 too is built before round 0's a is read, from the bound L + N, so the
+    first TWO rounds' CPU metadata are identical."""
     seen = {}
+    first_rounds = 2 if version == "v2-overlap" else 1
 
     def recorder(key):
         def obs(event, eng, **info):
-            if event in ("draft_decode", "verify", "draft_extend") and len(eng.trace) == 0:
+            if event in ("draft_decode", "verify", "draft_extend") and eng.rounds_launched < first_rounds:
                 fb = info["fb"]
                 seen.setdefault(key, []).append((event, fb.seq_lens_cpu.tolist(), fb.q_lens_cpu()))
         return obs
     for key, a in (("low", 1), ("high", N)):
         run(version=version, page_size=4, accept={i: [a] for i in range(3)}, observer=recorder(key))
+    assert len(seen["low"]) == 3 * first_rounds
     same = seen["low"] == seen["high"]
-    assert same if version == "v2" else not same
+    assert same if version != "v1" else not same
 
 
 @pytest.mark.spec("SD-002", "SD-003")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_record_and_replay_a_schedule(version):
     """Record a run's accept counts, replay them with a scripted accept + the perfect drafter:
     the same schedule (batches, lengths, a per round) and still the greedy tokens."""
@@ -119,19 +131,19 @@ def test_record_and_replay_a_schedule(version):
     assert rep.accepts == rec.accepts and rep.tokens == rec.tokens
     assert [(t.rids, t.seq_lens, t.num_accept_tokens) for t in rep.trace] == \
            [(t.rids, t.seq_lens, t.num_accept_tokens) for t in rec.trace]
-    ora = run(backend="oracle", drafter="perfect", version=version, accept=rec.accept_table())
+    ora = run(backend="oracle", drafter="perfect", version=MODES[version][0], accept=rec.accept_table())
     assert ora.accepts == rec.accepts and ora.tokens == rec.tokens
     assert ScriptedAccept.from_trace(rec.trace).table == rec.accept_table()
 
 
 @pytest.mark.spec("SD-001")
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_forced_accept_teacher_forces_the_drafts(version):
     """Forcing a = N with wrong drafts commits the drafts (the KV verify computed): the text
     leaves greedy, but the oracle loop and the production loop still agree token for token."""
     script = {i: [N] * 20 for i in range(3)}
     prod = run(drafter="adversarial", page_size=4, version=version, accept=script, graphs=True)
-    ora = run(backend="oracle", drafter="adversarial", version=version, accept=script)
+    ora = run(backend="oracle", drafter="adversarial", version=MODES[version][0], accept=script)
     assert prod.tokens == ora.tokens and prod.drafts == ora.drafts
     assert prod.tokens != [reference()[i][len(p):len(p) + BUDGETS[i]] for i, p in enumerate(PROMPTS)]
     assert all(a == N for r in prod.requests for a in r.accepts)
@@ -139,16 +151,23 @@ def test_forced_accept_teacher_forces_the_drafts(version):
 
 @pytest.mark.spec("SD-007", "SD-004", "SD-005")
 @pytest.mark.parametrize("graphs", [False, True])
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", list(MODES))
 def test_positions_are_kv_indices_in_every_forward(version, graphs):
     """SD-007: in every forward each token's RoPE position is the KV index its slot holds
     (``req_to_token[r, position] == out_cache_loc``), consecutive per request, starting at 0
     (prefill), L (draft decode: no SGLang +1), L (verify) and L (draft extend: a rows in v1,
-    N rows in v2), where L is the round's committed length."""
-    starts, events = {}, []
+    N rows in v2), where L is the round's committed length: checked at the round's
+    ``round_end``, when L and a are known on the host (under overlap, one round after launch)."""
+    spans, events = {}, []
 
     def obs(event, eng, **info):
         if event == "round_end":
+            tr = info["trace"]
+            for rid, L, a in zip(tr.rids, tr.seq_lens, tr.num_accept_tokens):
+                want = {"draft_decode": (L, eng.Sd - 1), "verify": (L, eng.N),
+                        "draft_extend": (L, a if version == "v1" else eng.N)}
+                got = {ev: span for (k, ev, r), span in spans.items() if k == tr.index and r == rid}
+                assert got == {ev: w for ev, w in want.items() if ev != "draft_decode" or eng.Sd > 1}, (rid, got)
             return
         fb, reqs = info["fb"], info["reqs"]
         per_req = fb.q_lens_cpu() if event != "draft_decode" else [eng.Sd - 1] * len(reqs)
@@ -160,14 +179,8 @@ def test_positions_are_kv_indices_in_every_forward(version, graphs):
             assert p.tolist() == list(range(int(p[0]), int(p[0]) + len(p)))
             if event == "prefill":
                 assert int(p[0]) == 0 and len(p) == len(r.prompt)
-            elif event == "draft_decode":
-                starts[r.rid] = r.seq_len
-                assert int(p[0]) == r.seq_len
-            elif event == "verify":
-                assert int(p[0]) == starts.setdefault(r.rid, r.seq_len) == r.seq_len and len(p) == eng.N
-            else:  # draft extend: v1 a rows (seq_len is already L + a), v2 N rows
-                assert int(p[0]) == starts.pop(r.rid)
-                assert len(p) == (r.seq_len - int(p[0]) if version == "v1" else eng.N)
+            else:
+                spans[(eng.rounds_launched, event, r.rid)] = (int(p[0]), len(p))
         events.append(event)
 
     run(drafter="random", page_size=4, version=version, graphs=graphs, observer=obs)

@@ -53,6 +53,13 @@ def recorded() -> dict:
                   eos=eos_token(), capture_bs=(1, 2), check=True)
 
 
+@functools.lru_cache(maxsize=None)
+def recorded_overlap() -> dict:
+    """The same run under the overlap loop (v2): the EOS of request 0 is read one round late."""
+    return record(model(), None, PROMPTS, BUDGETS, version="v2", page_size=2, draft="early-exit:1", max_batch=2,
+                  eos=eos_token(), capture_bs=(1, 2), check=True, overlap=True)
+
+
 def tampered(fn) -> dict:
     t = copy.deepcopy(recorded())
     fn(t)
@@ -86,6 +93,27 @@ def test_round_trip_replays_schedule_exactly(tmp_path, versions, page_sizes):
         assert run.ok, (run.version, run.page_size, run.schedule, run.tokens)
         assert run.rounds == len(trace["rounds"]) and all(x["match"] for x in run.per_round)
         assert run.graph_replays > 0
+    assert rep.ok
+
+
+@pytest.mark.spec("SD-008", "SD-002", "SD-009", "KV-006")
+def test_overlap_trace_round_trips_and_reuses_a_freed_slot_one_round_later():
+    """Under overlap request 0's EOS (round f) is read after round f + 1 was launched with it,
+    so request 2 takes its slot in round f + 2 instead of f + 1; every token is the same and the
+    overlap trace replays exactly under overlap (the config says so) at two page sizes."""
+    plain, over = recorded(), recorded_overlap()
+    assert over["config"]["overlap"] is True and "overlap" in plain["config"] and not plain["config"]["overlap"]
+    assert [r["output_ids"] for r in over["requests"]] == [r["output_ids"] for r in plain["requests"]]
+
+    def first(t, key, rid):
+        return next(k for k, rd in enumerate(t["rounds"]) if rid in rd[key])
+    f = first(plain, "finished", 0)
+    assert first(over, "finished", 0) == f
+    assert first(plain, "joined", 2) == f + 1 and first(over, "joined", 2) == f + 2
+    rep = replay_trace(over, page_sizes=[2, 4])
+    for run in rep.runs:
+        assert run.ok, (run.page_size, run.schedule, run.tokens)
+        assert run.rounds == len(over["rounds"]) and all(x["match"] for x in run.per_round)
     assert rep.ok
 
 

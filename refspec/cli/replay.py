@@ -43,7 +43,7 @@ from refspec.oracle.loop import greedy
 from refspec.real.run import set_threads
 from refspec.speculative import generate
 from refspec.core.tolerance import T2_DELTA, t2
-from refspec.speculative.trace import accept_table, load_trace, replay_budgets, schedule_mismatches
+from refspec.speculative.trace import accept_table, committed_rounds, load_trace, replay_budgets, schedule_mismatches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,7 +186,8 @@ def replay_trace(trace: dict, *, device="cpu", dtype=torch.float32, versions=Non
             t = time.perf_counter()
             try:
                 prod = generate(low, prompts, backend="fa3", version=v, page_size=P, graphs=True,
-                                max_batch=cfg["max_batch"], capture_bs=tuple(cfg["capture_bs"]), **kw)
+                                max_batch=cfg["max_batch"], capture_bs=tuple(cfg["capture_bs"]),
+                                overlap=v == "v2" and cfg.get("overlap", False), **kw)  # the recorded loop
             except Exception as e:  # a check (InvariantError) or a crash inside the production path
                 runs.append(RunCheck(v, P, 0, [f"production raised {type(e).__name__}: {e}"], ora.accepts == accepts,
                                      False, "not compared", False, 0, 0, time.perf_counter() - t))
@@ -199,7 +200,8 @@ def replay_trace(trace: dict, *, device="cpu", dtype=torch.float32, versions=Non
 
 
 def _check_run(trace, v, P, prod, ora, base, dtype, delta, drafter, secs) -> RunCheck:
-    sched = schedule_mismatches(trace, prod.trace)
+    rounds = committed_rounds(prod.trace)
+    sched = schedule_mismatches(trace, rounds)
     want_a = [r["num_accept_tokens"] for r in trace["requests"]]
     if prod.accepts != want_a:
         sched.append(f"per-request a {prod.accepts} != trace {want_a}")
@@ -209,7 +211,7 @@ def _check_run(trace, v, P, prod, ora, base, dtype, delta, drafter, secs) -> Run
         pr = {r.rid: _round_tokens(r.tokens, r.emitted) for r in prod.requests}
         orr = {r.rid: _round_tokens(r.tokens, r.emitted) for r in ora.requests}
         seen: dict[int, int] = {}
-        for k, rd in enumerate(prod.trace):
+        for k, rd in enumerate(rounds):
             for rid in rd.rids:
                 i = seen.get(rid, 0)
                 seen[rid] = i + 1
@@ -229,10 +231,10 @@ def _check_run(trace, v, P, prod, ora, base, dtype, delta, drafter, secs) -> Run
             "; ".join(f"request {i}: {why}" for i, (v_ok, why) in enumerate(verdicts) if not v_ok))
     per_round = [{"rids": t.rids, "seq_lens": t.seq_lens, "num_accept_tokens": t.num_accept_tokens,
                   "joined": t.joined, "finished": t.finished, "graph": t.graph, "match": k not in bad_rounds}
-                 for k, t in enumerate(prod.trace)]
+                 for k, t in enumerate(rounds)]
     graph = sum(n for (_, how_), n in prod.forwards.items() if how_ == "graph")
     eager = sum(n for (ph, how_), n in prod.forwards.items() if how_ == "eager" and "prefill" not in ph)
-    return RunCheck(v, P, len(prod.trace), sched, ora.accepts == want_a, ok, how,
+    return RunCheck(v, P, len(rounds), sched, ora.accepts == want_a, ok, how,
                     prod.free_pages[0] == prod.free_pages[1], graph, eager, secs, per_round)
 
 

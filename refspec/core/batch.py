@@ -20,7 +20,14 @@ KV indices (refspec's position rule, SD-007).
 
 Shapes: B requests, T = sum(q_b) query tokens.  Dtypes: ``req_pool_indices`` int64 [B],
 ``seq_lens`` int32 [B] (device) with ``seq_lens_cpu`` int64 [B] (CPU mirror, no device sync),
-``out_cache_loc`` int64 [T] (slots), ``positions`` int64 [T] (tokens).
+``out_cache_loc`` int64 [T] (slots), ``positions`` int64 [T] (tokens).  In the overlap loop
+(:mod:`refspec.speculative.overlap`) ``seq_lens`` is computed on the device and ``seq_lens_cpu``
+holds per-request *upper bounds* (``seq_lens_cpu_is_bound``), built by
+:mod:`refspec.core.future_batch`.
+
+Host -> device: the builders here compute rows, lengths and positions on the host and send them
+in ONE pinned, non-blocking copy (:func:`refspec.core.transfer.h2d_many`), then gather
+``out_cache_loc`` from ``req_to_token`` in one indexing op (no per-request device ops).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache
 from refspec.core.modes import ForwardMode
+from refspec.core.transfer import h2d, h2d_many
 
 
 @dataclass
@@ -49,6 +57,8 @@ class ForwardBatch:
     num_accept_tokens_cpu: list[int] | None = None
     num_draft_tokens: int | None = None  #: N (TARGET_VERIFY, DRAFT_EXTEND_V2)
     draft_step: int | None = None  #: s for a draft decode step, else None
+    #: overlap loop: ``seq_lens_cpu`` holds upper bounds of ``seq_lens`` (MD-006), not a mirror
+    seq_lens_cpu_is_bound: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -106,7 +116,7 @@ def check_batch_shapes(fb: "ForwardBatch") -> None:
 
 
 def _i32(x, device):
-    return torch.as_tensor(list(x), dtype=torch.int32, device=device)
+    return h2d(list(x), device, torch.int32)
 
 
 def _check_rows(kv: KVCache, req_pool_indices, seq_lens) -> None:
@@ -122,7 +132,7 @@ def _check_rows(kv: KVCache, req_pool_indices, seq_lens) -> None:
             f"req_pool_indices {list(req_pool_indices)} repeat a row")
 
 
-def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix, **fields):
+def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix, check_q=True, **fields):
     """Common part: out_cache_loc / positions = the last q_b KV indices of each request.
 
     Raises: InvariantError PA-008 (row 0), MD-012 (a repeated row), MD-004 (a query token
@@ -133,27 +143,24 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
     _check_rows(kv, req_pool_indices, seq_lens)
     W = kv.req_to_token.shape[1]
     for b, (q, p0) in enumerate(zip(q_lens, written_prefix)):
-        if q < 1:
+        if check_q and q < 1:
             raise ValueError(f"{mode.name} request {b}: {q} query tokens, need >= 1")
         require(p0 >= 0, "MD-004", f"{mode.name} request {b} (seq_len {seq_lens[b]}): its {q} query tokens "
                 f"would start at position {p0} < 0")
         if p0 + q > W:
             raise ValueError(f"{mode.name} request {b} (seq_len {seq_lens[b]}): positions up to {p0 + q - 1} "
                              f"past the req_to_token width {W}")
-    dev = kv.device
-    locs, pos = [], []
-    for r, q, p0 in zip(req_pool_indices, q_lens, written_prefix):
-        idx = tail_positions(p0, q, dev)
-        locs.append(kv.req_to_token[r, idx].long())
-        pos.append(idx)
-    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
+    rows = [r for r, q in zip(req_pool_indices, q_lens) for _ in range(q)]
+    pos = [tail_positions(p0, q, "cpu") for q, p0 in zip(q_lens, written_prefix)]  # on the host
+    pos_t = h2d(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long), kv.device)
+    rpi, seq, rows_t = h2d_many([req_pool_indices, seq_lens, rows], kv.device)
     return ForwardBatch(
         forward_mode=mode,
-        req_pool_indices=torch.as_tensor(list(req_pool_indices), dtype=torch.long, device=dev),
-        seq_lens=_i32(seq_lens, dev),
-        seq_lens_cpu=torch.as_tensor(list(seq_lens), dtype=torch.long),
-        out_cache_loc=cat(locs),
-        positions=cat(pos),
+        req_pool_indices=rpi,
+        seq_lens=seq.to(torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.long),
+        out_cache_loc=kv.req_to_token[rows_t, pos_t].long(),
+        positions=pos_t,
         **fields,
     )
 
@@ -251,18 +258,13 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     _count("num_steps", num_steps)
     req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
     _check_rows(kv, req_pool_indices, seq_lens)
-    S1, dev, W = num_steps - 1, kv.device, kv.req_to_token.shape[1]
+    S1, W = num_steps - 1, kv.req_to_token.shape[1]
     for b, L in enumerate(seq_lens):
         if L < 0 or L + S1 > W:
             raise ValueError(f"draft decode request {b}: seq_len {L} with {S1} steps needs positions "
                              f"{L}..{L + S1 - 1} inside the req_to_token width {W}")
-    rows = [r for r in req_pool_indices for _ in range(S1)]
-    fb = _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [], [])
-    if not rows:
-        return fb
-    fb.positions = torch.cat([tail_positions(L, S1, dev) for L in seq_lens])  # step s of request b: L_b + s
-    fb.out_cache_loc = kv.req_to_token[torch.as_tensor(rows, dtype=torch.long, device=dev), fb.positions].long()
-    return fb
+    return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [S1] * len(seq_lens), seq_lens,
+                  check_q=False)
 
 
 def draft_step_view(fb: ForwardBatch, step: int, num_steps: int) -> ForwardBatch:

@@ -11,6 +11,17 @@ Mirrors SGLang's ``mem_cache/memory_pool.py`` (``ReqToTokenPool``, ``MHATokenToK
 * ``alloc_extend`` continues a request's last partial page and takes a new page only when a
   position crosses a page boundary, so every row stays page-contiguous (PA-001, KV-001);
 * ``free`` is page-granular: freeing any slot frees its whole page (KV-002).
+
+**Host mirror.**  ``req_to_token`` lives on the device (the kernels and the batch builders read
+it there); the allocator also keeps ``req_to_token_cpu``, a host copy of every entry it writes,
+and reads only that (``alloc_extend``'s last slot, ``row_pages`` for ``free_tail`` /
+``free_req``), so no allocator call reads the device (on a GPU each such read is a
+``cudaStreamSynchronize`` behind the queued forwards).  SGLang keeps the same values on the
+host for the same reason (``Req.kv_allocated_len`` / ``kv_committed_len``,
+``python/sglang/srt/mem_cache/common.py``).  ``alloc_extend`` writes both: the host rows, then
+the device entries in one pinned, non-blocking copy and one scatter.  Whoever writes the device
+``req_to_token`` directly (a test poking a bad slot) must write the mirror too;
+:meth:`KVCache.check_mirror` compares them (the engine's audit does).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from refspec.core.invariants import InvariantError, require
+from refspec.core.transfer import h2d
 
 
 def _positive(**sizes) -> None:
@@ -156,8 +168,9 @@ def first_freeable_position(keep_len: int, page_size: int) -> int:
 class KVCache:
     """``req_to_token`` + allocator + one or more pools sharing them (target and draft).
 
-    ``req_to_token`` is int32 ``[max_reqs, max_context + extra]`` (tokens -> slots), zero
-    initialised; row 0 is reserved.  The draft model's pool shares ``req_to_token`` and the
+    ``req_to_token`` is int32 ``[max_reqs, max_context + extra]`` (tokens -> slots) on
+    ``device``, zero initialised; row 0 is reserved.  ``req_to_token_cpu`` is its host mirror
+    (module doc), the only copy the allocator reads.  The draft model's pool shares ``req_to_token`` and the
     allocator with the target's, as in SGLang.
 
     Args:
@@ -176,6 +189,7 @@ class KVCache:
         self.page_size = page_size
         self.device = torch.device(device)
         self.req_to_token = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32, device=device)
+        self.req_to_token_cpu = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32)
         self.allocator = PagedAllocator(num_pages, page_size, seed=seed)
         self._free_rows = deque(range(1, max_reqs))
 
@@ -215,8 +229,7 @@ class KVCache:
         first = -(-start // P)
         if first * P >= length:  # [start, length) lies inside start's page: no whole page
             return []
-        cols = torch.arange(first * P, length, P, device=self.device)
-        return (self.req_to_token[r, cols].long() // P).tolist()
+        return (self.req_to_token_cpu[r, first * P:length:P] // P).tolist()  # host mirror: no sync
 
     def alloc_extend(self, req_pool_indices, prefix_lens, seq_lens) -> torch.Tensor:
         """Give positions ``[prefix_b, seq_b)`` of each request a slot; write ``req_to_token``.
@@ -249,29 +262,28 @@ class KVCache:
         need = [-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens)]
         require(sum(need) <= self.allocator.num_free_pages, "KV-003",
                 lambda: f"need {sum(need)} pages, {self.allocator.num_free_pages} free")
-        out = []
+        rows_w, cols_w, slots_w = [], [], []
         for r, p, s, n in zip(req_pool_indices, prefix_lens, seq_lens, need):
             if s <= p:
                 continue
-            pos = torch.arange(p, s, device=self.device)
-            new_pages = torch.tensor(self.allocator.alloc_pages(n), dtype=torch.long, device=self.device)
+            new_pages = self.allocator.alloc_pages(n)
             if p % P:
-                last_loc = int(self.req_to_token[r, p - 1])
+                last_loc = int(self.req_to_token_cpu[r, p - 1])  # host mirror: no sync
                 require((last_loc + 1) % P == p % P, "KV-001",
                         f"row {r}: last_loc {last_loc} at prefix {p} with P={P}")
-                base = torch.full_like(pos, last_loc // P)
-            else:
-                base = torch.zeros_like(pos)
-            # page of position t: the partial page for t < ceil(p/P)*P, else new page k
+            # position t < ceil(p/P)*P continues the partial page; later ones go to new page k
             first_new = -(-p // P) * P
-            k = torch.div(pos - first_new, P, rounding_mode="floor")
-            page = torch.where(pos < first_new, base, new_pages[k.clamp(min=0)] if n else base)
-            slots = page * P + pos % P
-            self.req_to_token[r, p:s] = slots.to(torch.int32)
-            out.append(slots)
-        if not out:
+            slots = [last_loc + 1 + (t - p) if t < first_new else new_pages[(t - first_new) // P] * P + t % P
+                     for t in range(p, s)]
+            self.req_to_token_cpu[r, p:s] = torch.tensor(slots, dtype=torch.int32)
+            rows_w += [r] * (s - p)
+            cols_w += range(p, s)
+            slots_w += slots
+        if not slots_w:
             return torch.zeros(0, dtype=torch.long, device=self.device)
-        return torch.cat(out)
+        rcs = h2d([rows_w, cols_w, slots_w], self.device)  # one pinned, non-blocking copy [3, n]
+        self.req_to_token[rcs[0], rcs[1]] = rcs[2].to(torch.int32)
+        return rcs[2]
 
     def free_tail(self, r: int, keep_len: int, alloc_len: int) -> None:
         """Free the whole pages of row ``r`` strictly after the page holding position ``keep_len-1``.
@@ -287,6 +299,15 @@ class KVCache:
         start = first_freeable_position(keep_len, self.page_size)
         if alloc_len > start:
             self.allocator.free_pages(self.row_pages(r, alloc_len, start=start))
+
+    def check_mirror(self) -> None:
+        """``req_to_token_cpu`` equals the device ``req_to_token`` (KV-007; reads the device:
+        an audit, not a hot-path call).  Raises InvariantError KV-007 naming the first entry."""
+        dev = self.req_to_token.cpu()
+        if not torch.equal(dev, self.req_to_token_cpu):
+            r, c = (dev != self.req_to_token_cpu).nonzero()[0].tolist()
+            raise InvariantError("KV-007", f"req_to_token[{r}, {c}] = {int(dev[r, c])} on the device, "
+                                 f"{int(self.req_to_token_cpu[r, c])} in the allocator's host mirror")
 
     def check_page_contiguous(self, r: int, length: int) -> None:
         """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``."""

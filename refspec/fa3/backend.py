@@ -49,17 +49,21 @@ class FlashAttentionBackend(GraphMetadataMixin):
         validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
         provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one for
             the pool's device once, here (:func:`refspec.fa3.kernel.select_provider`).
+        syncs: a ``Counter`` (the engine's ``syncs``); each validated metadata build adds one
+            ``"validation"`` (its checks read the device), none without ``validate``.
     """
 
     name = "fa3"
 
     def __init__(self, pool: KVPool, kv: KVCache, speculative_step_id: int | None = None,
-                 max_context_len: int | None = None, validate: bool = True, provider: str | None = None):
+                 max_context_len: int | None = None, validate: bool = True, provider: str | None = None,
+                 syncs=None):
         self.pool, self.kv = pool, kv
         self.page_size = kv.page_size
         self.speculative_step_id = speculative_step_id
         self.max_context_len = max_context_len or kv.req_to_token.shape[1]
         self.validate = validate
+        self.syncs = syncs
         self.provider = provider or kernel.select_provider(kv.device)  # once, not per kernel call
         self.forward_metadata: FlashAttentionMetadata | None = None
         self.graph_state = None
@@ -71,12 +75,17 @@ class FlashAttentionBackend(GraphMetadataMixin):
         build) and :func:`refspec.fa3.validate.validate_metadata` (after it).
         """
         if self.validate:
+            self.count_validation()
             validate_batch(fb, self.kv.req_to_token)
         md = init_forward_metadata(fb, self.kv.req_to_token, self.page_size, self.speculative_step_id)
         if self.validate:
             validate_metadata(md, fb, self.kv.req_to_token, self.page_size)
         self.forward_metadata = md
         return md
+
+    def count_validation(self) -> None:
+        if self.syncs is not None:
+            self.syncs["validation"] += 1
 
     def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
         """Store-then-attend.  ``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store)

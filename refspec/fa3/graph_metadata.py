@@ -126,6 +126,7 @@ class GraphMetadataMixin:
                              f"come first)")
         md, bound = self.graph_state.captured[key]
         if self.validate:
+            self.count_validation()
             validate_batch(fb, self.kv.req_to_token, num_real=num_real)
         self._update_lengths(md, fb, bs)
         if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
@@ -192,7 +193,7 @@ def write_cache_seqlens(md: FlashAttentionMetadata, K: torch.Tensor) -> None:
     assigning new tensors would leave it reading the capture-time lengths (case B11).
     """
     md.cache_seqlens_int32.copy_(K)
-    md.cu_seqlens_k[1:].copy_(torch.cumsum(K, 0, dtype=torch.int32))
+    torch.cumsum(K, 0, dtype=torch.int32, out=md.cu_seqlens_k[1:])  # one kernel, into the buffer
 
 
 def draft_extend_rows(fb: ForwardBatch, bs: int) -> torch.Tensor:
@@ -210,7 +211,7 @@ def draft_extend_rows(fb: ForwardBatch, bs: int) -> torch.Tensor:
 
 def write_draft_extend_cu_q(md: FlashAttentionMetadata, rows: torch.Tensor) -> None:
     """In place (CG-001): ``cu_seqlens_q[1:] <- cumsum(rows)``, the replayed token layout."""
-    md.cu_seqlens_q[1:].copy_(torch.cumsum(rows, 0, dtype=torch.int32))
+    torch.cumsum(rows, 0, dtype=torch.int32, out=md.cu_seqlens_q[1:])
 
 
 def replay_page_table(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token: torch.Tensor,
@@ -223,5 +224,6 @@ def replay_page_table(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
     this one rule: upstream's pre-#5318 draft-decode and verify replays copied slots here (#5090).
     """
     m_pages = -(-max_k // page_size)
-    rows = req_to_token[fb.req_pool_indices[: md.page_table.shape[0]]]
-    md.page_table[:, :m_pages].copy_(rows[:, strided_indices[:m_pages]] // page_size)
+    r = fb.req_pool_indices[: md.page_table.shape[0]]
+    first_slots = req_to_token[r[:, None], strided_indices[None, :m_pages]]  # one gather [bs, m]
+    torch.floor_divide(first_slots, page_size, out=md.page_table[:, :m_pages])  # into the buffer

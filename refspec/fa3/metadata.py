@@ -19,7 +19,8 @@ IDLE                -      []                     [0]                           
 
 Every mode: ``cu_seqlens_k = [0, cumsum K]`` (bookkeeping: SGLang passes it as
 ``cu_seqlens_k_new``, which FA3 ignores without new k/v, docs/fa3-contract.md),
-``max_seq_len_k = max K`` from the CPU mirror (no device sync, MD-006), and
+``max_seq_len_k = max K`` from the CPU mirror (no device sync, MD-006; in the overlap loop from
+its upper bound, :mod:`refspec.core.future_batch`), and
 ``page_table = req_to_token[r, 0:max_seq_len_k:P] // P`` (MD-007; plain slots when P = 1).
 
 Worked example (P = 4, N = 4): two requests with committed L = [5, 9] in TARGET_VERIFY give

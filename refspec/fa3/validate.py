@@ -19,7 +19,13 @@ Each failure raises :class:`~refspec.core.invariants.InvariantError` naming the 
 
 :func:`validate_batch` runs *before* the metadata is built: ``req_pool_indices`` inside
 ``req_to_token`` and fields of one batch size (ValueError), the CPU mirror ``seq_lens_cpu == seq_lens`` (MD-006; the
-metadata's ``max_seqlen_k`` and page-table width come from it) and distinct rows (MD-012).
+metadata's ``max_seqlen_k`` and page-table width come from it) and distinct rows (MD-012).  In the
+overlap loop ``seq_lens_cpu`` is an upper bound (``fb.seq_lens_cpu_is_bound``) and MD-006 asks
+``seq_lens <= seq_lens_cpu`` instead; every other check reads the exact device values.
+
+Every check reads device tensors on the host: on a GPU the first read of a call waits for the
+stream.  The engine counts one ``"validation"`` sync per validated metadata build
+(``Engine.syncs``), apart from the model-result reads.
 
 Only the first ``num_real`` rows are checked (padded graph rows are ignored, CG-005 checks
 them).  Cost: O(sum K) integer work on the host per call.
@@ -51,7 +57,10 @@ def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int |
     if bad:
         raise ValueError(f"req_pool_indices {bad} outside req_to_token rows [0, {R})")
     dev, cpu = fb.seq_lens[:B].tolist(), fb.seq_lens_cpu[:B].tolist()
-    require(dev == cpu, "MD-006", f"seq_lens_cpu {cpu} is not a mirror of seq_lens {dev}")
+    if fb.seq_lens_cpu_is_bound:  # overlap: a host upper bound, not a mirror
+        require(all(d <= c for d, c in zip(dev, cpu)), "MD-006", f"seq_lens_cpu {cpu} is no upper bound of seq_lens {dev}")
+    else:
+        require(dev == cpu, "MD-006", f"seq_lens_cpu {cpu} is not a mirror of seq_lens {dev}")
     require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
 
 

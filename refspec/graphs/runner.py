@@ -122,6 +122,7 @@ class GraphRunner:
             real = [default] * B if live is None or getattr(live, field) is None else list(getattr(live, field))
             return [int(x) for x in real] + [default] * (bs - B)
         fb.seq_lens_cpu = torch.tensor(cpu("seq_lens_cpu", fill), dtype=torch.long)
+        fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
         fb.num_accept_tokens_cpu = cpu("num_accept_tokens_cpu", W)
         fb.extend_seq_lens_cpu = cpu("extend_seq_lens_cpu", W)
 

@@ -69,7 +69,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
              eos: int | None = None, accept=None, reference: dict | None = None, capture_bs=(1, 2, 4, 8),
              max_batch: int | None = None, arrivals: list[int] | None = None, provider: str | None = None,
              validate: bool = True, observer=None, shuffle_pages: int | None = 0, pool_fill: float = 0.0,
-             draft_seed: int = 1, topk: int = 1, num_draft_tokens: int | None = None) -> GenerateResult:
+             draft_seed: int = 1, topk: int = 1, num_draft_tokens: int | None = None,
+             overlap: bool | None = None) -> GenerateResult:
     """Speculative greedy generation of every prompt (request id = index in ``prompts``).
 
     Args:
@@ -90,8 +91,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).
         max_batch, arrivals: continuous batching (default: everything at once).
-        observer, shuffle_pages, pool_fill, provider, validate, capture_bs: see
-            :class:`~refspec.speculative.engine.Engine`.
+        observer, shuffle_pages, pool_fill, provider, validate, capture_bs, overlap: see
+            :class:`~refspec.speculative.engine.Engine` (overlap: None = on for v2 on CUDA;
+            the oracle loop ignores it).
     Returns: :class:`~refspec.speculative.metrics.GenerateResult`.
     Raises: ValueError for a bad argument (empty ``prompts`` or prompt, a token id outside the
     vocabulary, ``max_new_tokens`` / ``num_steps`` / ``page_size`` < 1, ``arrivals`` not one
@@ -132,7 +134,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
                  max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
                  attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
                  provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
-                 observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill, **tree_kw)
+                 observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill, overlap=overlap, **tree_kw)
     for i, (p, m) in enumerate(zip(prompts, budgets)):
         eng.add_request(i, p, m, arrival=arrivals[i] if arrivals else 0)
     eng.run()

@@ -8,7 +8,9 @@ lengths; tests call it from the observer after every round.  Each failure raises
 * KV-004 / KV-005: no page holding a committed token is free;
 * KV-002: live rows own disjoint pages, and the pages in use are exactly
   ``sum(ceil(alloc_len / P))`` over live requests (no leak, no early free);
-* SD-008: target-KV length == draft-KV length == committed length.
+* SD-008: target-KV length == draft-KV length == committed length;
+* KV-007: the allocator's host mirror of ``req_to_token`` equals the device copy (this reads
+  the device: an audit, not the hot path).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from refspec.core.invariants import require
 def audit_kv(eng) -> None:
     """Check the invariants above on ``eng.running`` (an :class:`~refspec.speculative.engine.Engine`)."""
     kv, P, alloc = eng.kv, eng.P, eng.kv.allocator
+    kv.check_mirror()
     owner: dict[int, int] = {}
     expected_pages = 0
     for r in eng.running:

@@ -23,17 +23,32 @@ import random
 
 
 class Drafter:
-    """Base class: ``propose(rid, tokens, num_steps) -> list of Sd ints`` (or None: no override)."""
+    """Base class: ``propose(rid, tokens, num_steps) -> list of Sd ints`` (or None: no override).
+
+    ``position_only`` drafters also give ``propose_at(rid, L, num_steps)``, the same proposal
+    from the committed length L alone: the overlap loop needs that, because it launches a round
+    before the host has the previous round's tokens (it tabulates ``propose_at`` per L on the
+    device, :mod:`refspec.speculative.overlap`).
+    """
 
     name = "model"
+    position_only = False
 
     def propose(self, rid: int, tokens: list[int], num_steps: int) -> list[int] | None:
         return None
 
+    def propose_at(self, rid: int, L: int, num_steps: int) -> list[int]:
+        raise NotImplementedError(f"drafter {self.name!r} proposes from the tokens, not from L alone")
+
 
 class _ReferenceDrafter(Drafter):
+    position_only = True
+
     def __init__(self, reference: dict[int, list[int]], vocab_size: int):
         self.reference, self.vocab_size = reference, vocab_size
+
+    def propose(self, rid, tokens, num_steps):
+        return self.propose_at(rid, len(tokens) - 1, num_steps)
 
     def ref(self, rid: int, index: int) -> int:
         seq = self.reference[rid]
@@ -43,16 +58,14 @@ class _ReferenceDrafter(Drafter):
 class PerfectDrafter(_ReferenceDrafter):
     name = "perfect"
 
-    def propose(self, rid, tokens, num_steps):
-        L = len(tokens) - 1
+    def propose_at(self, rid, L, num_steps):
         return [self.ref(rid, L + i) for i in range(1, num_steps + 1)]
 
 
 class AdversarialDrafter(_ReferenceDrafter):
     name = "adversarial"
 
-    def propose(self, rid, tokens, num_steps):
-        L = len(tokens) - 1
+    def propose_at(self, rid, L, num_steps):
         return [(self.ref(rid, L + i) + 1) % self.vocab_size for i in range(1, num_steps + 1)]
 
 
@@ -63,8 +76,7 @@ class RandomDrafter(_ReferenceDrafter):
         super().__init__(reference, vocab_size)
         self.p_correct, self.seed = p_correct, seed
 
-    def propose(self, rid, tokens, num_steps):
-        L = len(tokens) - 1
+    def propose_at(self, rid, L, num_steps):
         out = []
         for i in range(1, num_steps + 1):
             rng = random.Random(f"{self.seed}/{rid}/{L}/{i}")

@@ -34,14 +34,18 @@ before each round the row is topped up to ``allocate_len = seq_len + N`` (KV-005
 freed inside the round, and a finished request frees its whole row (KV-006).
 
 **Host syncs.**  Every device -> host read of a model result goes through :meth:`Engine.host`,
-which counts it by kind.  v1 needs the accept counts inside the round (the packed draft-extend
-layout and the frees depend on them): 1 read per round.  v2's in-round metadata is CPU-known
-(L and L + N) and the kept row ``b*N + a_b - 1`` is gathered on the device: 0 reads inside the
-round; its results are read once after it ("post_round", what the overlap scheduler hides).
-The count covers reads of *model results* only.  Host-side bookkeeping reads are not counted:
-with ``validate=True`` (the default) every forward's metadata check reads the batch on the host,
-and the allocator reads ``req_to_token`` (``alloc_extend``'s last slot, ``free_tail``'s pages),
-which on a GPU are syncs too (SGLang keeps such values on the host instead).
+which counts it by kind in ``Engine.syncs``.  v1 needs the accept counts inside the round (the
+packed draft-extend layout and the frees depend on them): 1 ``"in_round"`` read per round.
+v2's in-round metadata is CPU-known (L and L + N) and the kept row ``b*N + a_b - 1`` is
+gathered on the device: 0 reads inside the round, and 1 ``"post_round"`` read after it.  With
+``overlap`` (:mod:`refspec.speculative.overlap`) that read happens after the *next* round was
+launched.  Each prefill reads its first tokens (``"prefill"``; with overlap, also after the
+next launch).  With ``validate=True`` each
+validated metadata build reads the batch on the host: counted apart, as ``"validation"``.
+The allocator reads nothing from the device (its host mirror of ``req_to_token``,
+:mod:`refspec.core.kv_cache`) and every host -> device copy is pinned and non-blocking
+(:mod:`refspec.core.transfer`); :mod:`refspec.speculative.sync_audit` counts what a CUDA run
+still synchronizes on.
 
 **Hooks.**  ``drafter`` (:mod:`refspec.speculative.drafters`) overrides draft tokens; ``accept``
 (:class:`~refspec.speculative.accept.ScriptedAccept`) forces a per request-round (record/replay);
@@ -52,49 +56,22 @@ which on a GPU are syncs too (SGLang keeps such values on the host instead).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from refspec.core.batch import extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.transfer import ResultCopy, h2d, h2d_many
+from refspec.speculative import overlap as overlap_loop
 from refspec.speculative import rounds
 from refspec.speculative.accept import num_correct_drafts
 from refspec.speculative.drafters import Drafter
+from refspec.speculative.future import FutureMap
 from refspec.speculative.metrics import RoundTrace
+from refspec.speculative.request import Request
 from refspec.speculative.runners import SpecRunners
 
-
-@dataclass
-class Request:
-    """A request's host and device state (lengths in tokens)."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    arrival: int = 0
-    row: int = 0  #: req_to_token row
-    seq_len: int = 0  #: L, committed target KV
-    alloc_len: int = 0  #: positions of the row that hold slots (v1: L after a round; v2: L + N)
-    target_kv_len: int = 0  #: updated where the target's KV is committed (verify)
-    draft_kv_len: int = 0  #: what the draft extend committed (its extent; v2: kept row index + 1)
-    output: list[int] = field(default_factory=list)
-    accepts: list[int] = field(default_factory=list)
-    emitted: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
-    finish_reason: str = ""
-    root: torch.Tensor | None = None  #: t_L (device, 0-dim int64)
-    d1: torch.Tensor | None = None  #: next round's d_1 (device, 0-dim int64)
-    dhid: torch.Tensor | None = None  #: the draft hidden for step 0 (device [E]) or None
-
-    @property
-    def tokens(self) -> list[int]:
-        """t_0..t_L: the prompt and every emitted token (the root included)."""
-        return self.prompt + self.output
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
+__all__ = ["Engine", "Request"]
 
 
 class Engine:
@@ -104,50 +81,62 @@ class Engine:
         target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         version: "v1" or "v2".  num_steps: Sd >= 1 (N = Sd + 1).  page_size: P.
         max_context: bound on prompt + max_new_tokens (tokens); ``req_to_token`` rows get
-            4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window.
+            4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window
+            (overlap: :func:`~refspec.speculative.overlap.row_width` columns in all).
         max_batch: most running requests; later arrivals wait.
         attention, graphs, capture_bs, provider, validate: see :class:`SpecRunners`.
         drafter, accept, eos, observer: module doc.
         num_pages: pool size (default: enough for ``max_batch`` requests of ``max_context``).
         shuffle_pages: seed to scatter physical pages.  pool_fill: initial KV value (NaN poisons).
-    Raises: InvariantError KV-003 when the pool is exhausted.
+        overlap: launch round k+1 before reading round k's results (v2 only,
+            :mod:`refspec.speculative.overlap`); None = on for v2 on CUDA, off elsewhere.
+    Raises: InvariantError KV-003 when the pool is exhausted; ValueError for overlap with v1,
+    or with a drafter that is not ``position_only``.
     """
 
     def __init__(self, target, draft, *, version="v1", num_steps=3, page_size=1, max_context=256, max_batch=8,
                  attention="fa3", graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True,
                  drafter: Drafter | None = None, accept=None, eos=None, observer=None, num_pages=None,
-                 shuffle_pages=None, pool_fill=0.0):
+                 shuffle_pages=None, pool_fill=0.0, overlap=None):
         if version not in ("v1", "v2"):
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
+        p = next(target.parameters())
+        self.drafter = drafter or Drafter()
+        self.overlap = overlap = overlap_loop.resolve(overlap, version, p.device, self.drafter)
         if num_steps < 1:
             raise ValueError("num_steps (Sd) must be >= 1")
         for name, n in (("page_size", page_size), ("max_context", max_context), ("max_batch", max_batch)):
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         self.max_context = max_context
-        p = next(target.parameters())
         self.target, self.draft, self.version = target, draft, version
         self.Sd, self.N, self.P = num_steps, self._verify_width(num_steps), page_size
         self.max_batch, self.eos, self.observer = max_batch, eos, observer
-        self.drafter, self.accept = drafter or Drafter(), accept
+        self.accept = accept
         span = self._row_span()  # positions past the committed length a round may give slots
-        pages_per_req = -(-(max_context + span) // page_size) + 1
-        num_pages = num_pages or 1 + max_batch * pages_per_req
-        self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=4 + span, device=p.device,
-                          seed=shuffle_pages)
+        width = overlap_loop.row_width(max_context, self.N, page_size) if overlap else max_context + 4 + span
+        num_pages = num_pages or 1 + max_batch * (-(-width // page_size) + 1)
+        self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=width - max_context,
+                          device=p.device, seed=shuffle_pages)
+        self.syncs: Counter = Counter()
         c = target.config
         self.target_pool = KVPool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
                                   dtype=p.dtype, device=p.device, fill=pool_fill)
         self.draft_pool = KVPool(draft.num_layers, num_pages, page_size, draft.num_kv_heads, draft.head_dim,
                                  dtype=p.dtype, device=p.device, fill=pool_fill)
         self.runners = self._make_runners(num_steps=num_steps, version=version, attention=attention, graphs=graphs,
-                                          capture_bs=capture_bs, provider=provider, validate=validate)
+                                          capture_bs=capture_bs, provider=provider, validate=validate,
+                                          syncs=self.syncs)
         self.device = p.device
+        self.future = FutureMap(self.kv.req_to_token.shape[0], p.device)  #: next-round inputs per row
+        self.rounds_launched = 0  #: rounds launched so far (the next one's index)
+        self.in_flight = None  #: overlap: the launched round whose results are not read yet
+        self.prefills = []  #: overlap: (requests, first-token copy) of prefills not read yet
+        self.draft_table = None  #: overlap: a position_only drafter's propose_at per (row, L), [R, W, Sd]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.done: list[Request] = []
         self.trace: list[RoundTrace] = []
-        self.syncs: Counter = Counter()
         self.free_pages_at_start = self.kv.allocator.num_free_pages
 
     # ---- what a sibling engine (refspec.speculative.tree.TreeEngine) replaces ----
@@ -162,12 +151,11 @@ class Engine:
     def _make_runners(self, **kw) -> SpecRunners:
         return SpecRunners(self.target, self.draft, self.kv, self.target_pool, self.draft_pool, **kw)
 
-    def _set_draft_state(self, reqs, draft_logits, draft_hidden) -> None:
-        """After the draft prefill: ``d_1`` = the kept row's argmax, and its hidden (EAGLE)."""
-        d1 = draft_logits.argmax(-1)
-        for b, r in enumerate(reqs):
-            r.d1 = d1[b]
-            r.dhid = draft_hidden[b] if self.draft.uses_hidden else None
+    def _set_draft_state(self, reqs, fb, first, draft_logits, draft_hidden) -> None:
+        """After the prefill: the root t_p = ``first``, ``d_1`` = the kept draft row's argmax and its
+        hidden (EAGLE), stashed in the future map by ``req_to_token`` row."""
+        self.future.stash(fb.req_pool_indices, seq_lens=fb.seq_lens, root=first, d1=draft_logits.argmax(-1),
+                          hidden=draft_hidden if self.draft.uses_hidden else None)
 
     def _run_round(self, reqs):
         """One round's rows (module :mod:`refspec.speculative.rounds`), v1 or v2."""
@@ -181,25 +169,35 @@ class Engine:
         if self.observer is not None:
             self.observer(event, self, **info)
 
-    def host(self, kind: str, t: torch.Tensor) -> list:
-        """The one device -> host read path (counted per ``kind``)."""
+    def host(self, kind: str, t) -> list:
+        """The one device -> host read path (counted per ``kind``): a tensor, or a
+        :class:`~refspec.core.transfer.ResultCopy` started earlier (waits on its event only)."""
         self.syncs[kind] += 1
-        return t.tolist()
+        return t.wait() if isinstance(t, ResultCopy) else t.tolist()
 
     def ids(self, xs) -> torch.Tensor:
-        return torch.as_tensor(xs, dtype=torch.long, device=self.device)
+        """A host int list -> int64 on the device (pinned, non-blocking: no stream sync)."""
+        return h2d(xs, self.device)
 
-    def forced_drafts(self, reqs) -> torch.Tensor:
-        """The drafter's d_1..d_Sd per request, ``[B, Sd]`` int64, -1 = the draft's own argmax."""
+    def forced_drafts(self, reqs, rows_dev: torch.Tensor, L_dev: torch.Tensor) -> torch.Tensor:
+        """The drafter's d_1..d_Sd per request, ``[B, Sd]`` int64, -1 = the draft's own argmax.
+
+        Overlap: the host does not know this round's L, so the proposal is looked up on the
+        device in the table of ``propose_at`` per (row, L) filled at admission."""
+        if type(self.drafter) is Drafter:  # no override: nothing to copy
+            return torch.full((len(reqs), self.Sd), -1, dtype=torch.long, device=self.device)
+        if self.overlap:
+            return self.draft_table[rows_dev, L_dev]
         rows = [self.drafter.propose(r.rid, r.tokens, self.Sd) or [-1] * self.Sd for r in reqs]
         return self.ids(rows)
 
     def accept_counts(self, reqs, drafts, predict) -> torch.Tensor:
-        """n per request ``[B]`` (device): the greedy rule, or the scripted a - 1 (host-known)."""
+        """n per request ``[B]`` (device): the greedy rule, or the scripted a - 1 (host-known:
+        the k-th verify round of a request is the k-th one launched for it)."""
         n = num_correct_drafts(drafts, predict)
         if self.accept is None:
             return n
-        forced = [self.accept(r.rid, len(r.accepts)) for r in reqs]
+        forced = [self.accept(r.rid, r.launched) for r in reqs]
         f = self.ids([0 if x is None else min(max(int(x), 1), self.N) for x in forced])
         return torch.where(f > 0, f - 1, n)
 
@@ -245,21 +243,29 @@ class Engine:
         rows, p = [r.row for r in reqs], [len(r.prompt) for r in reqs]
         kv.alloc_extend(rows, [0] * len(reqs), p)
         fb = extend_batch(kv, rows, [0] * len(reqs), p)
-        ids = self.ids([t for r in reqs for t in r.prompt])
+        ids, last = h2d_many([[t for r in reqs for t in r.prompt], [sum(p[:b + 1]) - 1 for b in range(len(p))]],
+                             self.device)
         logits, hidden = run.target_extend(ids, fb)
-        last = self.ids([sum(p[:b + 1]) - 1 for b in range(len(p))])
         first = logits[last].argmax(-1)  # t_p per request
         dids = ids.roll(-1)  # draft row j of a request consumes t_(j+1) ...
         dids[last] = first  # ... and its last row the first generated token
         dl, dh = run.draft_prefill(dids, hidden if self.draft.uses_hidden else None, fb)
         for b, r in enumerate(reqs):
             r.seq_len = r.alloc_len = r.target_kv_len = r.draft_kv_len = p[b]
-            r.root = first[b]
-        self._set_draft_state(reqs, dl[last], dh[last])
+        self._set_draft_state(reqs, fb, first, dl[last], dh[last])
+        if self.overlap:
+            overlap_loop.tabulate_drafts(self, reqs)
         self.observe("prefill", reqs=reqs, fb=fb)
-        for r, t in zip(reqs, self.host("prefill", first)):
-            self._emit(r, [t])
         self.running.extend(reqs)
+        if self.overlap:  # read after the next round is launched (overlap.read_prefills)
+            self.prefills.append((reqs, ResultCopy(first)))
+        else:
+            self.emit_first(reqs, self.host("prefill", first))
+
+    def emit_first(self, reqs, first: list[int]) -> None:
+        """Emit each request's first token (the prefill's); free those it finishes."""
+        for r, t in zip(reqs, first):
+            self._emit(r, [t])
         self._release([r for r in reqs if r.finished])
 
     def _admit(self, step: int) -> list[Request]:
@@ -274,6 +280,8 @@ class Engine:
     # ---- the loop ----
     def run(self) -> list[Request]:
         """Run until every request finished; returns them in completion order."""
+        if self.overlap:
+            return overlap_loop.run(self)
         step = 0
         with torch.no_grad():
             while self.waiting or self.running:
@@ -293,24 +301,34 @@ class Engine:
         counts_before = Counter(self.runners.counts)
         L = [r.seq_len for r in reqs]
         out = self._run_round(reqs)
+        for r in reqs:
+            r.launched += 1
+        self.rounds_launched += 1
         in_round = self.syncs["in_round"] - before
         if self.version == "v2":  # the results, read once after the round
             out = self.host("post_round", out)
-            for r, l, row in zip(reqs, L, out):
-                r.seq_len = r.target_kv_len = l + row[0]
-                r.draft_kv_len = row[-1]
+        self.commit(reqs, L, out, joined, in_round, self.graphs_used(counts_before))
+
+    def graphs_used(self, counts_before: Counter) -> list[str]:
+        """The phases that replayed a graph since ``counts_before`` (a copy of ``runners.counts``)."""
+        return sorted(ph for (ph, how), v in self.runners.counts.items() if how == "graph" and v > counts_before[(ph, how)])
+
+    def commit(self, reqs, L, out, joined, in_round, used, discarded=()) -> None:
+        """Apply one round's host rows ``out`` (``[a, c_0..c_(N-1), d_1..d_Sd, draft_len, ...]``
+        per request of ``reqs``, committed lengths ``L``): lengths, emission, finishes, frees,
+        the trace entry and the ``round_end`` event.  ``discarded``: rids whose row was dropped."""
         N, Sd = self.N, self.Sd
-        for r, row in zip(reqs, out):
+        for r, l, row in zip(reqs, L, out):
             a = row[0]
+            r.seq_len = r.target_kv_len = l + a
+            r.draft_kv_len = row[1 + N + Sd]
             r.accepts.append(a)
             r.drafts.append(row[1 + N:1 + N + Sd])
             r.emitted.append(self._emit(r, row[1:1 + a]))
         finished = [r for r in reqs if r.finished]
         self._release(finished)
-        used = sorted(ph for (ph, how), v in self.runners.counts.items()
-                      if how == "graph" and v > counts_before[(ph, how)])
-        tr = RoundTrace(len(self.trace), [r.rid for r in reqs], L, [row[0] for row in out],
+        tr = RoundTrace(len(self.trace), [r.rid for r in reqs], list(L), [row[0] for row in out],
                         [row[1 + N:1 + N + Sd] for row in out], joined=joined, finished=[r.rid for r in finished],
-                        host_syncs=in_round, graph=used)
+                        host_syncs=in_round, graph=used, discarded=list(discarded))
         self.trace.append(tr)
         self.observe("round_end", reqs=reqs, trace=tr)

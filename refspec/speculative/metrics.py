@@ -19,7 +19,9 @@ class RoundTrace:
     ``rids`` / ``seq_lens`` (committed L at the round's start, tokens) / ``num_accept_tokens`` (a)
     are aligned; ``joined`` were prefilled just before it, ``finished`` left after it;
     ``host_syncs`` counts device -> host reads inside the round (v2: 0); ``graph`` names the
-    phases that replayed a graph.
+    phases that replayed a graph; ``discarded`` (overlap only) the requests that were still in
+    this round although an earlier round had finished them (known one round late): their rows
+    of this round were dropped, and they are not in ``rids``.
     """
 
     index: int
@@ -31,6 +33,7 @@ class RoundTrace:
     finished: list[int] = field(default_factory=list)
     host_syncs: int = 0
     graph: list[str] = field(default_factory=list)
+    discarded: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,7 +67,7 @@ class GenerateResult:
     backend: str
     version: str
     trace: list[RoundTrace] | None = None
-    host_syncs: dict = field(default_factory=dict)  #: "prefill" / "in_round" / "post_round" -> reads
+    host_syncs: dict = field(default_factory=dict)  #: "prefill" / "in_round" / "post_round" / "validation" -> reads
     free_pages: tuple[int, int] | None = None  #: (before, after) the run
     forwards: dict = field(default_factory=dict)  #: (phase, "graph" | "eager") -> count
 

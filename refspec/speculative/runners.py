@@ -49,15 +49,16 @@ class SpecRunners:
         attention: "fa3" (FlashAttentionBackend; emulator on CPU, real FA3 on Hopper) or
             "oracle" (the paged OracleBackend, eager only).
         graphs: capture graphs (fa3 only).  capture_bs: batch sizes (CG-007).
-        provider, validate: FA3 backend options.
+        provider, validate: FA3 backend options.  syncs: the engine's ``Counter`` (the FA3
+            backends add their ``"validation"`` reads to it).
     """
 
     def __init__(self, target, draft, kv, target_pool, draft_pool, *, num_steps, version, attention="fa3",
-                 graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True):
+                 graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True, syncs=None):
         self.target, self.draft, self.kv = target, draft, kv
         self.Sd, self.N, self.version = num_steps, num_steps + 1, version
         if attention == "fa3":
-            kw = dict(provider=provider, validate=validate)
+            kw = dict(provider=provider, validate=validate, syncs=syncs)
             self.target_be = FlashAttentionBackend(target_pool, kv, **kw)
             self.draft_be = FlashAttentionBackend(draft_pool, kv, **kw)
             self.step_bes = FlashAttentionMultiStepBackend(draft_pool, kv, num_steps, **kw).backends

@@ -11,6 +11,9 @@ A trace (JSON, ``"format": "refspec-trace/1"``) holds the schedule of one produc
 * ``rounds``, one per production round: ``rids`` (batch membership, in batch order),
   ``seq_lens`` (committed L at the round's start, tokens), ``num_accept_tokens`` (a = n + 1,
   bonus included, SD-001), ``joined`` (prefilled just before) and ``finished`` (left after).
+  Under the overlap loop (``config["overlap"]``, optional, default false) a round whose every
+  row was dropped (requests finished by an earlier round, known one round late) committed
+  nothing and is not written.
 
 **Why a replay is exact on any model.**  The engine's decisions depend on the model only through
 a: L grows by a per round (SD-008), a request leaves when its output reaches its budget or EOS,
@@ -57,7 +60,7 @@ def trace_from_result(result, prompts: list[list[int]], budgets: list[int], conf
                      "output_ids": list(r.tokens), "finish_reason": r.finish_reason,
                      "num_accept_tokens": list(r.accepts)})
     rounds = [{"rids": t.rids, "seq_lens": t.seq_lens, "num_accept_tokens": t.num_accept_tokens,
-               "joined": t.joined, "finished": t.finished} for t in result.trace]
+               "joined": t.joined, "finished": t.finished} for t in committed_rounds(result.trace)]
     trace = {"format": FORMAT, "source": dict(source or {}), "config": dict(config), "requests": reqs,
              "rounds": rounds}
     check_trace(trace)
@@ -128,10 +131,16 @@ def accept_table(trace: dict) -> dict[int, list[int]]:
     return {r["rid"]: list(r["num_accept_tokens"]) for r in trace["requests"]}
 
 
+def committed_rounds(rounds) -> list:
+    """The rounds that committed tokens: all but the overlap loop's all-dropped ones (module doc)."""
+    return [t for t in rounds if t.rids or not t.discarded]
+
+
 def schedule_mismatches(trace: dict, rounds) -> list[str]:
     """Where a replayed engine's rounds (:class:`~refspec.speculative.metrics.RoundTrace` list) differ
     from the trace: one line per differing field per round, empty when the schedule is equal."""
     out = []
+    rounds = committed_rounds(rounds)
     if len(rounds) != len(trace["rounds"]):
         out.append(f"{len(rounds)} rounds replayed, the trace has {len(trace['rounds'])}")
     for k, (want, got) in enumerate(zip(trace["rounds"], rounds)):

@@ -157,10 +157,11 @@ class TreeEngine(Engine):
         return TreeRunners(self.target, self.draft, self.kv, self.target_pool, self.draft_pool, topk=self.topk,
                            num_draft_tokens=self.N, **kw)
 
-    def _set_draft_state(self, reqs, draft_logits, draft_hidden) -> None:
+    def _set_draft_state(self, reqs, fb, first, draft_logits, draft_hidden) -> None:
+        """After the prefill: each request's root t_p and its k root children (top-k of the kept draft row)."""
         topk_p, topk_index = draft_topk(draft_logits, self.topk)
         for b, r in enumerate(reqs):
-            r.topk_p, r.topk_index = topk_p[b], topk_index[b]
+            r.root, r.topk_p, r.topk_index = first[b], topk_p[b], topk_index[b]
             r.dhid = draft_hidden[b] if self.draft.uses_hidden else None
 
     def _run_round(self, reqs):
