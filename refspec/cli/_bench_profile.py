@@ -142,7 +142,7 @@ def bench_profile(device, quick):
             toks = sum(len(x) for x in (out.tokens if hasattr(out, "tokens") else [g.tokens for g in out]))
             rows.append(dict(section="profile baselines", workload=label, B=B, what=name,
                              tok_per_s=toks / (time.perf_counter() - t)))
-        for draft, drafter in (("early-exit:25", None), ("early-exit:1", "perfect")):
+        for draft, drafter in (("early-exit:25", None),):  # the configuration; other drafts: bench_drafts
             for version in ("v1", "v2"):
                 for profiled in (False, True):
                     r = profile_config(fast, prompts, version=version, draft=draft, drafter=drafter,

@@ -37,9 +37,9 @@ def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: to
     row as ``+inf``), which gets weight 0 -- e.g. a draft-decode prefix with ``L - lp = 0``.  Both
     sides empty is undefined (NaN), as upstream; the tree path never has an empty expand side.
     """
-    neg_inf = torch.tensor(float("-inf"), device=lse1.device)
-    l1 = torch.where(torch.isinf(lse1.float()), neg_inf, lse1.float())
-    l2 = torch.where(torch.isinf(lse2.float()), neg_inf, lse2.float())
+    # an empty side (LSE +-inf) counts as -inf; a Python scalar, so no host tensor is copied (graph-safe)
+    l1 = torch.where(torch.isinf(lse1.float()), float("-inf"), lse1.float())
+    l2 = torch.where(torch.isinf(lse2.float()), float("-inf"), lse2.float())
     m = torch.maximum(l1, l2)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
