@@ -291,11 +291,15 @@ class KVCache:
         KV-004 (SGLang ``align_evict_mask_to_page_size``): rejected slots inside the page of
         the last committed token stay allocated (freeing them would free committed tokens' page),
         and are reused next round (KV-004).
-        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row), KV-003 (row not allocated).
+        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row, or ``keep_len >
+        alloc_len``: more tokens kept than the row holds), KV-003 (row not allocated).
         """
         self._check_row(r)
         self._check_len("keep_len", keep_len)
         self._check_len("alloc_len", alloc_len)
+        if keep_len > alloc_len:
+            raise ValueError(f"free_tail row {r}: keep_len {keep_len} > alloc_len {alloc_len} (cannot keep "
+                             f"more tokens than were allocated)")
         start = first_freeable_position(keep_len, self.page_size)
         if alloc_len > start:
             self.allocator.free_pages(self.row_pages(r, alloc_len, start=start))
