@@ -54,7 +54,7 @@ def test_case_B01_draft_tokens_never_spill_into_unreserved_pages(mode, graphs):
     checked = []
 
     def obs(event, eng, **info):
-        reqs, fb = info.get("reqs"), info.get("fb")
+        reqs = info.get("reqs")
         if event == "round_end":
             poison_unowned(eng)
         if event == "prefill":

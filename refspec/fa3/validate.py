@@ -92,7 +92,8 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
     for b in range(B):
         r, Kb, qb = int(fb.req_pool_indices[b]), K[b], q[b]
         require(Kb >= qb, "MD-004", f"request {b}: K={Kb} < q={qb}")
-        require(-(-Kb // P) <= pt.shape[1], "PA-003", f"request {b}: K={Kb} needs {-(-Kb // P)} pages, width {pt.shape[1]}")
+        require(-(-Kb // P) <= pt.shape[1], "PA-003",
+                f"request {b}: K={Kb} needs {-(-Kb // P)} pages, width {pt.shape[1]}")
         row = req_to_token[r, :Kb].long()
         tail = row[Kb - qb:].tolist()
         mine = loc[cu[b]:cu[b + 1]]

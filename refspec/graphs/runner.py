@@ -143,7 +143,7 @@ class GraphRunner:
         """CG-010 on the padded rows' metadata (after the capture / replay hooks)."""
         if not self._checking(B, bs):
             return
-        for sub, backend in zip(self.split(fb), self.backends):
+        for _sub, backend in zip(self.split(fb), self.backends):
             md = backend.forward_metadata
             q = (md.cu_seqlens_q[1:bs + 1] - md.cu_seqlens_q[:bs])[B:]
             require(bool((md.cache_seqlens_int32[B:bs] >= q).all()), "CG-010",

@@ -1,4 +1,5 @@
-"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that every wrong variant of :mod:`refspec.mutants.variants` is caught.
+"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that
+every wrong variant of :mod:`refspec.mutants.variants` is caught.
 
 For each variant and each of its probes (:mod:`refspec.mutants.probes`) four runs:
 

@@ -131,7 +131,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
             raise ValueError(f"topk = {topk} > 1 runs on backend 'oracle' or 'fa3', got {backend!r}")
         engine, tree_kw = TreeEngine, dict(topk=topk, num_draft_tokens=num_draft_tokens)
     eng = engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
-                 max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
+                 max_context=max(len(p) for p in prompts) + max(budgets),
+                 max_batch=len(prompts) if max_batch is None else max_batch,
                  attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
                  provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
                  observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill, overlap=overlap, **tree_kw)
