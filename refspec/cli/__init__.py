@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     def body(_):
         ns = parser.parse_args(head)
         module = importlib.import_module(COMMANDS[ns.command][0])
-        return module.main(rest + (["--debug"] if ns.debug and "--debug" not in rest else []))
+        debug = "--debug" in head and "--debug" not in rest  # (the sub-parser's own --debug default hides ns.debug)
+        return module.main(rest + (["--debug"] if debug else []))
 
     return run(body, argv, PROG)

@@ -185,6 +185,8 @@ def load_trace(path: str | Path) -> dict:
         raise ValueError(f"trace {path}: expected a JSON object with format {FORMAT!r}, got {type(trace).__name__}")
     try:
         check_trace(trace)
+    except ValueError as e:
+        raise ValueError(f"trace {path}: {str(e).removeprefix('trace: ')}") from e
     except (KeyError, TypeError, AttributeError, IndexError) as e:  # a field missing or of the wrong type
         raise ValueError(f"trace {path}: malformed ({type(e).__name__}: {e})") from e
     return trace
