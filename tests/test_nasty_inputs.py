@@ -245,8 +245,8 @@ def test_a_batch_on_the_dummy_row_0_is_refused_by_the_builder():
     (lambda kv, r: B.decode_batch(kv, [r, 2], [5]), "entries"),  # before: zip dropped row 2
     (lambda kv, r: B.draft_extend_batch(kv, [r], [8], []), "num_accept_tokens"),  # before: 0 rows
     (lambda kv, r: B.decode_batch(kv, [9], [5]), "req_pool_index"),  # before: IndexError
-    (lambda kv, r: B.extend_batch(kv, [r], [0], [-1]), "query tokens"),  # before: RuntimeError
-    (lambda kv, r: B.extend_batch(kv, [r], [0], [0]), "query tokens"),  # before: an empty request
+    (lambda kv, r: B.extend_batch(kv, [r], [0], [-1]), "extend_lens"),  # before: RuntimeError
+    (lambda kv, r: B.extend_batch(kv, [r], [0], [0]), "extend_lens"),  # before: an empty request
     (lambda kv, r: B.verify_batch(kv, [r], [4], 0), "num_draft_tokens"),  # before: empty batch
     (lambda kv, r: B.draft_extend_v2_batch(kv, [r], [8], 0), "num_draft_tokens"),
     (lambda kv, r: B.draft_decode_batch(kv, [r], [5], -3), "step"),  # before: ran at position 2
