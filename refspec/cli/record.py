@@ -91,6 +91,7 @@ def _main(argv) -> int:
     ap.add_argument("--no-eos", action="store_true", help="ignore <|im_end|> (budgets end every request)")
     ap.add_argument("--check", action="store_true", help="also decode greedily; refuse to write a lossy run")
     ap.add_argument("--threads", type=positive_int(), metavar="N", help="torch CPU threads (default 1)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
     from refspec.real import EOS_ID, RealAssetsMissing
 
@@ -112,7 +113,7 @@ def _main(argv) -> int:
         raise CLIError(str(e)) from e
     check_draft(ns.draft, model)
     prompts = chat_prompts(qs)
-    bar = TokenBar(sum(max_new), desc="record")
+    bar = TokenBar(sum(max_new), desc="record", disable=ns.no_progress)
     try:
         trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size,
                        num_steps=ns.num_steps, draft=ns.draft, max_batch=ns.max_batch,
