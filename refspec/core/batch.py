@@ -158,7 +158,8 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
 
     Raises: InvariantError PA-008 (row 0), MD-012 (a repeated row), MD-004 (a query token
     before position 0, i.e. K_b < q_b); ValueError (a row out of range, q_b < 1, a position
-    past the ``req_to_token`` width, per-request lists of different lengths).
+    past the ``req_to_token`` width, per-request lists of different lengths, or holding
+    something else than ints: every public builder checks its arguments' kinds the same way).
     """
     req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
     _check_rows(kv, req_pool_indices, seq_lens)

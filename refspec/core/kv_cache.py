@@ -264,7 +264,8 @@ class KVCache:
         Returns: ``out_cache_loc`` int64 ``[sum(seq - prefix)]`` (slots), request-major.
         Raises: InvariantError KV-001 (the row's last slot is not at the expected offset),
         KV-003 (exhaustion: pages, or ``seq_b`` past the row's width; or a free row), PA-008
-        (row 0); ValueError (lists of different lengths, a repeated row, ``seq_b < prefix_b``).
+        (row 0); ValueError (lists of different lengths or holding something else than ints, a
+        repeated row, ``seq_b < prefix_b``).
         All checks run before anything is taken.
         """
         P = self.page_size
