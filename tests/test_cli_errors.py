@@ -100,6 +100,12 @@ CASES = [
     (["mutants", "--only", "nope"], ["'nope'", "seed-page-table"]),
     (["mutants", "--only", "seed-page-table", "verify-as-decode"], ["unrecognized arguments", "comma-separated"]),
     (["mutants", "--device", "gpu"], ["'gpu'", "cpu", "cuda"]),
+    # conformance (refused before anything is installed)
+    (["conformance", "--pins", "0.4.0"], ["'0.4.0'", "0.5.23", "0.5.12.post1"]),
+    (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,16,64"]),
+    (["conformance", "--modes", "decode,prefill"], ["'prefill'", "draft_extend_v2"]),
+    (["conformance", "--variant", "nope"], ["--variant", "'nope'", "seed-page-table"]),
+    (["conformance", "--pin", "0.5.23", "0.5.12.post1"], ["unrecognized arguments", "comma-separated"]),
 ]
 if not torch.cuda.is_available():
     CASES += [(["check", "--device", "cuda"], ["no CUDA device"]), (["mutants", "--device", "cuda"], ["no CUDA"]),
@@ -208,7 +214,8 @@ def test_list_options_are_comma_separated(monkeypatch, capsys):
              if "comma-separated" in (a.help or "")}
     assert {("check", "--page-sizes"), ("check", "--sections"), ("demo", "--page-sizes"), ("demo", "--versions"),
             ("replay", "--page-sizes"), ("replay", "--versions"), ("bench", "--sections"),
-            ("mutants", "--only")} <= lists
+            ("mutants", "--only"), ("conformance", "--pins"), ("conformance", "--page-sizes"),
+            ("conformance", "--modes")} <= lists
     for _, p in _parsers(monkeypatch).items():
         for a in p._actions:
             assert a.nargs in (None, 0), f"{p.prog} {a.option_strings}: nargs={a.nargs!r}, use one comma list"
