@@ -258,7 +258,7 @@ def model():
 
 
 GENERATE = dict(prompts=[[1, 2, 3]], backend="oracle", version="v1", page_size=2, num_steps=2, max_new_tokens=2,
-                draft="early-exit:1", max_batch=None, eos=None)
+                draft="early-exit:1", max_batch=None, eos=None, topk=1, num_draft_tokens=None)
 
 
 @settings(max_examples=N_EXAMPLES // 2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,6 @@ so that "oracle loop == production loop" and "speculative == plain greedy" are o
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 
 from refspec.core.args import is_int
@@ -61,9 +59,9 @@ def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
     for i, p in enumerate(prompts):
         if not isinstance(p, (list, tuple)) or not p:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
-        if not all(isinstance(t, Integral) and 0 <= t < V for t in p):
+        if not all(is_int(t) and 0 <= t < V for t in p):
             raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size = {V}): "
-                             f"{[t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]}")
+                             f"{[t for t in p if not (is_int(t) and 0 <= t < V)]}")
     if not is_int(num_steps) or num_steps < 1:
         raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
     if not is_int(page_size) or page_size < 1:
@@ -111,6 +109,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_args(target, prompts, num_steps, page_size, arrivals)
+    if eos is not None and not (is_int(eos) and 0 <= eos < target.config.vocab_size):
+        raise ValueError(f"eos must be None or a token id in [0, vocab_size = {target.config.vocab_size}), got {eos!r}")
     budgets = _budgets(prompts, max_new_tokens, target.config.max_position_embeddings)
     num_draft_tokens = _check_tree_args(topk, num_steps, num_draft_tokens)
     if topk > 1 and backend == "oracle":
@@ -158,7 +158,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
 # ---------------------------------------------------------------- top-k > 1 (EAGLE trees)
 def _check_tree_args(topk, num_steps, num_draft_tokens) -> int:
     """The resolved N; ValueError for a bad k / N (SD-010 at k = 1, TR-002 for k > 1)."""
-    if not isinstance(topk, Integral) or topk < 1:
+    if num_draft_tokens is not None and not is_int(num_draft_tokens):
+        raise ValueError(f"num_draft_tokens (N) must be None or an int, got {num_draft_tokens!r}")
+    if not is_int(topk) or topk < 1:
         raise ValueError(f"topk (k) must be an int >= 1, got {topk!r}")
     if topk == 1:
         if num_draft_tokens not in (None, num_steps + 1):
