@@ -193,7 +193,10 @@ def _parsers(monkeypatch):
         with pytest.raises(SystemExit) as e:
             main([name, "--help"])
         assert e.value.code == 0
-        helps[name] = seen[f"python -m refspec {name}"]
+        prog = f"python -m refspec {name}"
+        assert prog in seen, (f"{name}: build its parser with refspec.cli._args.ArgumentParser (prog {prog!r}) "
+                              f"and wrap main in refspec.cli._args.run: one-line errors, --debug, plain help")
+        helps[name] = seen[prog]
     return helps
 
 
