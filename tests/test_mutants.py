@@ -59,7 +59,8 @@ def test_variant_docs_name_what_catches_it(report, name):
     seen = report.observed_ids(name)
     for r in results(report, name):
         assert r.caught, mutants.format_report(mutants.Report("cpu", [r]), verbose=True)
-        assert r.symptom.detected or bug.only_with_validation, f"{name} / {r.probe.label}: no symptom with validation off"
+        assert r.symptom.detected or bug.only_with_validation, \
+            f"{name} / {r.probe.label}: no symptom with validation off"
     assert set(bug.caught_by) - DEVICE_ONLY_IDS.get(name, set()) <= seen, (bug.caught_by, seen)
     assert bug.changes and bug.source and bug.symptom and bug.seam
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv) -> int:
-    from refspec import bugs
+    from refspec.mutants import variants
     from refspec.conformance import cases, install, run as conformance
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
@@ -34,7 +34,7 @@ def _main(argv) -> int:
                     metavar="MODE[,MODE...]",
                     help=f"restrict the modes, comma-separated, from {', '.join(sorted(cases.MODES))} "
                          "(default: every mode the pin has)")
-    ap.add_argument("--variant", choices=sorted(bugs.BUGS), metavar="NAME", default=None,
+    ap.add_argument("--variant", choices=sorted(variants.VARIANTS), metavar="NAME", default=None,
                     help="switch a refspec bug variant on (negative control: the run must fail)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="also print every documented difference with both values")
