@@ -59,7 +59,8 @@ def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int |
         raise ValueError(f"req_pool_indices {bad} outside req_to_token rows [0, {R})")
     dev, cpu = fb.seq_lens[:B].tolist(), fb.seq_lens_cpu[:B].tolist()
     if fb.seq_lens_cpu_is_bound:  # overlap: a host upper bound, not a mirror
-        require(all(d <= c for d, c in zip(dev, cpu)), "MD-006", f"seq_lens_cpu {cpu} is no upper bound of seq_lens {dev}")
+        require(all(d <= c for d, c in zip(dev, cpu)), "MD-006",
+                f"seq_lens_cpu {cpu} is no upper bound of seq_lens {dev}")
     else:
         require(dev == cpu, "MD-006", f"seq_lens_cpu {cpu} is not a mirror of seq_lens {dev}")
     require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
