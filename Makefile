@@ -18,7 +18,12 @@ $(VENV)/.stamp-$(EXTRAS): pyproject.toml
 	touch $@
 
 test: venv
+	$(PY) -m ruff check refspec tests docs
 	$(PY) -m pytest -n 2 -q tests
+
+.PHONY: lint
+lint: venv
+	$(PY) -m ruff check refspec tests docs
 
 demo: venv
 	$(PY) -m refspec demo

@@ -45,7 +45,7 @@ for what in "$@"; do
       timeout 400 python3 -m refspec demo --device cuda --no-progress > "$OUT/demo-cuda.txt" 2>&1
       echo "demo rc=$?"; tail -25 "$OUT/demo-cuda.txt" ;;
     profile)
-      timeout 540 python3 -m refspec bench --device cuda --sections kernel profile seed drafts --out "$OUT/profile" \
+      timeout 540 python3 -m refspec bench --device cuda --sections kernel,profile,seed,drafts --out "$OUT/profile" \
         > "$OUT/profile.log" 2>&1
       echo "profile rc=$?"; grep -A40 "### profile" "$OUT/profile.log" | head -60 ;;
     sanitizer)

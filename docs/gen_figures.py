@@ -79,7 +79,8 @@ def example_metadata(name: str) -> dict[str, str]:
         "page_table": _fmt(md.page_table),
         "positions": _fmt(fb.positions),
         "out_cache_loc": _fmt(fb.out_cache_loc),
-        "req_to_token": _fmt([built.kv.req_to_token[r, :k].tolist() for r, k in zip(fb.req_pool_indices.tolist(), built.K)]),
+        "req_to_token": _fmt([built.kv.req_to_token[r, :k].tolist()
+                              for r, k in zip(fb.req_pool_indices.tolist(), built.K)]),
     }
     if name != "extend":
         runner = built.graph_runner(capture_bs=(GRAPH_BS,))

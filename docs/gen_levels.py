@@ -19,9 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from refspec.core.invariants import RULES
-from refspec.core.sources import Level
-from refspec.harness import spec_index
+from refspec.core.invariants import RULES  # noqa: E402  (after the sys.path line: run from a checkout)
+from refspec.core.sources import Level  # noqa: E402
+from refspec.harness import spec_index  # noqa: E402
 
 SPEC = ROOT / "docs" / "spec"
 VERSIONS = ROOT / "docs" / "versions.md"
@@ -36,7 +36,8 @@ def level_paragraph(inv_id: str, docs_prefix: str = "../") -> str:
     if r.level is Level.KERNEL:
         parts.append("what FA3's `flash_attn_with_kvcache` requires or does.")
     elif r.level is Level.UPSTREAM:
-        parts.append(f"what SGLang does at {', '.join(r.versions)}." if r.versions else "what SGLang does at the commits linked.")
+        parts.append(f"what SGLang does at {', '.join(r.versions)}." if r.versions
+                     else "what SGLang does at the commits linked.")
         if r.upstream:
             parts.append(f"Earlier: {r.upstream}.")
     else:

@@ -59,7 +59,7 @@ def paged_case(P, reqs, H=8, Hkv=2, D=32, dtype=torch.float32, seed=0, poison=Tr
     v_cache = torch.full((NP, P, Hkv, D), fill, dtype=dtype)
     R = torch.zeros((len(reqs) + 1, max([K for _, K in reqs] + [1])), dtype=torch.int32)
     table = torch.full((len(reqs), W), poison_page, dtype=torch.int32)
-    for b, ((Q, K), pg) in enumerate(zip(reqs, pages)):
+    for b, ((_Q, K), pg) in enumerate(zip(reqs, pages)):
         table[b, :len(pg)] = torch.tensor(pg, dtype=torch.int32)
         p = torch.arange(K)
         page, off = torch.tensor(pg, dtype=torch.long)[p // P], p % P

@@ -80,7 +80,8 @@ def test_both_wings_satisfy_the_backend_protocol():
 
 
 @pytest.mark.parametrize("method", ["init_forward_metadata", "forward", "init_cuda_graph_state",
-                                    "init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"])
+                                    "init_forward_metadata_capture_cuda_graph",
+                                    "init_forward_metadata_replay_cuda_graph"])
 def test_backend_hooks_have_the_protocol_signature(method):
     """Same parameter names, in order, as the Protocol (``isinstance`` checks names only)."""
     want = list(inspect.signature(getattr(GraphableBackend, method)).parameters)

@@ -245,8 +245,8 @@ def test_a_batch_on_the_dummy_row_0_is_refused_by_the_builder():
     (lambda kv, r: B.decode_batch(kv, [r, 2], [5]), "entries"),  # before: zip dropped row 2
     (lambda kv, r: B.draft_extend_batch(kv, [r], [8], []), "num_accept_tokens"),  # before: 0 rows
     (lambda kv, r: B.decode_batch(kv, [9], [5]), "req_pool_index"),  # before: IndexError
-    (lambda kv, r: B.extend_batch(kv, [r], [0], [-1]), "query tokens"),  # before: RuntimeError
-    (lambda kv, r: B.extend_batch(kv, [r], [0], [0]), "query tokens"),  # before: an empty request
+    (lambda kv, r: B.extend_batch(kv, [r], [0], [-1]), "extend_lens"),  # before: RuntimeError
+    (lambda kv, r: B.extend_batch(kv, [r], [0], [0]), "extend_lens"),  # before: an empty request
     (lambda kv, r: B.verify_batch(kv, [r], [4], 0), "num_draft_tokens"),  # before: empty batch
     (lambda kv, r: B.draft_extend_v2_batch(kv, [r], [8], 0), "num_draft_tokens"),
     (lambda kv, r: B.draft_decode_batch(kv, [r], [5], -3), "step"),  # before: ran at position 2
@@ -574,3 +574,54 @@ def test_unknown_kernel_provider_is_named(monkeypatch):
     monkeypatch.setenv("REFSPEC_FA3_PROVIDER", "bogus")
     with value_error("provider 'bogus'"):
         run_kernel(provider=None)
+
+
+# ================================================================ issue 16: bad input that was not named
+@pytest.mark.spec("PA-011")
+@pytest.mark.parametrize("over", [dict(cache_seqlens=3), dict(page_table=[[1, 1]]), dict(cu_seqlens_q=(0, 3)),
+                                  dict(max_seqlen_q=3.0), dict(max_seqlen_q=True)],
+                         ids=["K-int", "table-list", "cu-tuple", "max-q-float", "max-q-bool"])
+def test_emulator_refuses_python_numbers_for_tensor_arguments(over):
+    """Before: ``AttributeError: 'int' object has no attribute 'dim'``; the real kernel (and the
+    docs) refuse anything but tensors, so the emulator names PA-011 and the argument."""
+    name = next(iter(over))
+    with pytest.raises(InvariantError, match=rf"^\[PA-011\].*{name}"):
+        run_kernel(**over)
+
+
+def test_free_tail_keeping_more_than_was_allocated_is_refused():
+    """Before: silently nothing (keep_len 10 > alloc_len 8 freed no page and said nothing)."""
+    kv, r = one_request(8)
+    free = kv.allocator.num_free_pages
+    with value_error("keep_len 10 > alloc_len 8"):
+        kv.free_tail(r, keep_len=10, alloc_len=8)
+    assert kv.allocator.num_free_pages == free
+
+
+@pytest.mark.parametrize("P", [0, -4, True, 2.0])
+def test_strided_page_table_needs_a_page_size(P):
+    """Before: page_size 0 failed with "slice step cannot be zero"."""
+    from refspec.fa3.metadata import strided_page_table
+
+    kv, r = one_request(8)
+    with value_error("page_size must be an int >= 1"):
+        strided_page_table(kv.req_to_token, torch.tensor([r]), 8, P)
+
+
+@pytest.mark.parametrize("field", ["page_size", "num_draft_tokens", "num_heads", "num_kv_heads", "head_dim"])
+def test_scenario_bools_are_not_sizes(field):
+    """Before: ``Scenario(page_size=True)`` was accepted as P = 1."""
+    with value_error(f"{field} must be an int >= 1, got True"):
+        Scenario(M.TARGET_VERIFY, **{"page_size": 4, "lens": [5], field: True})
+
+
+@pytest.mark.spec("PA-008")
+def test_decode_over_unreserved_positions_names_the_missing_reservation():
+    """A decode batch at L = 9 on a request that reserved only 5 positions: positions 5..8 still
+    read slot 0 of the dummy page.  Before, validation reported the symptom (PA-001, the row is
+    not page-contiguous); the cause is the missing reservation (PA-008)."""
+    kv, r = one_request(5)
+    pool = KVPool(1, 8, 4, 2, 8)
+    fb = B.decode_batch(kv, [r], [9])
+    with pytest.raises(InvariantError, match=r"^\[PA-008\].*position\(s\) \[5, 6, 7, 8\].*no slot was reserved"):
+        FlashAttentionBackend(pool, kv).init_forward_metadata(fb)

@@ -54,7 +54,7 @@ def test_case_B01_draft_tokens_never_spill_into_unreserved_pages(mode, graphs):
     checked = []
 
     def obs(event, eng, **info):
-        reqs, fb = info.get("reqs"), info.get("fb")
+        reqs = info.get("reqs")
         if event == "round_end":
             poison_unowned(eng)
         if event == "prefill":
@@ -105,7 +105,8 @@ def test_case_B13_rewind_arithmetic_and_filtering_a_finished_request(mode, graph
     def obs(event, eng, **info):
         if event == "draft_decode" or (event == "verify" and eng.Sd == 1):  # checked when L is known
             fb, reqs = info["fb"], info["reqs"]
-            first[eng.rounds_launched] = dict(zip([r.rid for r in reqs], fb.positions.view(len(reqs), -1)[:, 0].tolist()))
+            first[eng.rounds_launched] = dict(zip([r.rid for r in reqs],
+                                                  fb.positions.view(len(reqs), -1)[:, 0].tolist()))
         if event == "round_end":
             tr = info["trace"]
             got = [first[tr.index][rid] for rid in tr.rids]

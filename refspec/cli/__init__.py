@@ -1,6 +1,8 @@
 """``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance, cite.
 
-Each command lives in its own module and is imported only when it runs.
+Each command lives in its own module and is imported only when it runs.  Errors are one line
+and exit status 2 (``--debug`` shows the traceback); list options are comma-separated
+(:mod:`refspec.cli._args`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from refspec.cli._args import PROG, ArgumentParser, run
 
 COMMANDS = {
     "info": ("refspec.cli.info", "which FA3 provider is active and why"),
@@ -18,17 +22,30 @@ COMMANDS = {
     "replay": ("refspec.cli.replay", "replay a trace through production (graphs) vs the oracle loop (--device cuda)"),
     "conformance": ("refspec.cli.conformance", "refspec's FA3 metadata vs SGLang's own backend (pinned releases, CPU)"),
     "cite": ("refspec.cli.cite", "an invariant ID's rule, conformance level, upstream sources and tests, for a review"),
-    "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant of refspec.mutants.variants is caught (--device cpu|cuda)"),
+    "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant is caught by a named invariant"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m refspec", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_) in COMMANDS.items():
+    """Dispatch to ``COMMANDS[argv[0]]``; options before the command are ``--version`` / ``--debug``."""
+    from refspec import __version__
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = ArgumentParser(prog=PROG, description="refspec: reference paged attention + EAGLE speculative "
+                            "decoding, the oracle beside SGLang's FA3 CUDA-graph path.",
+                            epilog=f"Run '{PROG} COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"refspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
-    ns = parser.parse_args(argv[:1])
-    module = importlib.import_module(COMMANDS[ns.command][0])
-    return int(module.main(argv[1:]) or 0)
+    i = next((k for k, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    head, rest = argv[:i + 1], argv[i + 1:]
+
+    def body(_):
+        ns = parser.parse_args(head)
+        module = importlib.import_module(COMMANDS[ns.command][0])
+        debug = "--debug" in head and "--debug" not in rest  # (the sub-parser's own --debug default hides ns.debug)
+        return module.main(rest + (["--debug"] if debug else []))
+
+    return run(body, argv, PROG)

@@ -149,13 +149,15 @@ def bench_profile(device, quick):
                                        profiled=profiled)
                     r.pop("text")
                     if not profiled:
-                        base = dict(section="profile", workload=label, B=B, draft=draft + (f" +{drafter} drafter" if drafter else ""),
+                        base = dict(section="profile", workload=label, B=B,
+                                    draft=draft + (f" +{drafter} drafter" if drafter else ""),
                                     version=version, **r)
                     else:
                         base.update(gpu_busy_ms=r.get("gpu_busy_ms"), kernels_per_round=r.get("kernels_per_round"))
                 k = int(draft.split(":")[1])
                 layer_fwds = model.config.num_hidden_layers + 3 * k  # verify + 2 draft steps + draft extend
-                base["kernels_per_layer"] = base["kernels_per_round"] / layer_fwds if base.get("kernels_per_round") else None
+                base["kernels_per_layer"] = (base["kernels_per_round"] / layer_fwds
+                                             if base.get("kernels_per_round") else None)
                 base["wall/busy"] = base["wall_ms"] / base["gpu_busy_ms"] if base.get("gpu_busy_ms") else None
                 rows.append(base)
     return rows

@@ -37,7 +37,8 @@ def loop_rows(device, page_sizes, quick):
     with torch.no_grad():
         base = [greedy(m32, p, b) for p, b in zip(prompts, BUDGETS)]
     ref = {i: p + g.tokens for i, (p, g) in enumerate(zip(prompts, base))}
-    ora = generate(m32, prompts, backend="oracle", max_new_tokens=BUDGETS, reference=ref, draft="early-exit:1", num_steps=3)
+    ora = generate(m32, prompts, backend="oracle", max_new_tokens=BUDGETS, reference=ref, draft="early-exit:1",
+                   num_steps=3)
     cuda = torch.device(device).type == "cuda"
     model = copy.deepcopy(m32).to(torch.bfloat16) if cuda else m32
     delta = max(T2_DELTA, 2 * max(teacher_forced_err(m32, model, ref[i]) for i in ref)) if cuda else None

@@ -95,7 +95,8 @@ def _draft_checks(P, k, dtype, device, prov):
         replay = graph.replay().clone()
         again = be.forward(q2, None, None, lay, step)
         ref, low = _oracle(q2, pool, slots)
-        out.append((eager, t1(replay, again.float(), low) if replay.is_cuda else t0(replay, again), t1(replay, ref, low)))
+        same = t1(replay, again.float(), low) if replay.is_cuda else t0(replay, again)
+        out.append((eager, same, t1(replay, ref, low)))
     return tuple(zip(*out))
 
 

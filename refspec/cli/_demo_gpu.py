@@ -122,7 +122,8 @@ def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_st
     P0 = max(page_sizes)
     production_greedy(fast, prompts[:1], [2], page_size=P0, validate=False)  # compile outside the timings
     gg = production_greedy(fast, prompts, max_new, page_size=P0, eos=eos, validate=False, capture_bs=capture_bs)
-    eager = GpuRow("greedy, eager", None, B, None, 1.0, sum(len(g.tokens) for g in g16), s16, *check([g.tokens for g in g16]))
+    eager = GpuRow("greedy, eager", None, B, None, 1.0, sum(len(g.tokens) for g in g16), s16,
+                   *check([g.tokens for g in g16]))
     graph = GpuRow("greedy, production", P0, B, None, 1.0, sum(map(len, gg.tokens)), gg.seconds, *check(gg.tokens))
     rows = [eager, graph]
     kw = dict(draft=draft, num_steps=num_steps, max_new_tokens=max_new, eos=eos)
@@ -130,7 +131,8 @@ def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_st
     for v in versions:
         res, s = _timed(lambda: generate(m16, prompts, backend="oracle", version=v, **kw))
         oracle[v] = res
-        rows.append(GpuRow("oracle loop", None, B, v, res.accept_length, sum(map(len, res.tokens)), s, *check(res.tokens)))
+        rows.append(GpuRow("oracle loop", None, B, v, res.accept_length, sum(map(len, res.tokens)), s,
+                           *check(res.tokens)))
     audited, outputs, kv_ok = [0], {}, True
 
     def audit(event, eng, **info):

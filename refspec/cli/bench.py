@@ -19,7 +19,6 @@ and ``bench.png`` in DIR.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from refspec.cli._args import PROG, ArgumentParser, CLIError, choice_list, device_name, run
 from refspec.fa3.kernel import flash_attn_with_kvcache, select_provider
 from refspec.core.modes import ForwardMode
 from refspec.oracle.backend import OracleBackend
@@ -208,11 +208,20 @@ def to_markdown(rows) -> str:
     return "\n".join(out)
 
 
-def plot(rows, path: Path) -> None:
+def plot_rows(rows) -> list[dict]:
+    """The kernel rows the plot draws: real-kernel bandwidth (the emulator's would mean nothing)."""
+    return [r for r in rows if r["section"] == "kernel" and "pct_bw" in r and r.get("provider") != "emulator"]
+
+
+def plot(rows, path: Path) -> bool:
+    """Draw ``bench.png`` (KV bandwidth vs page size, Q = 1 and Q = 4); False, drawing nothing,
+    when there are no real-kernel rows (an empty figure says nothing)."""
+    ks = plot_rows(rows)
+    if not ks:
+        return False
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ks = [r for r in rows if r["section"] == "kernel" and "pct_bw" in r and r.get("provider") != "emulator"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for ax, Q in zip(axes, (1, 4)):
         for ctx in sorted({r["ctx"] for r in ks}):
@@ -225,34 +234,64 @@ def plot(rows, path: Path) -> None:
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
     fig.tight_layout(); fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+#: printed with every CPU run: the numbers are for keeping the script working, not for claims
+CPU_CAVEAT = ("note: CPU run (provider: the emulator). These timings are noise for the GPU claims "
+              "(kernel bandwidth, graph speed-ups): run 'python -m refspec bench --device cuda' on a Hopper GPU.")
+NO_PLOT = "no plot: it shows the real FA3 kernel's bandwidth, and this run has no real-kernel rows"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refspec bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="smallest configuration (CPU smoke)")
-    ap.add_argument("--sections", nargs="*", default=list(SECTIONS))
-    ap.add_argument("--out", type=Path, help="write bench.md, bench.json (+ bench.png) here")
+    """Run the sections; print Markdown (and write files with ``--out``); 0, or 2 on a usage error."""
+    return run(_main, argv, f"{PROG} bench")
+
+
+def _main(argv) -> int:
+    ap = ArgumentParser(prog=f"{PROG} bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--quick", action="store_true", help="smallest configuration (a CPU smoke test)")
+    ap.add_argument("--sections", type=choice_list(list(SECTIONS), "sections"), default=list(SECTIONS),
+                    metavar="NAME[,NAME...]",
+                    help=f"which parts to run, comma-separated, from {','.join(SECTIONS)} (default: all)")
+    ap.add_argument("--out", type=Path, metavar="DIR", help="write bench.md, bench.json (+ bench.png) in this folder")
     ap.add_argument("--plot", type=Path, metavar="BENCH_JSON",
                     help="only draw bench.png next to an earlier run's bench.json (e.g. from a GPU machine "
                          "without matplotlib)")
     args = ap.parse_args(argv)
     if args.plot:
-        plot(json.loads(args.plot.read_text())["rows"], args.plot.with_suffix(".png"))
+        try:
+            rows = json.loads(args.plot.read_text(encoding="utf-8"))["rows"]
+        except FileNotFoundError:
+            raise CLIError(f"--plot {args.plot}: no such file (a bench.json written by --out DIR)") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CLIError(f"--plot {args.plot}: not a bench.json written by --out DIR "
+                           f"({type(e).__name__}: {e})") from e
+        if not plot(rows, args.plot.with_suffix(".png")):
+            raise CLIError(f"--plot {args.plot}: {NO_PLOT}")
         return 0
+    if args.out and args.out.exists() and not args.out.is_dir():
+        raise CLIError(f"--out {args.out} is a file; give a folder (bench.md, bench.json, bench.png go there)")
     device = torch.device(args.device)
+    if device.type == "cpu":
+        print(CPU_CAVEAT, flush=True)
     rows = []
     for name in args.sections:
         rows += SECTIONS[name](device, args.quick)
     env = (f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}, "
            f"torch {torch.__version__}, provider {select_provider(device)}")
-    md = f"{env}\n\n{to_markdown(rows)}"
+    md = f"{env}\n\n" + (f"{CPU_CAVEAT}\n\n" if device.type == "cpu" else "") + to_markdown(rows)
     print(md)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.md").write_text(md)
         (args.out / "bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        if any(r["section"] == "kernel" and "pct_bw" in r for r in rows):
+        if not plot_rows(rows):
+            print(NO_PLOT)
+        else:
             try:
                 plot(rows, args.out / "bench.png")
             except ImportError:

@@ -25,12 +25,9 @@ graph section only the real kernel (the emulator syncs with the host, which a CU
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
-from tqdm import tqdm
 
+from refspec.cli._args import PROG, ArgumentParser, choice_list, device_name, int_list, run
 from refspec.fa3 import kernel
 from refspec.core.modes import ForwardMode
 from refspec.harness.scenario import Scenario
@@ -120,7 +117,8 @@ def _probe(P, reqs, dtype, device, slack_fill=None):
     """q = 0, V = key position, shuffled pages; V is NaN everywhere else (pages outside the
     table, slots past K_b, page 0), and slack columns point at a NaN page (or ``slack_fill``).
 
-    Shapes: q ``[T, 2, 64]``, caches ``[NP, P, 1, 64]`` (GQA 2).  Returns (kernel args without provider, expected ``[T]`` row values, empty-row mask ``[T]``).
+    Shapes: q ``[T, 2, 64]``, caches ``[NP, P, 1, 64]`` (GQA 2).  Returns (kernel args without
+    provider, expected ``[T]`` row values, empty-row mask ``[T]``).
     """
     g = torch.Generator().manual_seed(P)
     need = [-(-K // P) for _, K in reqs]
@@ -268,32 +266,53 @@ SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows,
 COLUMNS = [("section", 9), ("mode", 16), ("P", 4), ("provider", 10), ("check", 20), ("result", 6), ("worst", 0)]
 
 
+def format_header() -> str:
+    """The table's column names and rule (two lines)."""
+    return "  ".join(f"{name:<{w}}" if w else name for name, w in COLUMNS) + "\n" + "-" * 100
+
+
+def format_row(r: dict) -> str:
+    """One row of the table (one line)."""
+    return "  ".join(f"{str(r[name]):<{w}}" if w else str(r[name]) for name, w in COLUMNS)
+
+
+def format_summary(rows) -> str:
+    """``N checks: a pass, b FAIL, c skip``."""
+    n = {k: sum(r["result"] == k for r in rows) for k in ("pass", "FAIL", "skip")}
+    return f"{len(rows)} checks: {n['pass']} pass, {n['FAIL']} FAIL, {n['skip']} skip"
+
+
 def format_table(rows) -> str:
     """The rows as a fixed-width table with a pass / FAIL / skip count at the end."""
-    lines = ["  ".join(f"{name:<{w}}" if w else name for name, w in COLUMNS)]
-    lines.append("-" * 100)
-    for r in rows:
-        lines.append("  ".join(f"{str(r[name]):<{w}}" if w else str(r[name]) for name, w in COLUMNS))
-    n = {k: sum(r["result"] == k for r in rows) for k in ("pass", "FAIL", "skip")}
-    lines.append(f"{len(rows)} checks: {n['pass']} pass, {n['FAIL']} FAIL, {n['skip']} skip")
-    return "\n".join(lines)
+    return "\n".join([format_header()] + [format_row(r) for r in rows] + [format_summary(rows)])
 
 
 def main(argv=None) -> int:
-    """Run the sections, print the table; 0 if nothing failed, 1 on any FAIL, 2 on a bad device."""
-    ap = argparse.ArgumentParser(prog="python -m refspec check", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--quick", action="store_true", help=f"page sizes {QUICK_PAGE_SIZES}, one dtype, GQA 4")
-    ap.add_argument("--page-sizes", type=int, nargs="+", help="override the page sizes")
-    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    """Run the sections, print the table; 0 if nothing failed, 1 on any FAIL, 2 on a usage error."""
+    return run(_main, argv, f"{PROG} check")
+
+
+def _main(argv) -> int:
+    ap = ArgumentParser(prog=f"{PROG} check", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", type=device_name, default="cpu",
+                    help="cpu (default: the emulator) or cuda (the emulator and the real FA3 kernel)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4 (a minute on a CPU)")
+    ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
+                    help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
+                         f"{','.join(map(str, PAGE_SIZES['cpu']))} on cpu, "
+                         f"{','.join(map(str, PAGE_SIZES['cuda']))} on cuda)")
+    ap.add_argument("--sections", type=choice_list(list(SECTIONS), "sections"), default=list(SECTIONS),
+                    metavar="NAME[,NAME...]",
+                    help=f"which parts to run, comma-separated, from {','.join(SECTIONS)} (default: all)")
     ns = ap.parse_args(argv)
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device", file=sys.stderr)
-        return 2
     page_sizes = ns.page_sizes or (QUICK_PAGE_SIZES if ns.quick else PAGE_SIZES[ns.device])
+    # row by row, flushed: a CI log (stdout piped) shows progress as the checks run
+    print(format_header(), flush=True)
     rows = []
     for name in ns.sections:
-        for row in tqdm(SECTIONS[name](ns.device, page_sizes, ns.quick), desc=name, leave=False, disable=None):
+        for row in SECTIONS[name](ns.device, page_sizes, ns.quick):
             rows.append(row)
-    print(format_table(rows))
+            print(format_row(row), flush=True)
+    print(format_summary(rows), flush=True)
     return 1 if any(r["result"] == "FAIL" for r in rows) else 0

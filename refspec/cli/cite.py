@@ -13,10 +13,10 @@ that are stricter than SGLang).  IDs are matched case-insensitively
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import sys
 
+from refspec.cli._args import PROG, ArgumentParser, CLIError, run
 from refspec.core.invariants import RULES
 from refspec.core.sources import Level
 from refspec.harness import spec_index
@@ -75,8 +75,13 @@ def listing(level: Level | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m refspec cite",
+    """Print the IDs' entries (or the list); 0, or 2 with one line for a missing / unknown ID."""
+    return run(_main, argv, f"{PROG} cite")
+
+
+def _main(argv) -> int:
+    parser = ArgumentParser(
+        prog=f"{PROG} cite",
         description="Print an invariant's rule, conformance level, upstream sources and tests, ready for a review.")
     parser.add_argument("ids", nargs="*", metavar="ID", help="invariant IDs, e.g. CG-004 (case-insensitive)")
     parser.add_argument("--list", action="store_true", help="list every ID with its level and title")
@@ -86,17 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         print(listing(LEVEL_NAMES[args.level] if args.level else None))
         return 0
     if not args.ids:
-        parser.print_usage(sys.stderr)
-        print("python -m refspec cite: give an invariant ID (e.g. CG-004) or --list", file=sys.stderr)
-        return 2
+        raise CLIError("give an invariant ID (e.g. CG-004) or --list")
     resolved = []
     for token in args.ids:
         inv_id = resolve(token)
         if inv_id is None:
             near = close_matches(token)
-            hint = f"; close matches: {', '.join(near)}" if near else "; `python -m refspec cite --list` shows them all"
-            print(f"python -m refspec cite: unknown invariant {token!r}{hint}", file=sys.stderr)
-            return 2
+            hint = f"; close matches: {', '.join(near)}" if near else "; 'python -m refspec cite --list' shows them all"
+            raise CLIError(f"unknown invariant {token!r}{hint}")
         resolved.append(inv_id)
     index = spec_index.build_index()
     print("\n\n---\n\n".join(render(i, index.tests.get(i, [])) for i in resolved))

@@ -9,26 +9,42 @@ difference or an upstream error.  See docs/conformance.md.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from refspec.conformance import cases, install, run
+from refspec.cli._args import PROG, ArgumentParser, choice_list, int_list, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refspec conformance", description=__doc__.splitlines()[0])
-    ap.add_argument("--pin", nargs="+", choices=install.PINS, default=list(install.PINS),
-                    help="SGLang releases to compare against (default: both pins)")
-    ap.add_argument("--page-size", nargs="+", type=int, choices=cases.PAGE_SIZES, default=list(cases.PAGE_SIZES))
-    ap.add_argument("--mode", nargs="+", choices=sorted(cases.MODES), default=None,
-                    help="restrict the modes (default: every mode the pin has)")
-    ap.add_argument("--variant", metavar="NAME", default=None,
+    """Compare; 0 if every case agrees (or differs only as documented), 1 if not, 2 on a usage error."""
+    return run(_main, argv, f"{PROG} conformance")
+
+
+def _main(argv) -> int:
+    from refspec.mutants import variants
+    from refspec.conformance import cases, install, run as conformance
+
+    ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
+    ap.add_argument("--pins", "--pin", type=choice_list(list(install.PINS), "SGLang releases"),
+                    default=list(install.PINS), metavar="V[,V...]",
+                    help=f"SGLang releases to compare against, comma-separated (default: {','.join(install.PINS)})")
+    ap.add_argument("--page-sizes", "--page-size", type=int_list(1, "page sizes"), default=list(cases.PAGE_SIZES),
+                    metavar="P[,P...]",
+                    help=f"page sizes, comma-separated, from {','.join(map(str, cases.PAGE_SIZES))} (default: all)")
+    ap.add_argument("--modes", "--mode", type=choice_list(sorted(cases.MODES), "modes"), default=None,
+                    metavar="MODE[,MODE...]",
+                    help=f"restrict the modes, comma-separated, from {', '.join(sorted(cases.MODES))} "
+                         "(default: every mode the pin has)")
+    ap.add_argument("--variant", choices=sorted(variants.VARIANTS), metavar="NAME", default=None,
                     help="switch a refspec bug variant on (negative control: the run must fail)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="also print every documented difference with both values")
     ap.add_argument("--root", default=None, help="install directory (default: <repo>/.conformance)")
     ns = ap.parse_args(argv)
-    out = run.run(ns.pin, ns.page_size, ns.mode, ns.variant, ns.root)
-    print(run.render(out, ns.verbose))
+    bad = [p for p in ns.page_sizes if p not in cases.PAGE_SIZES]
+    if bad:
+        ap.error(f"argument --page-sizes: {bad} not among the compared page sizes "
+                 f"{','.join(map(str, cases.PAGE_SIZES))}")
+    out = conformance.run(ns.pins, ns.page_sizes, ns.modes, ns.variant, ns.root)
+    print(conformance.render(out, ns.verbose))
     sys.stdout.flush()
     return 0 if out.ok else 1

@@ -23,11 +23,11 @@ status 1 if any check fails.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import dataclass
 
+from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, check_draft, choice_list, device_name,
+                               draft_spec, int_list, positive_int, run)
 from refspec.fa3.kernel import select_provider
 from refspec.core.invariants import InvariantError
 from refspec.oracle.loop import greedy
@@ -91,8 +91,9 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
     Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s counts
     completion tokens over each run's wall time (prefill and graph capture included, as
     ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (v1, N = ``num_draft_tokens``):
-    the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).  Raises :class:`~refspec.core.invariants.InvariantError` if the FA3
-    validation or the per-round KV audit trips.
+    the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).
+    Raises :class:`~refspec.core.invariants.InvariantError` if the FA3 validation or the
+    per-round KV audit trips.
     """
     B, rows, audited = len(prompts), [], [0]
     bar = bar or TokenBar(0, disable=True)
@@ -168,46 +169,68 @@ def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observe
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m refspec demo",
+    """Run the demo; 0 if every check passes, 1 if one fails, 2 on a usage error (one line)."""
+    return run(_main, argv, f"{PROG} demo")
+
+
+def _main(argv) -> int:
+    from refspec.mutants import variants
+    from refspec.real.prompts import CATEGORIES
+
+    ap = ArgumentParser(
+        prog=f"{PROG} demo",
         description="SmolLM2-135M-Instruct on MT-Bench: greedy vs the oracle loop vs the production "
                     "loop (FA3, graphs); --bug NAME shows a bug variant live.")
-    ap.add_argument("--prompts", type=int, default=4, help="MT-Bench questions in the batch (default 4)")
-    ap.add_argument("--category", help="take the questions from this MT-Bench category only")
-    ap.add_argument("--max-new-tokens", default="40,32,24,16",
-                    help="budget per request: a comma list (cycled) or one int (staggered); default 40,32,24,16")
-    ap.add_argument("--page-sizes", default="1,4", help="comma list (default 1,4)")
-    ap.add_argument("--versions", default="v1,v2", help="comma list of spec-decode versions (default v1,v2)")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="early-exit:k (default k = 25 of 30 layers) or eagle")
-    ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd (default 3)")
-    ap.add_argument("--topk", type=int, default=1, help="k > 1 adds EAGLE tree rows (v1; default 1: chain only)")
-    ap.add_argument("--num-draft-tokens", type=int, help="N tree nodes for --topk (default 2k)")
-    ap.add_argument("--bug", help="show a bug-zoo variant live instead (e.g. seed-page-table)")
-    ap.add_argument("--threads", type=int, help="torch threads (default 1: see refspec.real.run.set_threads)")
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    ap.add_argument("--prompts", type=positive_int(), metavar="N", default=4,
+                    help="MT-Bench questions in the batch (default 4)")
+    ap.add_argument("--category", choices=CATEGORIES, help="take the questions from this MT-Bench category only")
+    ap.add_argument("--max-new-tokens", type=budget_spec, metavar="M[,M...]", default="40,32,24,16",
+                    help="new tokens per request: a comma-separated list (cycled over the requests) or one "
+                         "int M (staggered: M, less, ..., about M/2); default 40,32,24,16")
+    ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), default=[1, 4], metavar="P[,P...]",
+                    help="page sizes of the production runs, comma-separated (default 1,4)")
+    ap.add_argument("--versions", type=choice_list(["v1", "v2"], "versions"), default=["v1", "v2"],
+                    metavar="V[,V...]", help="speculative-decoding versions, comma-separated (default v1,v2)")
+    ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
+                    help="the draft: early-exit:K (the target's first K of 30 layers; default K = 25) or eagle")
+    ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
+                    help="draft steps per round, Sd (default 3)")
+    ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
+                    help="k > 1 adds EAGLE tree rows (v1; default 1: the chain only)")
+    ap.add_argument("--num-draft-tokens", type=positive_int(2), metavar="N",
+                    help="tree nodes verified per round with --topk, root included (default 2k)")
+    ap.add_argument("--bug", choices=sorted(variants.VARIANTS), metavar="NAME",
+                    help="show one bug-zoo variant live instead, e.g. seed-page-table (names: "
+                         "python -m refspec mutants, or docs/bug-zoo.md)")
+    ap.add_argument("--threads", type=positive_int(), metavar="N",
+                    help="torch CPU threads (default 1: faster on a shared machine)")
+    ap.add_argument("--device", type=lambda t: t if t == "auto" else device_name(t), default="auto",
                     help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
     from refspec.real import EOS_ID, RealAssetsMissing, decode
 
     t0 = time.perf_counter()
     threads = set_threads(ns.threads)
     try:
+        qs = pick_questions(ns.prompts, ns.category)  # before the model: a bad count fails fast
+        max_new = budgets(ns.prompts, ns.max_new_tokens)
+    except ValueError as e:
+        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
+    try:
         model, load_s = load_target()
-        qs = pick_questions(ns.prompts, ns.category)
     except RealAssetsMissing as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
-    prompts, max_new = chat_prompts(qs), budgets(ns.prompts, ns.max_new_tokens)
-    page_sizes = [int(x) for x in ns.page_sizes.split(",")]
+        raise CLIError(str(e)) from e
+    prompts = chat_prompts(qs)
+    page_sizes, versions = ns.page_sizes, ns.versions
+    check_draft(ns.draft, model)
     if _pick_device(ns.device) == "cuda" and not ns.bug:
-        return _main_gpu(model, qs, prompts, max_new, page_sizes, ns.versions.split(","), ns, load_s, t0)
+        return _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0)
     if ns.bug:
         from refspec.cli._demo_bug import run_bug_demo
 
         return run_bug_demo(model, qs, prompts, max_new, ns.bug, page_size=max(page_sizes), draft=ns.draft,
                             num_steps=ns.num_steps, eos=EOS_ID, progress=not ns.no_progress)
-    versions = ns.versions.split(",")
     dev = next(model.parameters()).device
     print(f"SmolLM2-135M-Instruct (fp32, loaded in {load_s:.1f} s), {threads} thread(s); draft {ns.draft}, "
           f"Sd = {ns.num_steps}; FA3 provider: {select_provider(dev)}, graphs: "

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from refspec.cli._args import PROG, ArgumentParser, run
 from refspec.fa3.kernel import hopper_reason, provider_status, select_provider
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(prog="python -m refspec info", description=__doc__).parse_args(argv)
+    """Print torch / CUDA, each FA3 provider's status and the one selected here; exit 0."""
+    return run(_main, argv, f"{PROG} info")
+
+
+def _main(argv) -> int:
+    ArgumentParser(prog=f"{PROG} info", description=__doc__).parse_args(argv)
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     if torch.cuda.is_available():
         print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")

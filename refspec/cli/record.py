@@ -10,12 +10,14 @@ a trace whose run was not lossless (SD-002).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, check_draft, draft_spec, positive_int,
+                               run)
 from refspec.fa3.kernel import select_provider
 from refspec.oracle.loop import greedy
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, chat_prompts, load_target,
@@ -61,36 +63,65 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m refspec record",
+    """Record a trace; 0 when written, 1 if ``--check`` found a lossy run, 2 on a usage error."""
+    return run(_main, argv, f"{PROG} record")
+
+
+def _main(argv) -> int:
+    from refspec.real.prompts import CATEGORIES
+
+    ap = ArgumentParser(
+        prog=f"{PROG} record",
         description="Run SmolLM2 once through the production loop and write its schedule as a trace.")
-    ap.add_argument("--out", required=True, help="trace file to write (JSON)")
-    ap.add_argument("--prompts", type=int, default=6, help="MT-Bench questions (round-robin over categories)")
-    ap.add_argument("--category", help="take the questions from this MT-Bench category only")
-    ap.add_argument("--max-new-tokens", default="48,40,32,24,40,32",
-                    help="budget per request: a comma list (cycled) or one int (staggered)")
-    ap.add_argument("--max-batch", type=int, default=4, help="running requests at most (later ones join)")
-    ap.add_argument("--version", choices=["v1", "v2"], default="v2")
-    ap.add_argument("--page-size", type=int, default=4)
-    ap.add_argument("--num-steps", type=int, default=DEFAULT_NUM_STEPS, help="Sd")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT)
+    ap.add_argument("--out", required=True, type=Path, help="trace file to write (JSON); its folder is created")
+    ap.add_argument("--prompts", type=positive_int(), metavar="N", default=6,
+                    help="MT-Bench questions, round-robin over categories (default 6)")
+    ap.add_argument("--category", choices=CATEGORIES, help="take the questions from this MT-Bench category only")
+    ap.add_argument("--max-new-tokens", type=budget_spec, metavar="M[,M...]", default="48,40,32,24,40,32",
+                    help="new tokens per request: a comma-separated list (cycled) or one int (staggered); "
+                         "default 48,40,32,24,40,32")
+    ap.add_argument("--max-batch", type=positive_int(), metavar="N", default=4,
+                    help="running requests at most; later ones join as others finish (default 4)")
+    ap.add_argument("--version", choices=["v1", "v2"], default="v2", help="speculative-decoding version (default v2)")
+    ap.add_argument("--page-size", type=positive_int(), metavar="P", default=4, help="tokens per KV page (default 4)")
+    ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
+                    help="draft steps per round, Sd (default 3)")
+    ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
+                    help="the draft: early-exit:K (first K of 30 layers; default K = 25) or eagle")
     ap.add_argument("--no-eos", action="store_true", help="ignore <|im_end|> (budgets end every request)")
-    ap.add_argument("--check", action="store_true", help="also decode greedily; refuse a lossy run")
-    ap.add_argument("--threads", type=int, help="torch threads (default 1)")
+    ap.add_argument("--check", action="store_true", help="also decode greedily; refuse to write a lossy run")
+    ap.add_argument("--threads", type=positive_int(), metavar="N", help="torch CPU threads (default 1)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
     from refspec.real import EOS_ID, RealAssetsMissing
 
+    if ns.out.is_dir():
+        raise CLIError(f"--out {ns.out} is a folder; give a file name, e.g. {ns.out / 'trace.json'}")
+    try:  # before the run: an unwritable --out should not cost a model load and a run
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"--out {ns.out}: cannot create its folder ({e.strerror or e})") from e
     set_threads(ns.threads)
+    try:
+        qs = pick_questions(ns.prompts, ns.category)
+        max_new = budgets(ns.prompts, ns.max_new_tokens)
+    except ValueError as e:
+        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
     try:
         model, load_s = load_target()
     except RealAssetsMissing as e:
-        print(f"record: {e}", file=sys.stderr)
-        return 2
-    qs = pick_questions(ns.prompts, ns.category)
-    prompts, max_new = chat_prompts(qs), budgets(ns.prompts, ns.max_new_tokens)
-    bar = TokenBar(sum(max_new), desc="record")
-    trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size, num_steps=ns.num_steps,
-                   draft=ns.draft, max_batch=ns.max_batch, eos=None if ns.no_eos else EOS_ID, check=ns.check, bar=bar)
+        raise CLIError(str(e)) from e
+    check_draft(ns.draft, model)
+    prompts = chat_prompts(qs)
+    bar = TokenBar(sum(max_new), desc="record", disable=ns.no_progress)
+    try:
+        trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size,
+                       num_steps=ns.num_steps, draft=ns.draft, max_batch=ns.max_batch,
+                       eos=None if ns.no_eos else EOS_ID, check=ns.check, bar=bar)
+    except RuntimeError as e:  # --check: the run was not lossless (SD-002)
+        bar.close()
+        print(f"{PROG} record: check failed: {e}", file=sys.stderr)
+        return 1
     bar.close()
     path = save_trace(trace, ns.out)
     src = trace["source"]

@@ -2,7 +2,8 @@
 harmless.  The one committed table; ``docs/conformance.md`` reprints it.
 
 Only fields the FA3 MHA kernel does not read may appear here (``max_seq_len_k``, dead
-page-table columns), plus the *capture-time* contents of buffers every replay rewrites.  Upstream's FA3 call passes ``page_table``, ``cache_seqlens``,
+page-table columns), plus the *capture-time* contents of buffers every replay rewrites.
+Upstream's FA3 call passes ``page_table``, ``cache_seqlens``,
 ``cu_seqlens_q``, ``cu_seqlens_k_new`` and ``max_seqlen_q``, and ``max_seqlen_k`` only on the FA4
 static-grid path (``_decode_uses_static_max_seqlen_k``): 0.5.23
 ``flashattention_backend.py:1789`` (extend) and ``:2285`` (decode).  The kernel reads page

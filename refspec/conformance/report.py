@@ -84,7 +84,8 @@ def known_table(used: set[str] | None = None) -> str:
     lines = []
     for k in KNOWN:
         mark = "*" if used and k.key in used else " "
-        lines.append(f"{mark} {k.key}: {'/'.join(k.fields)} in {'/'.join(k.modes)} at {'/'.join(k.phases)} ({', '.join(k.pins)})")
+        lines.append(f"{mark} {k.key}: {'/'.join(k.fields)} in {'/'.join(k.modes)} at {'/'.join(k.phases)} "
+                     f"({', '.join(k.pins)})")
         for pin, f, line in k.upstream:
             lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
         lines.append(f"      refspec: {k.refspec}")

@@ -67,7 +67,8 @@ class Upstream:
         self.publish(sa)
         R = job["req_to_token"]
         rows = NS(req_to_token=R, size=R.shape[0] - 1)
-        mr = NS(server_args=sa, sliding_window_size=None, model_config=uc.model_config(job["context_len"], self.arch.MHA),
+        mr = NS(server_args=sa, sliding_window_size=None,
+                model_config=uc.model_config(job["context_len"], self.arch.MHA),
                 device="cpu", req_to_token_pool=rows, token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None,
                 page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None)
         multi = mode == "draft_decode"

@@ -31,7 +31,8 @@ class Upstream:
         from sglang.srt.runtime_context import get_context
 
         uc.finish_imports()
-        self.fa, self.FM, self.arch, self.translator, self.context = fa, ForwardMode, AttentionArch, KVIndexTranslator, get_context
+        self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
+        self.translator, self.context = KVIndexTranslator, get_context
         self.kernels = {n: uc.interpreted(getattr(kmeta, n)) for n in
                         ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel")}
 

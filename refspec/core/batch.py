@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from refspec.core.args import count, int_list, tensor
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache
 from refspec.core.modes import ForwardMode
@@ -97,6 +98,26 @@ def check_batch_shapes(fb: "ForwardBatch") -> None:
     Raises: ValueError naming the field whose length disagrees with ``req_pool_indices``
     (B) or ``out_cache_loc`` (T), or an index field that is not an integer tensor.
     """
+    for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions"):
+        tensor(f"ForwardBatch.{name}", getattr(fb, name))
+    for name in ("extend_seq_lens", "num_accept_tokens"):
+        if getattr(fb, name) is not None:
+            tensor(f"ForwardBatch.{name}", getattr(fb, name), dim=1)
+    for name in ("extend_seq_lens_cpu", "num_accept_tokens_cpu"):
+        if getattr(fb, name) is not None:
+            int_list(f"ForwardBatch.{name}", getattr(fb, name))
+    if fb.num_draft_tokens is not None:
+        count("ForwardBatch.num_draft_tokens", fb.num_draft_tokens, 1)
+    m = fb.forward_mode
+    need = (["num_draft_tokens"] if m.is_target_verify() or m.is_draft_extend_v2() else []) + \
+        (["num_accept_tokens_cpu"] if m.is_draft_extend() else []) + \
+        (["extend_seq_lens_cpu"] if m == ForwardMode.EXTEND or m.is_draft_extend_v2() else [])
+    for name in need if fb.req_pool_indices.numel() else []:  # an empty batch has no query rows to set
+        if getattr(fb, name) is None:
+            raise ValueError(f"ForwardBatch.{name} is required in {m.name} (it sets the query rows per request)")
+    if fb.seq_lens.dim() != 1 or fb.seq_lens_cpu.dim() != 1:
+        raise ValueError(f"ForwardBatch.seq_lens {tuple(fb.seq_lens.shape)} and seq_lens_cpu "
+                         f"{tuple(fb.seq_lens_cpu.shape)} must be [B]")
     B = fb.req_pool_indices.shape[0] if fb.req_pool_indices.dim() == 1 else None
     if B is None:
         raise ValueError(f"req_pool_indices must be 1-D [B], got shape {tuple(fb.req_pool_indices.shape)}")
@@ -137,9 +158,10 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
 
     Raises: InvariantError PA-008 (row 0), MD-012 (a repeated row), MD-004 (a query token
     before position 0, i.e. K_b < q_b); ValueError (a row out of range, q_b < 1, a position
-    past the ``req_to_token`` width, per-request lists of different lengths).
+    past the ``req_to_token`` width, per-request lists of different lengths, or holding
+    something else than ints: every public builder checks its arguments' kinds the same way).
     """
-    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
     _check_rows(kv, req_pool_indices, seq_lens)
     W = kv.req_to_token.shape[1]
     for b, (q, p0) in enumerate(zip(q_lens, written_prefix)):
@@ -173,12 +195,12 @@ def tail_positions(first: int, q: int, device) -> torch.Tensor:
 
 
 def _count(name: str, n: int, least: int = 1) -> None:
-    if not isinstance(n, int) or n < least:
-        raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
+    count(name, n, least)
 
 
 def decode_batch(kv, req_pool_indices, seq_lens):
     """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
+    seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L - 1 for L in seq_lens])
 
@@ -186,12 +208,20 @@ def decode_batch(kv, req_pool_indices, seq_lens):
 def draft_decode_batch(kv, req_pool_indices, seq_lens, step):
     """Draft decode step ``s``: ``seq_lens`` L is committed; the draft token goes to L + s."""
     _count("step", step, 0)
+    seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L + step for L in seq_lens], draft_step=step)
 
 
 def extend_batch(kv, req_pool_indices, prefix_lens, extend_lens):
     """EXTEND: ``seq_lens`` = prefix + e; positions prefix .. prefix + e - 1."""
+    prefix_lens = int_list("prefix_lens", prefix_lens, least=0)
+    extend_lens = int_list("extend_lens", extend_lens, least=1)
+    W, req_pool_indices = kv.req_to_token.shape[1], int_list("req_pool_indices", req_pool_indices)
+    if not len(req_pool_indices) == len(prefix_lens) == len(extend_lens) or \
+            any(p + e > W for p, e in zip(prefix_lens, extend_lens)):
+        raise ValueError(f"req_pool_indices {req_pool_indices}, prefix_lens {prefix_lens}, extend_lens "
+                         f"{extend_lens}: one entry each per request, prefix + extend inside the width {W}")
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
     dev = kv.device
     return _build(ForwardMode.EXTEND, kv, req_pool_indices, seq, extend_lens, prefix_lens,
@@ -202,6 +232,7 @@ def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
     """TARGET_VERIFY: ``seq_lens`` L is committed; N tokens at L .. L + N - 1."""
     N = num_draft_tokens
     _count("num_draft_tokens", N)
+    seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.TARGET_VERIFY, kv, req_pool_indices, seq_lens, [N] * len(seq_lens),
                   list(seq_lens), num_draft_tokens=N)
 
@@ -213,7 +244,9 @@ def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_dr
     given each a_b must lie in ``[1, N]``.
     Raises: InvariantError MD-009 (an a_b outside ``[1, N]``), and those of ``_build``.
     """
-    a = [int(x) for x in num_accept_tokens]
+    a, seq_lens = int_list("num_accept_tokens", num_accept_tokens), int_list("seq_lens", seq_lens)
+    if num_draft_tokens is not None:
+        _count("num_draft_tokens", num_draft_tokens)
     if len(a) != len(seq_lens):
         raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {len(seq_lens)}")
     top = num_draft_tokens if num_draft_tokens is not None else float("inf")
@@ -232,9 +265,10 @@ def draft_extend_v2_batch(kv, req_pool_indices, seq_lens, num_draft_tokens, num_
     ``num_accept_tokens`` (optional) is carried only to select row ``b * N + a_b - 1``
     afterwards (SD-005); the attention metadata never reads it.
     """
+    _count("num_draft_tokens", num_draft_tokens)
+    seq_lens = int_list("seq_lens", seq_lens)
     N, B, dev = num_draft_tokens, len(seq_lens), kv.device
-    _count("num_draft_tokens", N)
-    a = None if num_accept_tokens is None else list(num_accept_tokens)
+    a = None if num_accept_tokens is None else int_list("num_accept_tokens", num_accept_tokens)
     if a is not None and len(a) != B:
         raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {B}")
     return _build(ForwardMode.DRAFT_EXTEND_V2, kv, req_pool_indices, seq_lens, [N] * B,
@@ -256,7 +290,7 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
     """
     _count("num_steps", num_steps)
-    req_pool_indices, seq_lens = [int(r) for r in req_pool_indices], [int(x) for x in seq_lens]
+    req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
     _check_rows(kv, req_pool_indices, seq_lens)
     S1, W = num_steps - 1, kv.req_to_token.shape[1]
     for b, L in enumerate(seq_lens):

@@ -32,15 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
+from refspec.core.args import allocate, count, int_list, tensor
 from refspec.core.invariants import InvariantError, require
 from refspec.core.transfer import h2d
 
 
 def _positive(**sizes) -> None:
-    """ValueError naming the first size that is not a positive int."""
+    """ValueError naming the first size that is not a positive int (bools are not sizes)."""
     for name, n in sizes.items():
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
+        count(name, n, 1)
 
 
 class KVPool:
@@ -61,14 +61,17 @@ class KVPool:
                   head_dim=head_dim)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
-        self.k_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.full(shape, fill, dtype=dtype, device=device) for _ in range(num_layers)]
+        what = f"KVPool num_layers={num_layers} x [num_pages, page_size, num_kv_heads, head_dim] = {list(shape)}"
+        self.k_buffer = allocate(what, lambda: [torch.full(shape, fill, dtype=dtype, device=device)
+                                                for _ in range(num_layers)])
+        self.v_buffer = allocate(what, lambda: [torch.full(shape, fill, dtype=dtype, device=device)
+                                                for _ in range(num_layers)])
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads.
 
         Raises: ValueError if ``layer_id`` is not in ``[0, num_layers)``."""
-        if not 0 <= layer_id < len(self.k_buffer):
+        if not 0 <= count("layer_id", layer_id) < len(self.k_buffer):
             raise ValueError(f"layer_id {layer_id} outside the pool's {len(self.k_buffer)} layers")
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
@@ -84,6 +87,9 @@ class KVPool:
         would broadcast a single row or head over all of them).  Shapes only: no host sync.
         """
         fk, fv = self.get_flat_kv(layer_id)
+        tensor("set_kv_buffer: loc", loc, integer=True)
+        tensor("set_kv_buffer: k", k)
+        tensor("set_kv_buffer: v", v)
         want = (loc.shape[0], *fk.shape[1:]) if loc.dim() == 1 else None
         require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
                 lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
@@ -109,15 +115,16 @@ class PagedAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, seed: int | None = None):
-        if num_pages < 2:
-            raise ValueError("need at least 2 pages (page 0 is reserved)")
+        if count("num_pages", num_pages) < 2:
+            raise ValueError(f"num_pages: need at least 2 pages (page 0 is reserved), got {num_pages}")
         _positive(page_size=page_size)
         self.num_pages, self.page_size = num_pages, page_size
         pages = list(range(1, num_pages))
         if seed is not None:
             random.Random(seed).shuffle(pages)
         self._free = deque(pages)
-        self._in_use = torch.zeros(num_pages, dtype=torch.bool)
+        self._in_use = allocate(f"PagedAllocator num_pages={num_pages}",
+                                lambda: torch.zeros(num_pages, dtype=torch.bool))
 
     @property
     def num_free_pages(self) -> int:
@@ -126,8 +133,7 @@ class PagedAllocator:
 
     def alloc_pages(self, n: int) -> list[int]:
         """Take ``n`` pages; raises KV-003 on exhaustion (nothing is taken then)."""
-        if n < 0:
-            raise ValueError(f"alloc_pages: n must be >= 0, got {n}")
+        count("alloc_pages: n", n, 0)
         require(n <= len(self._free), "KV-003", lambda: f"need {n} pages, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]
         self._in_use[pages] = True
@@ -135,7 +141,7 @@ class PagedAllocator:
 
     def free_pages(self, pages) -> None:
         """Return whole pages; raises KV-003 on page 0, a free page, or a repeated page."""
-        pages = [int(p) for p in pages]
+        pages = int_list("free_pages: pages", pages)
         require(len(set(pages)) == len(pages), "KV-003", f"page freed twice in one call: {pages}")
         for p in pages:
             require(0 < p < self.num_pages, "KV-003", f"page {p} is reserved or out of range")
@@ -183,13 +189,19 @@ class KVCache:
     """
 
     def __init__(self, max_reqs, max_context, num_pages, page_size, extra=0, device="cpu", seed=None):
-        if max_reqs < 2:
+        if count("max_reqs", max_reqs) < 2:
             raise ValueError(f"max_reqs must be >= 2 (row 0 is reserved), got {max_reqs}")
-        _positive(max_context_plus_extra=max_context + extra)
+        count("max_context", max_context)
+        count("extra", extra)
+        _positive(max_context_plus_extra=max_context + extra, num_pages=num_pages, page_size=page_size)
         self.page_size = page_size
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32, device=device)
-        self.req_to_token_cpu = torch.zeros((max_reqs, max_context + extra), dtype=torch.int32)
+        self.req_to_token = allocate(f"req_to_token [max_reqs, max_context + extra] = "
+                                     f"[{max_reqs}, {max_context + extra}]",
+                                     lambda: torch.zeros((max_reqs, max_context + extra), dtype=torch.int32,
+                                                         device=device))
+        self.req_to_token_cpu = allocate(f"req_to_token_cpu [{max_reqs}, {max_context + extra}]",
+                                         lambda: torch.zeros((max_reqs, max_context + extra), dtype=torch.int32))
         self.allocator = PagedAllocator(num_pages, page_size, seed=seed)
         self._free_rows = deque(range(1, max_reqs))
 
@@ -201,12 +213,14 @@ class KVCache:
 
     def _check_row(self, r: int) -> None:
         """``r`` is a row handed out by :meth:`alloc_req` and not freed since (PA-008, KV-003)."""
+        count("req_pool_index r", r)
         require(r != 0, "PA-008", "req_to_token row 0 is the reserved dummy row")
         if not 0 < r < self.req_to_token.shape[0]:
             raise ValueError(f"req_pool_index {r} outside req_to_token rows [1, {self.req_to_token.shape[0]})")
         require(r not in self._free_rows, "KV-003", f"req_to_token row {r} is free (never allocated, or freed)")
 
     def _check_len(self, name: str, n: int) -> None:
+        count(name, n)
         if not 0 <= n <= self.req_to_token.shape[1]:
             raise ValueError(f"{name} = {n} outside [0, {self.req_to_token.shape[1]}] (req_to_token width)")
 
@@ -224,7 +238,14 @@ class KVCache:
 
     # ---- slots ----
     def row_pages(self, r: int, length: int, start: int = 0) -> list[int]:
-        """Pages of row ``r`` covering positions ``[start, length)``; ``start`` rounds up to a page."""
+        """Pages of row ``r`` covering positions ``[start, length)``; ``start`` rounds up to a page.
+
+        Raises: ValueError (``r`` outside ``req_to_token``, ``length`` / ``start`` not in the row)."""
+        count("req_pool_index r", r)
+        if not r < self.req_to_token.shape[0]:
+            raise ValueError(f"req_pool_index r = {r} outside req_to_token rows [0, {self.req_to_token.shape[0]})")
+        self._check_len("length", length)
+        self._check_len("start", start)
         P = self.page_size
         first = -(-start // P)
         if first * P >= length:  # [start, length) lies inside start's page: no whole page
@@ -243,11 +264,13 @@ class KVCache:
         Returns: ``out_cache_loc`` int64 ``[sum(seq - prefix)]`` (slots), request-major.
         Raises: InvariantError KV-001 (the row's last slot is not at the expected offset),
         KV-003 (exhaustion: pages, or ``seq_b`` past the row's width; or a free row), PA-008
-        (row 0); ValueError (lists of different lengths, a repeated row, ``seq_b < prefix_b``).
+        (row 0); ValueError (lists of different lengths or holding something else than ints, a
+        repeated row, ``seq_b < prefix_b``).
         All checks run before anything is taken.
         """
         P = self.page_size
-        req_pool_indices, prefix_lens, seq_lens = list(req_pool_indices), list(prefix_lens), list(seq_lens)
+        req_pool_indices = int_list("req_pool_indices", req_pool_indices)
+        prefix_lens, seq_lens = int_list("prefix_lens", prefix_lens), int_list("seq_lens", seq_lens)
         if not len(req_pool_indices) == len(prefix_lens) == len(seq_lens):
             raise ValueError(f"alloc_extend: req_pool_indices, prefix_lens, seq_lens have lengths "
                              f"{len(req_pool_indices)}, {len(prefix_lens)}, {len(seq_lens)}")
@@ -291,11 +314,15 @@ class KVCache:
         KV-004 (SGLang ``align_evict_mask_to_page_size``): rejected slots inside the page of
         the last committed token stay allocated (freeing them would free committed tokens' page),
         and are reused next round (KV-004).
-        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row), KV-003 (row not allocated).
+        Raises: ValueError (``keep_len`` / ``alloc_len`` outside the row, or ``keep_len >
+        alloc_len``: more tokens kept than the row holds), KV-003 (row not allocated).
         """
         self._check_row(r)
         self._check_len("keep_len", keep_len)
         self._check_len("alloc_len", alloc_len)
+        if keep_len > alloc_len:
+            raise ValueError(f"free_tail row {r}: keep_len {keep_len} > alloc_len {alloc_len} (cannot keep "
+                             f"more tokens than were allocated)")
         start = first_freeable_position(keep_len, self.page_size)
         if alloc_len > start:
             self.allocator.free_pages(self.row_pages(r, alloc_len, start=start))
@@ -310,7 +337,13 @@ class KVCache:
                                  f"{int(self.req_to_token_cpu[r, c])} in the allocator's host mirror")
 
     def check_page_contiguous(self, r: int, length: int) -> None:
-        """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``."""
+        """Assert INV-PAGE (PA-001) on row ``r`` for positions ``[0, length)``.
+
+        Raises: InvariantError PA-001; ValueError (``r`` outside ``req_to_token``, ``length``
+        outside the row)."""
+        count("req_pool_index r", r)
+        if not r < self.req_to_token.shape[0]:
+            raise ValueError(f"req_pool_index r = {r} outside req_to_token rows [0, {self.req_to_token.shape[0]})")
         self._check_len("length", length)
         P = self.page_size
         row = self.req_to_token[r, :length].long()

@@ -98,7 +98,8 @@ class FlashAttentionBackend(GraphMetadataMixin):
             raise RuntimeError("FlashAttentionBackend.forward before init_forward_metadata(fb) "
                                "(or a graph capture hook): there is no metadata to run on")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
-                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D = {layer.head_dim}]")
+                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: "
+                f"[T, H = {layer.num_heads}, D = {layer.head_dim}]")
         if k is not None:
             launch(_store_kv, live=dict(k=k, v=v),
                    static=dict(pool=self.pool, loc=fb.out_cache_loc), scalars=dict(layer_id=layer.layer_id))

@@ -11,7 +11,8 @@ an :class:`~refspec.core.invariants.InvariantError` naming the contract rule):
 
 * a request with more query rows than ``max_seqlen_q`` (PA-010);
 * a page table narrower than ``ceil(K_b / P)`` (PA-003);
-* wrong dtypes/shapes (q / k_cache / v_cache of different dtypes or shapes too), a negative
+* an argument that is not a tensor (e.g. ``cache_seqlens`` as a Python int), wrong
+  dtypes/shapes (q / k_cache / v_cache of different dtypes or shapes too), a negative
   ``cache_seqlens``, a read page id outside ``[0, NP)``, ``cu_seqlens_q`` not starting at 0 /
   decreasing / past ``T`` (PA-011).
 
@@ -29,6 +30,12 @@ TILE = 128  #: keys per tile of the online softmax (the kernel's n-block)
 
 
 def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+                    ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
+        require(isinstance(t, torch.Tensor), "PA-011",
+                lambda: f"{name} must be a torch.Tensor (the kernel takes no Python numbers), got {type(t).__name__}")
+    require(isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool), "PA-011",
+            lambda: f"max_seqlen_q must be a Python int, got {type(max_seqlen_q).__name__}")
     require(q.dim() == 3 and k_cache.dim() == 4 and tuple(v_cache.shape) == tuple(k_cache.shape), "PA-011",
             lambda: f"q {tuple(q.shape)} must be [T, H, D], k_cache {tuple(k_cache.shape)} and v_cache "
             f"{tuple(v_cache.shape)} the same [NP, P, Hkv, D]")
@@ -48,7 +55,6 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     B = cache_seqlens.shape[0]
     require(page_table.dim() == 2 and page_table.shape[0] == B and cu_seqlens_q.shape[0] == B + 1, "PA-011",
             f"B={B}: page_table {tuple(page_table.shape)}, cu_seqlens_q {tuple(cu_seqlens_q.shape)}")
-    require(isinstance(max_seqlen_q, int), "PA-011", "max_seqlen_q must be a Python int")
     cu = cu_seqlens_q.tolist()
     require(cu[0] == 0 and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T, "PA-011",
             f"cu_seqlens_q {cu} must start at 0, not decrease and end <= T={T}")

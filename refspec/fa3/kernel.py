@@ -38,7 +38,7 @@ def _real_kernel(name: str):
         raise ValueError(f"unknown FA3 provider {name!r}: one of 'emulator', {', '.join(map(repr, modules))}")
     module = modules[name]
     try:
-        return getattr(importlib.import_module(module), "flash_attn_with_kvcache")
+        return importlib.import_module(module).flash_attn_with_kvcache
     except Exception as e:  # ImportError, or a broken binary (OSError, RuntimeError)
         return f"`import {module}` failed: {type(e).__name__}: {e}"
 

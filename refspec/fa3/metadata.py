@@ -64,7 +64,12 @@ def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_
     MD-007: the first slot of each page, divided by P, is the page id.  Lossless only if
     every row is page-contiguous (INV-PAGE, PA-001), which the paged allocator guarantees.
     With P = 1 slots are page ids and this is the token-level table itself.
+    Raises: ValueError if ``page_size`` is not an int >= 1 or ``max_seq_len_k`` not an int >= 0.
     """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"strided_page_table: page_size must be an int >= 1, got {page_size!r}")
+    if isinstance(max_seq_len_k, bool) or not isinstance(max_seq_len_k, int) or max_seq_len_k < 0:
+        raise ValueError(f"strided_page_table: max_seq_len_k must be an int >= 0, got {max_seq_len_k!r}")
     rows = req_to_token[req_pool_indices, :max_seq_len_k]
     table = rows if page_size == 1 else rows[:, ::page_size] // page_size
     # a fresh row-major copy: FA3 requires stride(-1) == 1, which .contiguous() does not

@@ -9,11 +9,12 @@ Each failure raises :class:`~refspec.core.invariants.InvariantError` naming the 
   query tokens are the last q_b keys, so a wrong K (off by one, double counted) or a wrong
   ``cu_seqlens_q`` shows here;
 * MD-006: ``cu_seqlens_k = [0, cumsum K]``;
+* PA-008 (checked before PA-001 / PA-002): no real request uses row 0 or has a key in the
+  reserved page 0 (an unreserved position, case B01: its ``req_to_token`` entry is still 0;
+  the checks below would only see its symptom, e.g. a broken page-contiguity, PA-001);
 * PA-001 / PA-002: the page table reproduces ``req_to_token`` for every visible position
   (which also catches a non-page-contiguous row, and a table in the wrong unit);
 * PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request;
-* PA-008: no real request uses row 0 or has a key in the reserved page 0 (an unreserved
-  position, case B01: its ``req_to_token`` entry is still 0, and every check above agrees with it);
 * MD-012: the real requests have distinct rows and write distinct slots (checked after the
   per-request rules above, so that each of them keeps naming its own violations).
 
@@ -58,7 +59,8 @@ def validate_batch(fb: ForwardBatch, req_to_token: torch.Tensor, num_real: int |
         raise ValueError(f"req_pool_indices {bad} outside req_to_token rows [0, {R})")
     dev, cpu = fb.seq_lens[:B].tolist(), fb.seq_lens_cpu[:B].tolist()
     if fb.seq_lens_cpu_is_bound:  # overlap: a host upper bound, not a mirror
-        require(all(d <= c for d, c in zip(dev, cpu)), "MD-006", f"seq_lens_cpu {cpu} is no upper bound of seq_lens {dev}")
+        require(all(d <= c for d, c in zip(dev, cpu)), "MD-006",
+                f"seq_lens_cpu {cpu} is no upper bound of seq_lens {dev}")
     else:
         require(dev == cpu, "MD-006", f"seq_lens_cpu {cpu} is not a mirror of seq_lens {dev}")
     require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
@@ -91,12 +93,18 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
     for b in range(B):
         r, Kb, qb = int(fb.req_pool_indices[b]), K[b], q[b]
         require(Kb >= qb, "MD-004", f"request {b}: K={Kb} < q={qb}")
-        require(-(-Kb // P) <= pt.shape[1], "PA-003", f"request {b}: K={Kb} needs {-(-Kb // P)} pages, width {pt.shape[1]}")
+        require(-(-Kb // P) <= pt.shape[1], "PA-003",
+                f"request {b}: K={Kb} needs {-(-Kb // P)} pages, width {pt.shape[1]}")
         row = req_to_token[r, :Kb].long()
         tail = row[Kb - qb:].tolist()
         mine = loc[cu[b]:cu[b + 1]]
         require(tail == mine, "MD-005", lambda: f"request {b} (K={Kb}, q={qb}): out_cache_loc {mine} "
                 f"!= req_to_token[{r}, {Kb - qb}:{Kb}] {tail}")
+        # an unreserved position still reads 0 in req_to_token: it would write / read the dummy page 0.
+        # Checked before PA-001 / PA-002, which would only see its symptom (a broken page-contiguity).
+        require(r != 0 and not bool((row < P).any()), "PA-008", lambda: f"request {b} (row {r}, K={Kb}): "
+                f"position(s) {(row < P).nonzero().flatten().tolist()} map to the reserved page 0: no slot was "
+                f"reserved for them (alloc_extend them first; case B01)")
         p = torch.arange(Kb, device=row.device)
         via_table = pt[b, p // P].long() * P + p % P
         if not torch.equal(via_table, row):
@@ -104,9 +112,6 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
             ids = "PA-001" if int(row[bad]) % P != bad % P else "PA-002"
             raise InvariantError(ids, f"request {b} position {bad}: page_table gives slot {int(via_table[bad])}, "
                                  f"req_to_token[{r}] holds {int(row[bad])} (P={P})")
-        # an unreserved position still reads 0 in req_to_token: it would write / read the dummy page 0
-        require(r != 0 and not bool((row < P).any()), "PA-008", lambda: f"request {b} (row {r}): position(s) "
-                f"{(row < P).nonzero().flatten().tolist()} map to the reserved page 0 (no slot reserved, case B01)")
     rows = fb.req_pool_indices[:B].tolist()
     require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
     real = loc[:cu[B]]

@@ -143,7 +143,7 @@ class GraphRunner:
         """CG-010 on the padded rows' metadata (after the capture / replay hooks)."""
         if not self._checking(B, bs):
             return
-        for sub, backend in zip(self.split(fb), self.backends):
+        for _sub, backend in zip(self.split(fb), self.backends):
             md = backend.forward_metadata
             q = (md.cu_seqlens_q[1:bs + 1] - md.cu_seqlens_q[:bs])[B:]
             require(bool((md.cache_seqlens_int32[B:bs] >= q).all()), "CG-010",
@@ -184,12 +184,17 @@ class GraphRunner:
         require(all(x <= self.W for x in q) and live.num_tokens <= live.batch_size * self.W, "CG-006",
                 lambda: f"{m.name}: query lens {q}, {live.num_tokens} tokens; the graph froze "
                 f"max_seqlen_q / rows per request W = {self.W}")
+        if inputs is not None and not isinstance(inputs, dict):
+            raise ValueError(f"replay inputs must be a dict name -> tensor, got {type(inputs).__name__}")
         want = sorted(self.inputs)
         got = sorted(inputs or {})
         if got != want:
             raise ValueError(f"replay inputs {got}, the graph was captured with {want}")
         for name, buf in self.inputs.items():
             x = inputs[name]
+            if not isinstance(x, torch.Tensor) or x.dtype != buf.dtype or x.device != buf.device:
+                raise ValueError(f"replay input {name!r} must be a {buf.dtype} tensor on {buf.device} like the "
+                                 f"captured buffer, got {getattr(x, 'dtype', type(x).__name__)}")
             if tuple(x.shape) != (live.num_tokens, *buf.shape[1:]):
                 raise ValueError(f"replay input {name!r} has shape {tuple(x.shape)}, expected "
                                  f"{(live.num_tokens, *buf.shape[1:])} (live tokens, captured trailing shape)")

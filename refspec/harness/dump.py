@@ -103,12 +103,13 @@ def load(src: str | Path | dict) -> Dump:
     pt = m.get("page_table")
     if not isinstance(pt, list) or not all(isinstance(r, list) for r in pt) or len({len(r) for r in pt}) > 1:
         raise ValueError("dump field metadata.page_table must be a list of equal-length lists of ints")
-    md = FlashAttentionMetadata(i32(_ints(m, "cache_seqlens_int32", "metadata")), i32(_ints(m, "cu_seqlens_q", "metadata")),
+    md = FlashAttentionMetadata(i32(_ints(m, "cache_seqlens_int32", "metadata")),
+                                i32(_ints(m, "cu_seqlens_q", "metadata")),
                                 i32(_ints(m, "cu_seqlens_k", "metadata")), _int(m, "max_seq_len_q", "metadata.", 0),
                                 _int(m, "max_seq_len_k", "metadata.", 0),
                                 torch.tensor(pt, dtype=torch.int32).reshape(len(pt), -1))
     rows = {}
-    for r, slots in d["req_to_token"].items():
+    for r in d["req_to_token"]:
         if not str(r).isdigit():
             raise ValueError(f"dump req_to_token row key {r!r} is not a row index")
         rows[int(r)] = _ints(d["req_to_token"], r, "req_to_token")

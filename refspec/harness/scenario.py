@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refspec.core import batch as B
+from refspec.core.args import count, int_list
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.graphs.runner import GraphRunner
 from refspec.core.kv_cache import KVCache, KVPool
@@ -59,8 +60,18 @@ class Scenario:
 
     def __post_init__(self):
         """Argument checks: ValueError naming the missing or inconsistent field."""
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {self.page_size!r}")
+        if not isinstance(self.mode, ForwardMode):
+            raise ValueError(f"mode must be a ForwardMode, got {self.mode!r}")
+        for name in ("page_size", "num_draft_tokens", "num_heads", "num_kv_heads", "head_dim"):
+            n = getattr(self, name)  # bools are ints to Python, not sizes
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        self.lens = int_list("lens", self.lens, least=0)
+        for name in ("extend_lens", "num_accept_tokens"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int_list(name, getattr(self, name)))
+        if self.draft_step is not None:
+            count("draft_step", self.draft_step)
         per_req = {ForwardMode.EXTEND: "extend_lens", ForwardMode.DRAFT_EXTEND: "num_accept_tokens"}
         name = per_req.get(self.mode)
         if name and (getattr(self, name) is None or len(getattr(self, name)) != len(self.lens)):

@@ -96,9 +96,15 @@ def make_draft(spec, target: LlamaModel, seed: int = 1):
             return EagleDraft(target, seed=seed)
         if name == "early-exit":
             return EarlyExitDraft(target, int(arg or 1))
+        if name == "early-exit" and not (arg == "" or arg.isdigit()):
+            raise ValueError(f"draft {spec!r}: early-exit:k needs an int k (layers of the target)")
         raise ValueError(f"unknown draft {spec!r} (eagle, early-exit[:k], or a model)")
     if isinstance(spec, LlamaModel):
         if spec.config.vocab_size != target.config.vocab_size:
             raise ValueError("a small-LM draft must share the target's vocabulary")
         return LMDraft(spec)
+    if not (callable(getattr(spec, "forward", None)) and all(hasattr(spec, a) for a in
+                                                             ("num_layers", "num_kv_heads", "head_dim"))):
+        raise ValueError(f"draft must be 'eagle', 'early-exit[:k]', a LlamaModel or a draft object (forward, "
+                         f"num_layers, num_kv_heads, head_dim), got {type(spec).__name__} {spec!r}")
     return spec

@@ -1,4 +1,5 @@
-"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that every wrong variant of :mod:`refspec.mutants.variants` is caught.
+"""The mutants runner (``python -m refspec mutants``, :mod:`refspec.cli.mutants`): prove that
+every wrong variant of :mod:`refspec.mutants.variants` is caught.
 
 For each variant and each of its probes (:mod:`refspec.mutants.probes`) four runs:
 
@@ -190,7 +191,8 @@ def run(device: str = "cpu", only: list[str] | None = None, low_precision: bool 
     for an unknown name.
     """
     if variants.active():
-        raise RuntimeError(f"variants {sorted(variants.active())} already on (inside variants.enabled?): baselines would fail")
+        raise RuntimeError(f"variants {sorted(variants.active())} already on (inside variants.enabled?): "
+                           f"baselines would fail")
     names = list(only or variants.VARIANTS)
     for n in names:
         if n not in variants.VARIANTS:
@@ -203,8 +205,9 @@ def run(device: str = "cpu", only: list[str] | None = None, low_precision: bool 
                 skip = Observation(skipped=reason)
                 results.append(ProbeResult(variants.VARIANTS[n], p, skip, skip, skip, skip))
                 continue
-            results.append(ProbeResult(variants.VARIANTS[n], p, observe(p, env, True, None), observe(p, env, False, None),
-                                       observe(p, env, True, n), observe(p, env, False, n)))
+            results.append(ProbeResult(variants.VARIANTS[n], p, observe(p, env, True, None),
+                                       observe(p, env, False, None), observe(p, env, True, n),
+                                       observe(p, env, False, n)))
     return Report(device, results)
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from einops import einsum, repeat
 
-from refspec.core.invariants import require
+from refspec.core.args import int_list
+from refspec.core.invariants import InvariantError, require
 
 
 def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
@@ -44,6 +45,13 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
     ratio, ``cu_seqlens_q`` of length B+1 from 0 non-decreasing to ``<= T``, ``0 <= K_b <=``
     the ``req_to_token`` width, rows inside ``req_to_token``).
     """
+    for name, t in (("q", q), ("k_flat", k_flat), ("v_flat", v_flat), ("req_to_token", req_to_token)):
+        require(isinstance(t, torch.Tensor), "PA-011", lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require(q.is_floating_point() and k_flat.is_floating_point() and v_flat.is_floating_point(), "PA-011",
+            lambda: f"q, k_flat, v_flat must be floating tensors, got {q.dtype}, {k_flat.dtype}, {v_flat.dtype}")
+    require(req_to_token.dim() == 2 and not req_to_token.is_floating_point(), "PA-011",
+            lambda: f"req_to_token must be an integer [max_reqs, ctx] tensor, got {req_to_token.dtype} "
+            f"{tuple(req_to_token.shape)}")
     require(q.dim() == 3 and k_flat.dim() == 3 and tuple(v_flat.shape) == tuple(k_flat.shape), "PA-011",
             lambda: f"q {tuple(q.shape)} must be [T, H, D], k_flat {tuple(k_flat.shape)} and v_flat "
             f"{tuple(v_flat.shape)} the same [NS, Hkv, D]")
@@ -51,8 +59,12 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
     Hkv = k_flat.shape[1]
     require(k_flat.shape[2] == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: "
             "head dims differ or H is not a multiple of Hkv")
-    cu = [int(x) for x in cu_seqlens_q]
-    rows, K_all = [int(r) for r in req_pool_indices], [int(k) for k in cache_seqlens]
+    try:
+        cu = int_list("cu_seqlens_q", cu_seqlens_q)
+        rows, K_all = int_list("req_pool_indices", req_pool_indices), int_list("cache_seqlens", cache_seqlens)
+    except ValueError as e:  # the kernel's argument contract: name it
+        raise InvariantError("PA-011", str(e)) from None
+    require(len(cu) > 0, "PA-011", "cu_seqlens_q is empty (need B+1 entries from 0)")
     require(len(rows) == len(K_all) and len(cu) == len(rows) + 1 and cu[0] == 0
             and all(a <= b for a, b in zip(cu, cu[1:])) and cu[-1] <= T, "PA-011",
             f"B = {len(rows)} rows, {len(K_all)} lengths, cu_seqlens_q {cu} (need B+1 entries from 0, "

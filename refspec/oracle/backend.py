@@ -161,7 +161,8 @@ class OracleBackend:
         if self.forward_metadata is None:
             raise RuntimeError("OracleBackend.forward before init_forward_metadata(fb): there is no metadata")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
-                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D = {layer.head_dim}]")
+                lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: "
+                f"[T, H = {layer.num_heads}, D = {layer.head_dim}]")
         if k is not None:
             self.pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         md = self.forward_metadata

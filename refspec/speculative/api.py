@@ -9,10 +9,9 @@ so that "oracle loop == production loop" and "speculative == plain greedy" are o
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 
+from refspec.core.args import is_int
 from refspec.oracle.loop import greedy, speculative_greedy
 from refspec.oracle.tree import max_drafts
 from refspec.oracle.tree_loop import check_tree_args, speculative_tree_greedy
@@ -28,21 +27,28 @@ BACKENDS = ("oracle", "fa3", "paged-oracle")
 def greedy_reference(model, prompts, max_new_tokens, eos=None) -> dict[int, list[int]]:
     """``rid -> prompt + plain greedy output`` (the reference the test drafters read)."""
     _check_args(model, prompts, 1, 1, None)
-    budgets = _budgets(prompts, max_new_tokens)
+    budgets = _budgets(prompts, max_new_tokens, model.config.max_position_embeddings)
     return {i: list(p) + greedy(model, p, m, eos).tokens for i, (p, m) in enumerate(zip(prompts, budgets))}
 
 
-def _budgets(prompts, max_new_tokens) -> list[int]:
-    if isinstance(max_new_tokens, int):
+def _budgets(prompts, max_new_tokens, max_positions: int | None = None) -> list[int]:
+    """One budget per prompt (tokens); ValueError naming ``max_new_tokens`` if any is not an int in
+    ``[1, max_positions - len(prompt)]`` (the model's ``max_position_embeddings``)."""
+    if is_int(max_new_tokens):
         budgets = [max_new_tokens] * len(prompts)
-    elif len(max_new_tokens) != len(prompts):
-        raise ValueError("max_new_tokens: one int, or one per prompt")
+    elif not isinstance(max_new_tokens, (list, tuple)) or len(max_new_tokens) != len(prompts):
+        raise ValueError(f"max_new_tokens: one int, or one per prompt ({len(prompts)}), got {max_new_tokens!r}")
     else:
         budgets = list(max_new_tokens)
-    bad = [m for m in budgets if not isinstance(m, Integral) or m < 1]
+    bad = [m for m in budgets if not is_int(m) or m < 1]
     if bad:
         raise ValueError(f"max_new_tokens must be >= 1 for every prompt, got {bad}")
-    return budgets
+    if max_positions is not None:
+        over = [i for i, (p, m) in enumerate(zip(prompts, budgets)) if len(p) + m > max_positions]
+        if over:
+            raise ValueError(f"max_new_tokens: prompts {over} would run past the model's max_position_embeddings "
+                             f"= {max_positions} (prompt + max_new_tokens tokens)")
+    return [int(m) for m in budgets]
 
 
 def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
@@ -53,12 +59,12 @@ def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
     for i, p in enumerate(prompts):
         if not isinstance(p, (list, tuple)) or not p:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
-        if not all(isinstance(t, Integral) and 0 <= t < V for t in p):
+        if not all(is_int(t) and 0 <= t < V for t in p):
             raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size = {V}): "
-                             f"{[t for t in p if not (isinstance(t, Integral) and 0 <= t < V)]}")
-    if not isinstance(num_steps, Integral) or num_steps < 1:
+                             f"{[t for t in p if not (is_int(t) and 0 <= t < V)]}")
+    if not is_int(num_steps) or num_steps < 1:
         raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
-    if not isinstance(page_size, Integral) or page_size < 1:
+    if not is_int(page_size) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if arrivals is not None and (len(arrivals) != len(prompts) or any(a < 0 for a in arrivals)):
         raise ValueError(f"arrivals must hold one step >= 0 per prompt, got {arrivals} for {len(prompts)} prompts")
@@ -103,7 +109,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_args(target, prompts, num_steps, page_size, arrivals)
-    budgets = _budgets(prompts, max_new_tokens)
+    if eos is not None and not (is_int(eos) and 0 <= eos < target.config.vocab_size):
+        raise ValueError(f"eos must be None or a token id in [0, vocab_size = {target.config.vocab_size}), got {eos!r}")
+    budgets = _budgets(prompts, max_new_tokens, target.config.max_position_embeddings)
     num_draft_tokens = _check_tree_args(topk, num_steps, num_draft_tokens)
     if topk > 1 and backend == "oracle":
         return _generate_tree(target, prompts, budgets, backend=backend, version=version, draft=draft,
@@ -131,7 +139,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
             raise ValueError(f"topk = {topk} > 1 runs on backend 'oracle' or 'fa3', got {backend!r}")
         engine, tree_kw = TreeEngine, dict(topk=topk, num_draft_tokens=num_draft_tokens)
     eng = engine(target, dm, version=version, num_steps=num_steps, page_size=page_size,
-                 max_context=max(len(p) for p in prompts) + max(budgets), max_batch=len(prompts) if max_batch is None else max_batch,
+                 max_context=max(len(p) for p in prompts) + max(budgets),
+                 max_batch=len(prompts) if max_batch is None else max_batch,
                  attention="fa3" if backend == "fa3" else "oracle", graphs=graphs, capture_bs=capture_bs,
                  provider=provider, validate=validate, drafter=drafter, accept=accept, eos=eos,
                  observer=observer, shuffle_pages=shuffle_pages, pool_fill=pool_fill, overlap=overlap, **tree_kw)
@@ -149,7 +158,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
 # ---------------------------------------------------------------- top-k > 1 (EAGLE trees)
 def _check_tree_args(topk, num_steps, num_draft_tokens) -> int:
     """The resolved N; ValueError for a bad k / N (SD-010 at k = 1, TR-002 for k > 1)."""
-    if not isinstance(topk, Integral) or topk < 1:
+    if num_draft_tokens is not None and not is_int(num_draft_tokens):
+        raise ValueError(f"num_draft_tokens (N) must be None or an int, got {num_draft_tokens!r}")
+    if not is_int(topk) or topk < 1:
         raise ValueError(f"topk (k) must be an int >= 1, got {topk!r}")
     if topk == 1:
         if num_draft_tokens not in (None, num_steps + 1):

@@ -311,7 +311,8 @@ class Engine:
 
     def graphs_used(self, counts_before: Counter) -> list[str]:
         """The phases that replayed a graph since ``counts_before`` (a copy of ``runners.counts``)."""
-        return sorted(ph for (ph, how), v in self.runners.counts.items() if how == "graph" and v > counts_before[(ph, how)])
+        return sorted(ph for (ph, how), v in self.runners.counts.items()
+                      if how == "graph" and v > counts_before[(ph, how)])
 
     def commit(self, reqs, L, out, joined, in_round, used, discarded=()) -> None:
         """Apply one round's host rows ``out`` (``[a, c_0..c_(N-1), d_1..d_Sd, draft_len, ...]``

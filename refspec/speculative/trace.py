@@ -171,7 +171,22 @@ def save_trace(trace: dict, path: str | Path) -> Path:
 
 
 def load_trace(path: str | Path) -> dict:
-    """Read and :func:`check_trace` a trace file (ValueError if inconsistent)."""
-    trace = json.loads(Path(path).read_text(encoding="utf-8"))
-    check_trace(trace)
+    """Read and :func:`check_trace` a trace file.
+
+    Raises: OSError (FileNotFoundError, ...) if it cannot be read; ValueError naming the file if
+    it is not JSON, not a trace object, or inconsistent (:func:`check_trace`).
+    """
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        trace = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trace {path}: not JSON ({e})") from e
+    if not isinstance(trace, dict):
+        raise ValueError(f"trace {path}: expected a JSON object with format {FORMAT!r}, got {type(trace).__name__}")
+    try:
+        check_trace(trace)
+    except ValueError as e:
+        raise ValueError(f"trace {path}: {str(e).removeprefix('trace: ')}") from e
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a field missing or of the wrong type
+        raise ValueError(f"trace {path}: malformed ({type(e).__name__}: {e})") from e
     return trace

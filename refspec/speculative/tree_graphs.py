@@ -83,7 +83,8 @@ class TreeGraphRunner:
         else:
             self.backends = runners.tree_step_bes
             E = runners.target.config.hidden_size
-            self.inputs = {"topk_p": z(max_bs, self.k, dt=torch.float32), "topk_index": z(max_bs, self.k, dt=torch.long)}
+            self.inputs = {"topk_p": z(max_bs, self.k, dt=torch.float32),
+                           "topk_index": z(max_bs, self.k, dt=torch.long)}
             if runners.draft.uses_hidden:
                 self.inputs["hidden"] = z(max_bs, E, dt=dtype)
             rows, xw = [max_bs * self.k] * len(self.backends), [s + 2 for s in range(len(self.backends))]
@@ -147,10 +148,12 @@ class TreeGraphRunner:
         R = self.r.kv.req_to_token
         for s, (be, (pre, exp)) in enumerate(zip(self.backends, self.bound[bs])):
             if self.phase == "verify":
-                _copy(pre, tm.verify_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R, self.N, self.P))
+                _copy(pre, tm.verify_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R,
+                                                     self.N, self.P))
                 _copy(exp, tm.verify_expand_metadata(fb.custom_mask, fb.seq_lens, fb.req_pool_indices, R, self.N))
             else:
-                _copy(pre, tm.draft_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R, self.k, self.P))
+                _copy(pre, tm.draft_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R,
+                                                    self.k, self.P))
                 replay_draft_expand_table(exp.page_table, exp.cache_seqlens_int32, fb.draft_cache_loc, fb.seq_lens,
                                           s, self.k, self.S, self.P)
                 exp.cu_seqlens_k.copy_(tm.cumsum0(exp.cache_seqlens_int32))

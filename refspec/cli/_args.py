@@ -1,0 +1,173 @@
+"""What every ``python -m refspec`` command shares: one-line errors, list options, ``--debug``.
+
+The rules (issue 16):
+
+* a usage error is **one line** on stderr, ``python -m refspec demo: error: <the problem; the
+  valid choices>``, and exit status 2, never a traceback; ``--debug`` (anywhere on the command
+  line) re-raises instead, with the traceback;
+* a failed check (an :class:`~refspec.core.invariants.InvariantError` that escapes a command) is
+  one line too, exit status 1, as a failing ``check`` table is;
+* every list option is **comma-separated**: ``--page-sizes 1,4,16``, ``--versions v1,v2``,
+  ``--sections eager,graph``, ``--only a,b``;
+* help texts are plain words (:func:`plain` strips the reST markup of module docstrings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Callable, Sequence
+
+PROG = "python -m refspec"
+
+
+class CLIError(Exception):
+    """A usage error: printed as one line, exit status 2 (no traceback without ``--debug``)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (raised as :class:`CLIError`) and a ``--debug`` flag."""
+
+    def __init__(self, *args, **kw):
+        if "description" in kw and kw["description"]:
+            kw["description"] = plain(kw["description"])
+        super().__init__(*args, **kw)
+        self.add_argument("--debug", action="store_true",
+                          help="on an error, show the full Python traceback instead of one line")
+
+    def error(self, message):  # argparse prints the usage and exits; one line is enough
+        if message.startswith("unrecognized arguments"):
+            message += "; list options take one comma-separated value (e.g. --page-sizes 1,4,16)"
+        raise CLIError(f"{message} (see --help)")
+
+
+def plain(text: str) -> str:
+    """Help text without reST markup: ``x`` -> x, :mod:`a.b` / :class:`~a.b.C` -> a.b / C."""
+    text = re.sub(r":[a-z]+:`~[\w.]*?\.?(\w+)`", r"\1", text)
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def _items(text: str, what: str) -> list[str]:
+    parts = [x.strip() for x in str(text).split(",")]
+    if not parts or any(not x for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what} (e.g. 1,4,16)")
+    return parts
+
+
+def int_list(least: int = 1, what: str = "ints") -> Callable[[str], list[int]]:
+    """An argparse ``type``: ``"1,4,16"`` -> [1, 4, 16]; every item an int >= ``least``."""
+    def parse(text: str) -> list[int]:
+        out = []
+        for x in _items(text, what):
+            try:
+                n = int(x)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{x!r} is not an int; give a comma-separated list of "
+                                                 f"{what} >= {least} (e.g. 1,4,16)") from None
+            if n < least:
+                raise argparse.ArgumentTypeError(f"{n} is not a valid value: {what} must be >= {least}")
+            out.append(n)
+        return out
+    parse.__name__ = what  # argparse names the type in "invalid <name> value"
+    return parse
+
+
+def choice_list(choices: Sequence[str], what: str = "names") -> Callable[[str], list[str]]:
+    """An argparse ``type``: ``"a,b"`` -> ["a", "b"], each one of ``choices``."""
+    def parse(text: str) -> list[str]:
+        out = _items(text, what)
+        bad = [x for x in out if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad))}; choose from "
+                                             f"{', '.join(choices)} (comma-separated)")
+        return out
+    parse.__name__ = what
+    return parse
+
+
+def positive_int(least: int = 1) -> Callable[[str], int]:
+    """An argparse ``type``: one int >= ``least``."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{n} is not valid: must be an int >= {least}")
+        return n
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
+def draft_spec(text: str) -> str:
+    """An argparse ``type`` for ``--draft``: ``eagle``, ``early-exit`` or ``early-exit:K`` (K >= 1)."""
+    name, colon, arg = text.partition(":")
+    ok = (name == "eagle" and not colon) or (name == "early-exit" and (not colon or (arg.isdigit() and int(arg) >= 1)))
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose eagle, early-exit or early-exit:K "
+                                         f"(K = draft layers, an int >= 1)")
+    return text
+
+
+def budget_spec(text: str) -> str:
+    """An argparse ``type`` for ``--max-new-tokens``: one int >= 1 or a comma-separated list of them."""
+    int_list(1, "max-new-tokens values")(text)
+    return text
+
+
+def check_draft(spec: str, model) -> None:
+    """CLIError unless ``early-exit:K`` fits the loaded model (1 <= K <= its layers)."""
+    name, _, arg = spec.partition(":")
+    layers = model.config.num_hidden_layers
+    if name == "early-exit" and not 1 <= int(arg or 1) <= layers:
+        raise CLIError(f"--draft {spec}: K must lie in 1..{layers} (the target has {layers} layers)")
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here)."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose cpu or cuda")
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"no CUDA device here (torch {torch.__version__}); use cpu")
+    return text
+
+
+def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str) -> int:
+    """Run a command's ``body(argv)`` under the error rules of the module doc.
+
+    Returns the exit status: ``body``'s, 2 for a usage error (:class:`CLIError`, a bad file, any
+    other exception: one line on stderr), 1 for an InvariantError that escaped, 130 on Ctrl-C.
+    """
+    from refspec.core.invariants import InvariantError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        return int(body(argv) or 0)
+    except SystemExit:  # --help / --version, or a command that exits itself
+        raise
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place every error becomes one line
+        if debug:
+            raise
+        if isinstance(e, InvariantError):
+            print(f"{prog}: check failed: {one_line(str(e))}", file=sys.stderr)
+            return 1
+        msg = str(e) if isinstance(e, CLIError) else f"{type(e).__name__}: {e}"
+        hint = "" if isinstance(e, CLIError) else " (rerun with --debug for the traceback)"
+        print(f"{prog}: error: {one_line(msg)}{hint}", file=sys.stderr)
+        return 2
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded into spaces."""
+    return " ".join(text.split())

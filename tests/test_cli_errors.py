@@ -1,0 +1,256 @@
+"""Every ``python -m refspec`` usage error is one line on stderr naming the problem (and the
+valid choices), exit status 2, no traceback; ``--debug`` shows it; lists are comma-separated;
+``--version``; help in plain words for every option; ``check`` output reaches a pipe row by row.
+
+The expected texts are written out here (the valid choices, the offending value), not taken
+from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from refspec.cli import COMMANDS, main
+from refspec.real import assets
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = str(ROOT / "benchmarks" / "traces" / "mtbench_smollm2.json")
+no_real = pytest.mark.skipif(bool(assets.missing_reason()), reason=str(assets.missing_reason()))
+
+
+def _files(tmp: Path) -> dict:
+    (tmp / "bad.json").write_text('{"format": "refspec-trace/1", "config": ')
+    (tmp / "list.json").write_text("[1, 2, 3]")
+    (tmp / "other.json").write_text(json.dumps({"format": "something-else/2"}))
+    (tmp / "norows.json").write_text(json.dumps({"env": "x"}))
+    (tmp / "folder").mkdir()
+    return {k: str(tmp / k) for k in ("bad.json", "list.json", "other.json", "norows.json", "folder")}
+
+
+# (argv, words the one line must contain); {name} is a file made by _files
+CASES = [
+    # the issue's four
+    (["demo", "--bug", "nope"], ["--bug", "'nope'", "seed-page-table", "verify-as-decode"]),
+    (["replay", "missing.json"], ["missing.json", "not found", "refspec record"]),
+    (["replay", "{bad.json}"], ["bad.json", "not JSON"]),
+    (["demo", "--page-sizes", "0"], ["--page-sizes", "0", ">= 1"]),
+    # top level
+    ([], ["required", "COMMAND"]),
+    (["nope"], ["'nope'", "info", "check", "replay", "mutants"]),
+    (["--bogus"], ["COMMAND"]),
+    # info
+    (["info", "--bogus"], ["unrecognized arguments: --bogus"]),
+    # check
+    (["check", "--page-sizes", "0"], ["--page-sizes", ">= 1"]),
+    (["check", "--page-sizes", "1,four"], ["'four'", "comma-separated"]),
+    (["check", "--page-sizes", "1,,4"], ["comma-separated"]),
+    (["check", "--page-sizes", "1", "4"], ["unrecognized arguments: 4", "comma-separated"]),
+    (["check", "--sections", "eager,nope"], ["'nope'", "contract", "eager", "graph", "loops"]),
+    (["check", "--device", "gpu"], ["'gpu'", "cpu", "cuda"]),
+    (["check", "--quick", "yes"], ["unrecognized arguments: yes"]),
+    # bench
+    (["bench", "--sections", "kernels"], ["'kernels'", "kernel", "scale", "metadata", "loop"]),
+    (["bench", "--device", "tpu"], ["'tpu'", "cpu", "cuda"]),
+    (["bench", "--plot", "missing.json"], ["--plot", "missing.json", "no such file"]),
+    (["bench", "--plot", "{bad.json}"], ["--plot", "not a bench.json"]),
+    (["bench", "--plot", "{norows.json}"], ["--plot", "not a bench.json"]),
+    (["bench", "--out", "{bad.json}"], ["--out", "is a file", "folder"]),
+    # demo (all refused before any model is loaded)
+    (["demo", "--versions", "v1,v3"], ["'v3'", "v1", "v2"]),
+    (["demo", "--draft", "medusa"], ["'medusa'", "eagle", "early-exit:K"]),
+    (["demo", "--draft", "early-exit:0"], ["early-exit:0", "early-exit:K"]),
+    (["demo", "--prompts", "0"], ["--prompts", ">= 1"]),
+    (["demo", "--prompts", "many"], ["--prompts", "'many'", "not an int"]),
+    (["demo", "--category", "poetry"], ["'poetry'", "writing", "math", "humanities"]),
+    (["demo", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+    (["demo", "--max-new-tokens", "8,-1"], ["--max-new-tokens", "-1"]),
+    (["demo", "--num-steps", "0"], ["--num-steps", ">= 1"]),
+    (["demo", "--threads", "x"], ["--threads", "'x'"]),
+    # record
+    (["record"], ["required", "--out"]),
+    (["record", "--out", "{folder}"], ["--out", "is a folder"]),
+    (["record", "--out", "t.json", "--version", "v3"], ["--version", "'v3'", "v1", "v2"]),
+    (["record", "--out", "t.json", "--page-size", "0"], ["--page-size", ">= 1"]),
+    (["record", "--out", "t.json", "--max-batch", "0"], ["--max-batch", ">= 1"]),
+    (["record", "--out", "t.json", "--draft", "big"], ["'big'", "eagle"]),
+    # replay
+    (["replay"], ["required", "trace"]),
+    (["replay", "{list.json}"], ["list.json", "JSON object", "refspec record"]),
+    (["replay", "{other.json}"], ["format", "something-else/2", "refspec-trace/1"]),
+    (["replay", "{norows.json}"], ["norows.json"]),
+    (["replay", "{folder}"], ["cannot read", "folder"]),
+    (["replay", TRACE, "--page-sizes", "0"], ["--page-sizes", ">= 1"]),
+    (["replay", TRACE, "--versions", "v9"], ["'v9'", "v1", "v2"]),
+    (["replay", TRACE, "--device", "gpu"], ["'gpu'", "cpu", "cuda"]),
+    (["replay", TRACE, "--dtype", "fp8"], ["'fp8'", "bfloat16", "float16", "float32"]),
+    (["replay", TRACE, "--drafter", "oracle"], ["'oracle'", "perfect", "model"]),
+    (["replay", TRACE, "--drafter", "model", "--dtype", "bfloat16"], ["--drafter model", "float32"]),
+    (["replay", TRACE, "--seed", "x"], ["--seed", "'x'"]),
+    (["replay", TRACE, "--num-layers", "0"], ["--num-layers", ">= 1"]),
+    (["replay", TRACE, "--out", "{folder}"], ["--out", "is a folder"]),
+    # mutants
+    (["mutants", "--only", "nope"], ["'nope'", "seed-page-table"]),
+    (["mutants", "--only", "seed-page-table", "verify-as-decode"], ["unrecognized arguments", "comma-separated"]),
+    (["mutants", "--device", "gpu"], ["'gpu'", "cpu", "cuda"]),
+    # conformance (refused before anything is installed)
+    (["conformance", "--pins", "0.4.0"], ["'0.4.0'", "0.5.23", "0.5.12.post1"]),
+    (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,16,64"]),
+    (["conformance", "--modes", "decode,prefill"], ["'prefill'", "draft_extend_v2"]),
+    (["conformance", "--variant", "nope"], ["--variant", "'nope'", "seed-page-table"]),
+    (["conformance", "--pin", "0.5.23", "0.5.12.post1"], ["unrecognized arguments", "comma-separated"]),
+]
+if not torch.cuda.is_available():
+    CASES += [(["check", "--device", "cuda"], ["no CUDA device"]), (["mutants", "--device", "cuda"], ["no CUDA"]),
+              (["replay", TRACE, "--device", "cuda"], ["no CUDA"])]
+
+
+def _one_line_error(capsys, argv):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(a)[:60] or "(nothing)" for a, _ in CASES])
+def test_a_usage_error_is_one_line_and_exit_2(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative names (missing.json, t.json) resolve in an empty folder
+    files = _files(tmp_path)
+    argv = [files[a[1:-1]] if a.startswith("{") else a for a in argv]
+    rc, out, err = _one_line_error(capsys, argv)
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and out == ""
+    assert lines[0].startswith("python -m refspec") and "error:" in lines[0], lines[0]
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+    assert not (tmp_path / "t.json").exists()  # refused before anything was written
+
+
+@no_real
+@pytest.mark.parametrize("argv,words", [
+    (["demo", "--prompts", "99"], ["--prompts 99", "80 available"]),
+    (["demo", "--prompts", "11", "--category", "math"], ["--category math", "10 available"]),
+    (["demo", "--draft", "early-exit:31", "--no-progress"], ["early-exit:31", "1..30"]),
+])
+def test_a_usage_error_found_with_the_real_assets_is_one_line(argv, words, capsys):
+    rc, out, err = _one_line_error(capsys, argv)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+
+
+def _python(*args, env_extra=None, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--bug", "nope"], ["replay", "missing.json"]])
+def test_a_real_process_exits_2_with_one_line(argv):
+    p = _python("-m", "refspec", *argv)
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_debug_shows_the_traceback():
+    p = _python("-m", "refspec", "replay", "missing.json", "--debug")
+    assert p.returncode != 0 and "Traceback" in p.stderr and "missing.json" in p.stderr
+    q = _python("-m", "refspec", "--debug", "replay", "missing.json")  # before the command too
+    assert q.returncode != 0 and "Traceback" in q.stderr
+
+
+def test_version(capsys):
+    from refspec import __version__
+
+    assert __version__ == "0.1.0"
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == "refspec 0.1.0"
+    p = _python("-m", "refspec", "--version")
+    assert p.returncode == 0 and p.stdout.strip() == "refspec 0.1.0"
+
+
+def _parsers(monkeypatch):
+    """Each command's ArgumentParser, caught as it parses ``--help``."""
+    from refspec.cli import _args
+
+    seen = {}
+    real = _args.ArgumentParser.parse_args
+
+    def grab(self, args=None, namespace=None):
+        seen[self.prog] = self
+        return real(self, args, namespace)
+    monkeypatch.setattr(_args.ArgumentParser, "parse_args", grab)
+    helps = {}
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0
+        prog = f"python -m refspec {name}"
+        assert prog in seen, (f"{name}: build its parser with refspec.cli._args.ArgumentParser (prog {prog!r}) "
+                              f"and wrap main in refspec.cli._args.run: one-line errors, --debug, plain help")
+        helps[name] = seen[prog]
+    return helps
+
+
+def test_every_option_has_plain_help(monkeypatch, capsys):
+    for name, parser in _parsers(monkeypatch).items():
+        for action in parser._actions:
+            assert action.help, f"{name}: {action.option_strings or action.dest} has no help"
+        text = parser.format_help()
+        for markup in ("``", ":mod:", ":class:", ":func:", ":data:", ":meth:"):
+            assert markup not in text, f"{name} --help shows {markup!r}:\n{text}"
+    top = capsys.readouterr().out
+    assert "``" not in top and ":mod:" not in top
+
+
+def test_list_options_are_comma_separated(monkeypatch, capsys):
+    """Every option whose help says it takes several values parses "a,b" (one syntax)."""
+    lists = {(n, o) for n, p in _parsers(monkeypatch).items() for a in p._actions for o in a.option_strings
+             if "comma-separated" in (a.help or "")}
+    assert {("check", "--page-sizes"), ("check", "--sections"), ("demo", "--page-sizes"), ("demo", "--versions"),
+            ("replay", "--page-sizes"), ("replay", "--versions"), ("bench", "--sections"),
+            ("mutants", "--only"), ("conformance", "--pins"), ("conformance", "--page-sizes"),
+            ("conformance", "--modes")} <= lists
+    for _, p in _parsers(monkeypatch).items():
+        for a in p._actions:  # options; a positional may take several words (cite ID ID ...)
+            assert not a.option_strings or a.nargs in (None, 0), \
+                f"{p.prog} {a.option_strings}: nargs={a.nargs!r}, use one comma-separated value"
+
+
+def test_check_output_reaches_a_pipe_row_by_row(tmp_path):
+    """Stdout piped (a CI log): the first row arrives while the check is still running.  The
+    child's only section yields a row and then waits for the parent to have read it."""
+    go = tmp_path / "go"
+    child = textwrap.dedent(f"""
+        import pathlib, time
+        from refspec.cli import check
+        def section(device, page_sizes, quick):
+            yield dict(section="contract", mode="probe", P=1, provider="emulator", check="c", result="pass",
+                       worst="bitwise")
+            for _ in range(600):  # the parent creates the file once it has read the row
+                if pathlib.Path({str(go)!r}).exists():
+                    return
+                time.sleep(0.1)
+            raise SystemExit("the row never reached the pipe")
+        check.SECTIONS = {{"contract": section}}
+        raise SystemExit(check.main(["--sections", "contract"]))
+    """)
+    p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    try:
+        lines = [p.stdout.readline() for _ in range(3)]  # header, rule, the row
+        assert lines[2].split()[:2] == ["contract", "probe"], lines
+        go.write_text("read")
+        rest, err = p.communicate(timeout=60)
+    finally:
+        p.kill() if p.poll() is None else None
+    assert p.returncode == 0, err
+    assert rest.strip() == "1 checks: 1 pass, 0 FAIL, 0 skip"

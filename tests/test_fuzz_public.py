@@ -1,0 +1,276 @@
+"""Random malformed arguments to every public entry point: a named error or a correct result.
+
+For each entry point a valid call is set up, then hypothesis replaces one or two of its
+arguments with junk (None, bools, negative / huge / fractional numbers, strings, lists of the
+wrong length or with junk items, tensors of the wrong dtype / shape / rank).  The call must
+either
+
+* raise :class:`~refspec.core.invariants.InvariantError` (it names its rule by construction), or
+  a ``ValueError`` whose message names the replaced argument (or carries an invariant ID), or
+* succeed with a result that passes the entry point's own correctness check below (e.g. the
+  emulator's output equals the oracle's when the junk happened to be a valid value).
+
+Any other exception type (TypeError, IndexError, AttributeError, RuntimeError, ...) fails the
+test: the user would see a message that does not say which argument or rule is wrong.
+Entry points: generate, Scenario (+ build), KVCache / PagedAllocator / KVPool methods, the
+batch builders, init_forward_metadata (both wings), the FA3 emulator, attention_by_slot,
+GraphRunner.replay.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from refspec import InvariantError, Scenario, generate
+from refspec.core import batch as B
+from refspec.core.kv_cache import KVCache, KVPool, PagedAllocator
+from refspec.core.modes import ForwardMode as M
+from refspec.fa3.backend import FlashAttentionBackend
+from refspec.fa3.emulator import emulate_flash_attn_with_kvcache
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.oracle.attention import attention_by_slot
+from refspec.oracle.backend import OracleBackend
+
+N_EXAMPLES = int(os.environ.get("REFSPEC_FUZZ_EXAMPLES", 40))  #: per test; raise it for a longer hunt
+FAST = settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+ID = re.compile(r"\[(PA|KV|MD|CG|SD|TOL)-\d{3}\]")
+
+_SCALARS = [None, True, False, 0, -1, 1, 3, 7, 2 ** 40, 1.5, float("nan"), "4", b"x", object()]
+_LISTS = [[], [None], [-1], [0], [1.5], ["a"], [[1]], [1, 2, 3, 4, 5, 6, 7], [True], [2 ** 40], (1,)]
+
+
+def _tensors():
+    return [torch.tensor(3), torch.tensor([1.5]), torch.zeros(0, dtype=torch.int32),
+            torch.ones(2, 2, dtype=torch.int32), torch.tensor([-1], dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int64), torch.tensor([2 ** 30], dtype=torch.int32),
+            torch.randn(2, 3, 8), torch.randn(3, 4, 8).to(torch.float16), torch.tensor([True])]
+
+
+JUNK = st.sampled_from(_SCALARS + _LISTS + _tensors())
+
+
+def _aliases(name: str) -> set[str]:
+    """Ways a message may name argument ``name`` (singular forms, SGLang's short names)."""
+    out = {name, name.rstrip("s"), name.replace("_lens", "_len"), name.replace("indices", "index")}
+    return out | {"K" if name == "cache_seqlens" else name, "seq_len" if name == "seq_lens" else name}
+
+
+def named_or_correct(call, replaced: list[str], check=None):
+    """Run ``call()``; the outcome must be a named error or a result that ``check`` accepts."""
+    try:
+        result = call()
+    except InvariantError as e:
+        assert ID.search(str(e)), str(e)
+        return None
+    except ValueError as e:
+        msg = str(e)
+        assert ID.search(msg) or any(a in msg for n in replaced for a in _aliases(n)), \
+            f"ValueError naming none of {replaced}: {msg}"
+        return None
+    except Exception as e:  # noqa: BLE001 - exactly what this test forbids
+        pytest.fail(f"{type(e).__name__} (not a named error) for junk in {replaced}: {e}")
+    if check is not None:
+        check(result)
+    return result
+
+
+def mutate(draw, args: dict, names: list[str]) -> tuple[dict, list[str]]:
+    """``args`` with one or two of ``names`` replaced by junk."""
+    picked = draw(st.lists(st.sampled_from(names), min_size=1, max_size=2, unique=True))
+    out = dict(args)
+    for n in picked:
+        out[n] = draw(st.one_of(JUNK, st.lists(st.integers(-3, 40), max_size=4)))
+    return out, picked
+
+
+# ============================================================================ the KV cache
+def cache() -> tuple[KVCache, int]:
+    kv = KVCache(max_reqs=4, max_context=16, num_pages=8, page_size=4)
+    r = kv.alloc_req()
+    kv.alloc_extend([r], [0], [6])
+    return kv, r
+
+
+KV_CALLS = {
+    "KVCache": (lambda kv_, r_, **a: KVCache(**a),
+                dict(max_reqs=4, max_context=16, num_pages=8, page_size=4)),
+    "PagedAllocator": (lambda kv_, r_, **a: PagedAllocator(**a), dict(num_pages=8, page_size=4)),
+    "KVPool": (lambda kv_, r_, **a: KVPool(**a),
+               dict(num_layers=1, num_pages=8, page_size=4, num_kv_heads=2, head_dim=8)),
+    "alloc_extend": (lambda kv_, r_, **a: kv_.alloc_extend(**a), dict(req_pool_indices=[1], prefix_lens=[6],
+                                                                   seq_lens=[9])),
+    "free_req": (lambda kv_, r_, **a: kv_.free_req(**a), dict(r=1, alloc_len=6)),
+    "free_tail": (lambda kv_, r_, **a: kv_.free_tail(**a), dict(r=1, keep_len=5, alloc_len=6)),
+    "check_page_contiguous": (lambda kv_, r_, **a: kv_.check_page_contiguous(**a), dict(r=1, length=6)),
+    "row_pages": (lambda kv_, r_, **a: kv_.row_pages(**a), dict(r=1, length=6, start=0)),
+    "alloc_pages": (lambda kv_, r_, **a: kv_.allocator.alloc_pages(**a), dict(n=1)),
+    "free_pages": (lambda kv_, r_, **a: kv_.allocator.free_pages(**a), dict(pages=[1])),
+    "set_kv_buffer": (lambda kv_, r_, **a: KVPool(1, 8, 4, 2, 8).set_kv_buffer(**a),
+                      dict(layer_id=0, loc=torch.tensor([4, 5]), k=torch.randn(2, 2, 8), v=torch.randn(2, 2, 8))),
+    "get_kv_buffer": (lambda kv_, r_, **a: KVPool(1, 8, 4, 2, 8).get_kv_buffer(**a), dict(layer_id=0)),
+}
+
+
+@FAST
+@given(st.data(), st.sampled_from(sorted(KV_CALLS)))
+def test_kv_cache_entry_points(data, which):
+    fn, args = KV_CALLS[which]
+    kv, r = cache()
+    bad, names = mutate(data.draw, args, list(args))
+    named_or_correct(lambda: fn(kv, r, **bad), names)
+
+
+# ============================================================================ batch builders
+BUILDERS = {
+    "decode_batch": (B.decode_batch, dict(req_pool_indices=[1], seq_lens=[6])),
+    "draft_decode_batch": (B.draft_decode_batch, dict(req_pool_indices=[1], seq_lens=[4], step=1)),
+    "extend_batch": (B.extend_batch, dict(req_pool_indices=[1], prefix_lens=[2], extend_lens=[4])),
+    "verify_batch": (B.verify_batch, dict(req_pool_indices=[1], seq_lens=[2], num_draft_tokens=4)),
+    "draft_extend_batch": (B.draft_extend_batch, dict(req_pool_indices=[1], seq_lens=[6], num_accept_tokens=[2],
+                                                      num_draft_tokens=4)),
+    "draft_extend_v2_batch": (B.draft_extend_v2_batch, dict(req_pool_indices=[1], seq_lens=[6], num_draft_tokens=4,
+                                                            num_accept_tokens=[2])),
+    "draft_decode_steps_batch": (B.draft_decode_steps_batch, dict(req_pool_indices=[1], seq_lens=[3], num_steps=3)),
+}
+
+
+def _batch_ok(fb):
+    """A built batch is self-consistent: one q_b per request, T = sum q_b, int index fields."""
+    B.check_batch_shapes(fb)
+    assert fb.out_cache_loc.dtype == torch.int64 and fb.positions.dtype == torch.int64
+
+
+@FAST
+@given(st.data(), st.sampled_from(sorted(BUILDERS)))
+def test_batch_builders(data, which):
+    fn, args = BUILDERS[which]
+    kv, _ = cache()
+    bad, names = mutate(data.draw, args, list(args))
+    named_or_correct(lambda: fn(kv, **bad), names, _batch_ok)
+
+
+# ============================================================================ metadata, attention
+@functools.lru_cache(maxsize=None)
+def built(mode=M.TARGET_VERIFY):
+    return Scenario(mode, page_size=4, lens=[5, 9], num_draft_tokens=4, num_heads=4, num_kv_heads=2,
+                    head_dim=16).build()
+
+
+FB_FIELDS = ["req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions", "num_draft_tokens"]
+
+
+@FAST
+@given(st.data(), st.sampled_from(["fa3", "oracle"]))
+def test_init_forward_metadata(data, wing):
+    b = built()
+    bad, names = mutate(data.draw, {}, FB_FIELDS)
+    be = b.fa3_backend() if wing == "fa3" else OracleBackend(b.pool, b.kv)
+    named_or_correct(lambda: be.init_forward_metadata(b.fb.replace(**bad)), names)
+
+
+def _kernel_args():
+    b = built()
+    md = FlashAttentionBackend(b.pool, b.kv).init_forward_metadata(b.fb)
+    k, v = b.pool.get_kv_buffer(0)
+    return dict(q=b.q, k_cache=k, v_cache=v, cache_seqlens=md.cache_seqlens_int32, page_table=md.page_table,
+                cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seq_len_q)
+
+
+@FAST
+@given(st.data())
+def test_emulator(data):
+    args = _kernel_args()
+    good = emulate_flash_attn_with_kvcache(**args)
+    bad, names = mutate(data.draw, args, list(args))
+
+    def well_formed(out):  # accepted junk was a valid value: the documented [T, H, D] in q's dtype
+        assert isinstance(out, torch.Tensor) and out.shape == bad["q"].shape and out.dtype == bad["q"].dtype
+        if all(bad[n] is args[n] for n in args):
+            assert torch.equal(out, good)
+    named_or_correct(lambda: emulate_flash_attn_with_kvcache(**bad), names, well_formed)
+
+
+@FAST
+@given(st.data())
+def test_attention_by_slot(data):
+    b = built()
+    k, v = b.pool.get_flat_kv(0)
+    fb = b.fb
+    K = [x + 4 for x in fb.seq_lens_cpu.tolist()]
+    args = dict(q=b.q, k_flat=k, v_flat=v, req_to_token=b.kv.req_to_token,
+                req_pool_indices=fb.req_pool_indices.tolist(), cache_seqlens=K, cu_seqlens_q=[0, 4, 8])
+    good = attention_by_slot(**args)
+    bad, names = mutate(data.draw, args, list(args))
+    def well_formed(out):  # e.g. row 0 instead of a request's row is a valid call: it reads page 0
+        assert isinstance(out, torch.Tensor) and out.shape == bad["q"].shape and out.dtype == bad["q"].dtype
+        if all(bad[n] is args[n] for n in args):
+            torch.testing.assert_close(out, good)
+    named_or_correct(lambda: attention_by_slot(**bad), names, well_formed)
+
+
+# ============================================================================ graphs
+@functools.lru_cache(maxsize=None)
+def runner():
+    b = built()
+    return b, b.graph_runner(capture_bs=(2,))
+
+
+@FAST
+@given(st.data())
+def test_graph_runner_replay(data):
+    b, r = runner()
+    inputs = dict(q=b.q, k=b.k, v=b.v)
+    which = data.draw(st.sampled_from(["fb", "inputs"]))
+    if which == "fb":
+        bad, names = mutate(data.draw, {}, FB_FIELDS)
+        named_or_correct(lambda: r.replay(b.fb.replace(**bad), inputs), names)
+    else:
+        bad, names = mutate(data.draw, inputs, list(inputs))
+        named_or_correct(lambda: r.replay(b.fb, bad), names + ["inputs"])
+
+
+# ============================================================================ Scenario, generate
+SCENARIO = dict(mode=M.TARGET_VERIFY, page_size=4, lens=[5, 9], num_draft_tokens=4, num_accept_tokens=None,
+                extend_lens=None, draft_step=None, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@FAST
+@given(st.data())
+def test_scenario(data):
+    names = [n for n in SCENARIO if n != "mode"]
+    mode = data.draw(st.sampled_from(list(M)))
+    bad, replaced = mutate(data.draw, {**SCENARIO, "mode": mode}, names)
+    # a mode that needs a per-request list may be refused naming that list
+    named_or_correct(lambda: Scenario(**bad).build(), replaced + ["mode", "extend_lens", "num_accept_tokens"])
+
+
+@functools.lru_cache(maxsize=None)
+def model():
+    return init_random_(LlamaModel(tiny_config()), seed=0).eval().requires_grad_(False)
+
+
+GENERATE = dict(prompts=[[1, 2, 3]], backend="oracle", version="v1", page_size=2, num_steps=2, max_new_tokens=2,
+                draft="early-exit:1", max_batch=None, eos=None, topk=1, num_draft_tokens=None)
+
+
+@settings(max_examples=N_EXAMPLES // 2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_generate(data):
+    backend = data.draw(st.sampled_from(["oracle", "fa3"]))
+    bad, names = mutate(data.draw, {**GENERATE, "backend": backend}, [n for n in GENERATE if n != "backend"])
+
+    def lossless(res):  # an accepted junk value is a valid one: output == plain greedy
+        from refspec.oracle.loop import greedy
+        budgets = bad["max_new_tokens"] if isinstance(bad["max_new_tokens"], list) else \
+            [bad["max_new_tokens"]] * len(bad["prompts"])
+        assert res.tokens == [greedy(model(), p, m, bad["eos"]).tokens for p, m in zip(bad["prompts"], budgets)]
+    with torch.no_grad():
+        named_or_correct(lambda: generate(model(), **bad), names, lossless)
