@@ -171,3 +171,27 @@ def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str)
 def one_line(text: str) -> str:
     """``text`` with its line breaks folded into spaces."""
     return " ".join(text.split())
+
+
+def real_workload(ns):
+    """``(questions, budgets, model, load seconds, chat prompts)`` for ``demo`` / ``record``.
+
+    Reads ``ns.prompts``, ``ns.category``, ``ns.max_new_tokens``, ``ns.draft``; the questions and
+    budgets are checked before the model is loaded (a bad count fails fast).  Raises CLIError
+    (one line, exit 2) for a bad count or category, missing real-input wheels, or a draft the
+    model cannot run.
+    """
+    from refspec.real import RealAssetsMissing
+    from refspec.real.run import budgets, chat_prompts, load_target, pick_questions
+
+    try:
+        qs = pick_questions(ns.prompts, ns.category)
+        max_new = budgets(ns.prompts, ns.max_new_tokens)
+    except ValueError as e:
+        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
+    try:
+        model, load_s = load_target()
+    except RealAssetsMissing as e:
+        raise CLIError(str(e)) from e
+    check_draft(ns.draft, model)
+    return qs, max_new, model, load_s, chat_prompts(qs)

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from refspec.cli._args import PROG, ArgumentParser, CLIError, choice_list, device_name, run
+from refspec.graphs.capture import CudaGraph
 from refspec.fa3.kernel import flash_attn_with_kvcache, select_provider
 from refspec.core.modes import ForwardMode
 from refspec.oracle.backend import OracleBackend
@@ -71,16 +72,8 @@ def _graph_timer(device, calls: int = 20):
         return lambda fn: _timer(device)(fn, reps=2, warmup=1)
 
     def run(fn):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
+        g = CudaGraph()  # the production capture recipe: side-stream warm-up, collector paused
+        g.capture(lambda: [fn() for _ in range(calls)])
         return _timer(device)(g.replay, reps=10, warmup=2) / calls
     return run
 

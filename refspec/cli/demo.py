@@ -26,13 +26,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, check_draft, choice_list, device_name,
+from refspec.cli._args import (PROG, ArgumentParser, budget_spec, choice_list, device_name, real_workload,
                                draft_spec, int_list, positive_int, run)
 from refspec.fa3.kernel import select_provider
 from refspec.core.invariants import InvariantError
 from refspec.oracle.loop import greedy
-from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, capture_sizes, chat_prompts,
-                             load_target, pick_questions, set_threads)
+from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, capture_sizes, set_threads)
 from refspec.speculative import generate
 from refspec.speculative.audit import audit_kv
 from refspec.speculative.metrics import GenerateResult
@@ -208,22 +207,12 @@ def _main(argv) -> int:
                     help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
-    from refspec.real import EOS_ID, RealAssetsMissing, decode
+    from refspec.real import EOS_ID, decode
 
     t0 = time.perf_counter()
     threads = set_threads(ns.threads)
-    try:
-        qs = pick_questions(ns.prompts, ns.category)  # before the model: a bad count fails fast
-        max_new = budgets(ns.prompts, ns.max_new_tokens)
-    except ValueError as e:
-        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
-    try:
-        model, load_s = load_target()
-    except RealAssetsMissing as e:
-        raise CLIError(str(e)) from e
-    prompts = chat_prompts(qs)
+    qs, max_new, model, load_s, prompts = real_workload(ns)
     page_sizes, versions = ns.page_sizes, ns.versions
-    check_draft(ns.draft, model)
     if _pick_device(ns.device) == "cuda" and not ns.bug:
         return _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0)
     if ns.bug:

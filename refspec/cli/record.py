@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, check_draft, draft_spec, positive_int,
+from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, draft_spec, positive_int, real_workload,
                                run)
 from refspec.fa3.kernel import select_provider
 from refspec.oracle.loop import greedy
-from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, budgets, chat_prompts, load_target,
-                             pick_questions, set_threads)
+from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, set_threads)
 from refspec.speculative import generate
 from refspec.speculative.trace import save_trace, trace_from_result
 
@@ -93,7 +92,7 @@ def _main(argv) -> int:
     ap.add_argument("--threads", type=positive_int(), metavar="N", help="torch CPU threads (default 1)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
-    from refspec.real import EOS_ID, RealAssetsMissing
+    from refspec.real import EOS_ID
 
     if ns.out.is_dir():
         raise CLIError(f"--out {ns.out} is a folder; give a file name, e.g. {ns.out / 'trace.json'}")
@@ -102,17 +101,7 @@ def _main(argv) -> int:
     except OSError as e:
         raise CLIError(f"--out {ns.out}: cannot create its folder ({e.strerror or e})") from e
     set_threads(ns.threads)
-    try:
-        qs = pick_questions(ns.prompts, ns.category)
-        max_new = budgets(ns.prompts, ns.max_new_tokens)
-    except ValueError as e:
-        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
-    try:
-        model, load_s = load_target()
-    except RealAssetsMissing as e:
-        raise CLIError(str(e)) from e
-    check_draft(ns.draft, model)
-    prompts = chat_prompts(qs)
+    qs, max_new, model, load_s, prompts = real_workload(ns)
     bar = TokenBar(sum(max_new), desc="record", disable=ns.no_progress)
     try:
         trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size,
