@@ -26,3 +26,22 @@ def test_tree_check_fails_on_the_unscaled_merge(capsys):
         rc = main(["--quick", "--sections", "tree", "--page-sizes", "4"])
     out = capsys.readouterr().out
     assert rc == 1 and " FAIL " in out
+
+
+@pytest.mark.spec("TR-018")
+def test_ungraphable_provider_rows_capture_no_graph(monkeypatch):
+    """On CUDA the emulator syncs with the host, so its rows must stay eager: the H200 run of
+    ``check --device cuda --sections tree`` failed 24 emulator rows when they captured a graph."""
+    import torch
+
+    from refspec.cli import _check_tree as ct
+
+    def no_graph(*a, **k):
+        raise AssertionError("an eager-only row captured a CUDA graph")
+
+    monkeypatch.setattr(ct, "make_graph", no_graph)
+    for fn in (ct._verify_checks, ct._draft_checks):
+        eager, same, vs = fn(4, 2, torch.float32, "cpu", "emulator", False)
+        eager = eager if isinstance(eager, tuple) else (eager,)
+        assert all(v.ok for v in eager)
+        assert same in (None, (None,) * len(eager)) and vs in (None, (None,) * len(eager))

@@ -39,8 +39,8 @@ def _head_dim(device) -> int:
     return 64 if device == "cuda" else ts.D
 
 
-def _verify_checks(P, k, dtype, device, prov):
-    """(T1 eager, T0/T1 graph == eager, T1 graph vs oracle) for tree verify."""
+def _verify_checks(P, k, dtype, device, prov, graphed=True):
+    """(T1 eager, T0/T1 graph == eager, T1 graph vs oracle) for tree verify; graph ones None unless ``graphed``."""
     N, hd = N_FOR_K[k], _head_dim(device)
     lay = ts.layer(hd)
     kv, pool, fb, q, slots, rows = ts.verify_setup(P, LENS, N, seed=P + k, device=device, dtype=dtype, head_dim=hd)
@@ -48,6 +48,8 @@ def _verify_checks(P, k, dtype, device, prov):
     be.init_forward_metadata(fb)
     out = be.forward(q, None, None, lay, fb)
     eager = t1(out, *_oracle(q, pool, slots))
+    if not graphed:
+        return eager, None, None
     q_static = q.clone()
     graph = make_graph(torch.device(device))
     graph.capture(lambda: be.forward(q_static, None, None, lay, fb))
@@ -70,7 +72,7 @@ def _verify_checks(P, k, dtype, device, prov):
     return eager, same, t1(replay, ref, low)
 
 
-def _draft_checks(P, k, dtype, device, prov):
+def _draft_checks(P, k, dtype, device, prov, graphed=True):
     """The same three verdicts for every draft-decode step (worst over steps)."""
     S, hd = 4, _head_dim(device)
     lay = ts.layer(hd)
@@ -86,6 +88,9 @@ def _draft_checks(P, k, dtype, device, prov):
                  for i in range(len(LENS) * k)]
         q = torch.randn((len(LENS) * k, ts.H, hd), generator=gen).to(device=device, dtype=dtype)
         eager = t1(be.forward(q, None, None, lay, step), *_oracle(q, pool, slots))
+        if not graphed:
+            out.append((eager, None, None))
+            continue
         q_static = torch.zeros_like(q)
         graph = make_graph(torch.device(device))
         graph.capture(lambda: be.forward(q_static, None, None, lay, step))
@@ -137,7 +142,7 @@ def tree_rows(device, page_sizes, quick, *, row, guard, providers):
             for prov in providers(device):
                 graphable = not (device == "cuda" and prov == "emulator")  # the emulator syncs with the host
                 for label, fn in (("TREE_VERIFY", _verify_checks), ("TREE_DRAFT", _draft_checks)):
-                    got = guard(lambda: fn(P, k, dtype, device, prov if graphable else "emulator"))
+                    got = guard(lambda: fn(P, k, dtype, device, prov, graphable))
                     mode = f"{label} k={k}"
                     if isinstance(got, Exception):
                         err = f"{type(got).__name__}: {got}"
