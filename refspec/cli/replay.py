@@ -19,6 +19,12 @@ Per (version, page size), a run passes when:
   delta = max(1e-2, 2x the bf16-vs-fp32 teacher-forced logit error), as ``tests/test_gpu_spec.py``;
 * **KV**: the free-page count returns to its start (KV-006).
 
+A **tree trace** (top-k > 1, recorded by ``record --topk K``) is detected by its format and
+replayed round by round at the attention level instead (:mod:`refspec.cli._replay_tree`): its
+KV layout was recorded at one page size, and its trees come from the recorded draft, so
+``--versions`` / ``--page-sizes`` / ``--drafter`` / ``--draft`` / ``--tiny`` / ``--num-layers``
+do not apply to it.
+
 On a Hopper GPU the provider is the real FA3 kernel (auto-selected) and the graphs are
 ``torch.cuda.CUDAGraph``; elsewhere the emulator and emulated graphs.  Exit status 1 on any
 mismatch.  ``--num-layers`` / ``--draft`` shrink the model for quick CPU checks (the schedule
@@ -44,7 +50,8 @@ from refspec.oracle.loop import greedy
 from refspec.real.run import set_threads
 from refspec.speculative import generate
 from refspec.core.tolerance import T2_DELTA, t2
-from refspec.speculative.trace import accept_table, committed_rounds, load_trace, replay_budgets, schedule_mismatches
+from refspec.speculative.trace import (accept_table, committed_rounds, is_tree_trace, load_trace, replay_budgets,
+                                      schedule_mismatches)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -285,12 +292,10 @@ def _main(argv) -> int:
         raise CLIError(f"--out {ns.out} is a folder; give a file name, e.g. {ns.out / 'replay.md'}")
     set_threads(ns.threads)
     t = time.perf_counter()
-    overrides = {**(TINY if ns.tiny else {}), **({"num_hidden_layers": ns.num_layers} if ns.num_layers else {})}
-    draft = ns.draft or ("early-exit:1" if overrides else None)
-    report = replay_trace(trace, device=ns.device, dtype=dtype, versions=ns.versions,
-                          page_sizes=ns.page_sizes, seed=ns.seed, overrides=overrides or None,
-                          draft=draft, drafter=ns.drafter, trace_path=str(ns.trace),
-                          progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
+    if is_tree_trace(trace):
+        report = _replay_tree(trace, ns, dtype)
+    else:
+        report = _replay_chain(trace, ns, dtype)
     md = report.to_markdown()
     print(md)
     print(f"replay took {time.perf_counter() - t:.1f} s", file=sys.stderr)
@@ -298,3 +303,25 @@ def _main(argv) -> int:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
         ns.out.write_text(md, encoding="utf-8")
     return 0 if report.ok else 1
+
+
+def _replay_tree(trace, ns, dtype):
+    from refspec.cli._replay_tree import replay_tree_trace
+
+    given = [f"--{k.replace('_', '-')}" for k in ("versions", "page_sizes", "draft", "num_layers")
+             if getattr(ns, k) is not None] + (["--tiny"] if ns.tiny else []) + \
+        (["--drafter"] if ns.drafter != "perfect" else [])
+    if given:
+        raise CLIError(f"{', '.join(given)}: not for a tree trace (its rounds are replayed at the recorded KV layout, "
+                       f"P = {trace['config']['page_size']}, with its recorded trees)")
+    return replay_tree_trace(trace, device=ns.device, dtype=dtype, seed=ns.seed, trace_path=str(ns.trace),
+                             progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
+
+
+def _replay_chain(trace, ns, dtype):
+    overrides = {**(TINY if ns.tiny else {}), **({"num_hidden_layers": ns.num_layers} if ns.num_layers else {})}
+    draft = ns.draft or ("early-exit:1" if overrides else None)
+    return replay_trace(trace, device=ns.device, dtype=dtype, versions=ns.versions,
+                        page_sizes=ns.page_sizes, seed=ns.seed, overrides=overrides or None,
+                        draft=draft, drafter=ns.drafter, trace_path=str(ns.trace),
+                        progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))

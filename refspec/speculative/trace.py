@@ -23,6 +23,11 @@ each request's budget to its recorded output length (an EOS that ended a round e
 the same round by length).  Batch membership, ``seq_lens``, a, joins and finishes must then equal
 the trace round for round, with a random-init model of the same config on any device.
 
+**Tree traces** (top-k > 1, ``"format": "refspec-tree-trace/1"``, config ``topk`` and
+``num_draft_tokens``) add a ``tree`` list to every round: what each request's round fed the FA3
+wing (:mod:`refspec.speculative.tree_trace`).  Their replay re-runs every round's tree
+attention instead of the whole engine (:mod:`refspec.cli._replay_tree`).
+
 :func:`check_trace` proves a file is self-consistent before anything runs (ValueError naming the
 request / round otherwise).
 """
@@ -32,20 +37,30 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from refspec.speculative.tree_trace import TREE_FORMAT, check_tree_rounds
+
 FORMAT = "refspec-trace/1"
 ROUND_KEYS = ("rids", "seq_lens", "num_accept_tokens", "joined", "finished")
 CONFIG_KEYS = ("version", "page_size", "num_steps", "draft", "max_batch", "eos", "capture_bs", "model_config")
 
 
+def is_tree_trace(trace: dict) -> bool:
+    """Whether ``trace`` holds top-k > 1 rounds (:data:`~refspec.speculative.tree_trace.TREE_FORMAT`)."""
+    return trace.get("format") == TREE_FORMAT
+
+
 def trace_from_result(result, prompts: list[list[int]], budgets: list[int], config: dict,
-                      questions: list[dict] | None = None, source: dict | None = None) -> dict:
+                      questions: list[dict] | None = None, source: dict | None = None,
+                      tree_rounds: list | None = None) -> dict:
     """Build a trace from a production :class:`~refspec.speculative.metrics.GenerateResult`.
 
     Shapes: ``prompts`` B lists of token ids, ``budgets`` B ints (tokens), ``questions`` B dicts.
 
     Args: ``prompts`` (B lists of token ids), ``budgets`` (B ``max_new_tokens``), ``config``
     (the :data:`CONFIG_KEYS`), ``questions`` (optional per-request metadata: question_id,
-    category), ``source`` (free-form provenance).  Raises ValueError if ``result`` has no
+    category), ``source`` (free-form provenance), ``tree_rounds`` (a tree run: the
+    :class:`~refspec.speculative.tree_trace.TreeRecorder` rounds, one per committed round; the
+    trace is then a tree trace).  Raises ValueError if ``result`` has no
     per-round trace (the oracle loop has none) or the result is inconsistent.
     """
     if result.trace is None:
@@ -61,27 +76,33 @@ def trace_from_result(result, prompts: list[list[int]], budgets: list[int], conf
                      "num_accept_tokens": list(r.accepts)})
     rounds = [{"rids": t.rids, "seq_lens": t.seq_lens, "num_accept_tokens": t.num_accept_tokens,
                "joined": t.joined, "finished": t.finished} for t in committed_rounds(result.trace)]
-    trace = {"format": FORMAT, "source": dict(source or {}), "config": dict(config), "requests": reqs,
-             "rounds": rounds}
+    if tree_rounds is not None:
+        if len(tree_rounds) != len(rounds):
+            raise ValueError(f"{len(tree_rounds)} recorded tree rounds for {len(rounds)} committed rounds")
+        for rd, tree in zip(rounds, tree_rounds):
+            rd["tree"] = tree
+    trace = {"format": FORMAT if tree_rounds is None else TREE_FORMAT, "source": dict(source or {}),
+             "config": dict(config), "requests": reqs, "rounds": rounds}
     check_trace(trace)
     return trace
 
 
 def check_trace(trace: dict) -> None:
-    """Raise ValueError unless ``trace`` is a self-consistent :data:`FORMAT` trace.
+    """Raise ValueError unless ``trace`` is a self-consistent :data:`FORMAT` (or tree) trace.
 
     Checks: the format tag and config keys; rids are 0..B-1; every round's lists align; per
     request, its rounds' ``seq_lens`` start at the prompt length and grow by a (SD-008), their a
     equal the request's ``num_accept_tokens``, each a is in [1, Sd + 1] (SD-003); it finishes
     exactly at its last round; its output length lies in ``(1 + sum(a[:-1]), 1 + sum(a)]`` and
     within its budget (so a budget of that length ends the same round); no round holds more
-    than ``max_batch`` requests.
+    than ``max_batch`` requests.  A tree trace (:data:`TREE_FORMAT`): also the shapes of its
+    ``tree`` entries (:func:`~refspec.speculative.tree_trace.check_tree_rounds`).
     """
     def bad(msg):
         raise ValueError(f"trace: {msg}")
 
-    if trace.get("format") != FORMAT:
-        bad(f"format {trace.get('format')!r}, expected {FORMAT!r}")
+    if trace.get("format") not in (FORMAT, TREE_FORMAT):
+        bad(f"format {trace.get('format')!r}, expected {FORMAT!r} or {TREE_FORMAT!r}")
     cfg = trace.get("config", {})
     if any(k not in cfg for k in CONFIG_KEYS):
         bad(f"config lacks {[k for k in CONFIG_KEYS if k not in cfg]}")
@@ -119,6 +140,8 @@ def check_trace(trace: dict) -> None:
         fin = [k for k, rd in enumerate(rounds) if r["rid"] in rd["finished"]]
         if mine and fin != [mine[-1][0]]:
             bad(f"request {r['rid']}: finished in rounds {fin}, its last round is {mine[-1][0]}")
+    if is_tree_trace(trace):
+        check_tree_rounds(trace, bad)
 
 
 def replay_budgets(trace: dict) -> list[int]:

@@ -17,6 +17,11 @@ its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
 6. **draft extend** (v1 DRAFT_EXTEND, SD-004): the a emitted tokens at draft KV L..L+a-1 with
    the target hidden of the path nodes; the last row's softmax top-k seed the next round.
 
+Observer events (``Engine.observe``): ``draft_decode`` (``fb``: the TreeDraftBatch), ``verify``
+(the TreeVerifyBatch), ``tree_accept`` (``parents``: per request the N parent node ids;
+``accept_index`` [B, S+1]: the accepted path) and ``draft_extend``; a trace recorder
+(:mod:`refspec.speculative.tree_trace`) reads them.
+
 The row per request is the chain's contract (:mod:`refspec.speculative.rounds`): ``[a, c_0 ..
 c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) and ``d`` the
 accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
@@ -99,6 +104,7 @@ def round_tree_v1(eng, reqs) -> list[list[int]]:
         tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
         tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
     host = eng.host("in_round", torch.cat([(n + 1)[:, None], accept_index], dim=1))
+    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=accept_index)  # for recorders
     a = [h[0] for h in host]
     path = accept_index[accept_index >= 0]  # flat node ids, request-major, path order
     emitted = predicts[path]

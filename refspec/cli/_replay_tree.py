@@ -1,0 +1,270 @@
+"""``python -m refspec replay TREE_TRACE.json``: re-run every recorded top-k > 1 round's FA3 tree
+attention at its recorded KV layout, against the oracle (:mod:`refspec.speculative.tree_trace`).
+
+Per round, on one attention layer of the trace's model shapes (H, Hkv, D of ``model_config``),
+with random K/V written at every slot the round reads (NaN everywhere else) and random queries:
+
+1. **the recording** satisfies the tree rules it claims (TR-003 / TR-004 / TR-005 / TR-006,
+   PA-002 for its page table, TR-015 for its branch slots), one line per violation
+   (:func:`~refspec.speculative.tree_trace.tree_round_failures`);
+2. **draft decode** (S > 1): the committed tail copied into branches t >= 1 (TR-015), then for
+   every step s the FA3 tree backend (prefix + expand cascade, LSE merge) on the recorded
+   ``draft_cache_loc`` vs the slot oracle: row t sees the prefix and its own steps 0..s (TR-008);
+3. **TARGET_VERIFY**: the FA3 tree backend on the recorded ``custom_mask`` / ``positions``; its
+   prefix page table must equal the recorded one (T0, TR-010), its output the slot oracle's
+   over the prefix + each node's ancestors and itself *from the recorded parents* (TR-004,
+   TR-012: a mask that lets a node see a sibling fails here and in step 1);
+4. **compaction + draft extend**: the production compaction (TR-017) moves the accepted path's
+   KV to the first a verify slots (checked against the pre-compaction KV, T0), then the v1
+   DRAFT_EXTEND over the a accepted tokens, FA3 vs the oracle backend (SD-004).
+
+Outputs are compared under T1 (TOL-002: the fp32 oracle, and its own low-precision run for the
+budget); metadata and moved KV bitwise.  Eager metadata and kernel calls (the tree graphs are
+checked by ``python -m refspec check --sections tree``).  Exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from refspec.core.batch import draft_extend_batch
+from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
+from refspec.core.modes import ForwardMode
+from refspec.core.tolerance import t1
+from refspec.fa3.backend import FlashAttentionBackend
+from refspec.fa3.kernel import select_provider
+from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, TreeVerifyBatch, draft_step_batch
+from refspec.oracle.backend import OracleBackend
+from refspec.oracle.slots import attention_over_slots
+from refspec.speculative import tree_kv
+from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures
+
+
+@dataclass
+class TreeRoundCheck:
+    """One replayed round: the worst T1 error as % of budget per phase, and every failure line."""
+
+    index: int
+    rids: list[int]
+    seq_lens: list[int]
+    num_accept_tokens: list[int]
+    worst: dict = field(default_factory=dict)  #: phase -> worst % of the T1 budget
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TreeReplayReport:
+    trace_path: str
+    device: str
+    dtype: str
+    provider: str
+    shapes: str
+    rounds: list[TreeRoundCheck]
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(not r.failures for r in self.rounds)
+
+    def to_markdown(self) -> str:
+        yes = lambda b: "yes" if b else "**NO**"
+        cell = lambda r, ph: "-" if ph not in r.worst else f"{r.worst[ph]:.1f} %"
+        lines = [f"# Replay of the tree trace `{self.trace_path}`", "",
+                 f"device `{self.device}`, dtype `{self.dtype}`, FA3 provider `{self.provider}`, eager; one attention "
+                 f"layer {self.shapes}, random K/V at the recorded slots; worst error per phase as % of the T1 "
+                 f"budget (TOL-002)", "",
+                 "| round | batch (rids) | seq_lens | a | draft decode | verify | draft extend | ok |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in self.rounds:
+            lines.append(f"| {r.index} | {r.rids} | {r.seq_lens} | {r.num_accept_tokens} | {cell(r, 'draft')} | "
+                         f"{cell(r, 'verify')} | {cell(r, 'extend')} | {yes(not r.failures)} |")
+        bad = [f"- round {r.index}: {f}" for r in self.rounds for f in r.failures]
+        lines += ([""] + bad[:40] + ([f"- ... {len(bad) - 40} more"] if len(bad) > 40 else [])) if bad else []
+        lines += ["", f"**{'PASS' if self.ok else 'FAIL'}** ({len(self.rounds)} rounds)", ""]
+        return "\n".join(lines)
+
+
+def _compare(check: TreeRoundCheck, phase: str, out, q, pool, slots, what: str) -> None:
+    """T1 of ``out`` against the slot oracle over ``slots`` (fp32, and q's dtype for the budget)."""
+    k, v = pool.get_flat_kv(0)
+    ref = attention_over_slots(q, k, v, slots, out_dtype=torch.float32)
+    low = None if q.dtype == torch.float32 else attention_over_slots(q, k, v, slots, upcast=False)
+    verdict = t1(out, ref, low)
+    check.worst[phase] = max(check.worst.get(phase, 0.0), verdict.pct)
+    if not verdict.ok:
+        inv = {"draft": "TR-008", "verify": "TR-012", "extend": "SD-004"}[phase]
+        check.failures.append(f"[{inv}] {what}: FA3 vs oracle {verdict}")
+
+
+class _Round:
+    """The KV cache and pools of one replayed round (rows as recorded, everything else NaN)."""
+
+    def __init__(self, cfg, entries, seq_lens, num_pages, device, dtype, gen):
+        mc, P = cfg["model_config"], cfg["page_size"]
+        self.layer = AttentionLayer(0, mc["num_attention_heads"], mc["num_key_value_heads"], mc["head_dim"])
+        self.P, self.k, self.S, self.N = P, cfg["topk"], cfg["num_steps"], cfg["num_draft_tokens"]
+        self.device, self.dtype, self.gen = device, dtype, gen
+        self.rows = [e["req_pool_index"] for e in entries]
+        self.Ls, self.slots = list(seq_lens), [from_runs(e["req_to_token"]) for e in entries]
+        width = max(len(s) for s in self.slots)
+        self.kv = KVCache(max(self.rows) + 1, width, num_pages, P, device=device)
+        for r, s in zip(self.rows, self.slots):
+            self.kv.req_to_token[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token.dtype)
+            self.kv.req_to_token_cpu[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token_cpu.dtype)
+        hkv, D = self.layer.num_kv_heads, self.layer.head_dim
+        self.target, self.draft = (KVPool(1, num_pages, P, hkv, D, dtype=dtype, device=device, fill=float("nan"))
+                                   for _ in range(2))
+        for s, L in zip(self.slots, self.Ls):
+            self.write(self.target, s)  # the committed prefix and the N verify slots
+            self.write(self.draft, s[:L])  # the draft model's committed prefix
+
+    def randn(self, *shape):
+        return torch.randn(shape, generator=self.gen).to(device=self.device, dtype=self.dtype)
+
+    def write(self, pool, slots: list[int]) -> None:
+        loc = torch.tensor(slots, dtype=torch.long, device=self.device)
+        pool.set_kv_buffer(0, loc, self.randn(len(slots), self.layer.num_kv_heads, self.layer.head_dim),
+                           self.randn(len(slots), self.layer.num_kv_heads, self.layer.head_dim))
+
+    def batch_fields(self):
+        dev = self.device
+        return dict(req_pool_indices=torch.tensor(self.rows, dtype=torch.long, device=dev),
+                    seq_lens=torch.tensor(self.Ls, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(self.Ls))
+
+
+def _draft_decode(rd: _Round, entries, check, provider) -> None:
+    """Step 2 of the module doc: tail copies (TR-015), then each draft step vs the oracle (TR-008)."""
+    k, S, P = rd.k, rd.S, rd.P
+    loc = [x for e in entries for branch in e["draft_cache_loc"] for x in branch]
+    src, tgt = [], []
+    for e, s, L in zip(entries, rd.slots, rd.Ls):
+        lp = L % P if P > 1 else 0
+        for branch in e["draft_cache_loc"][1:]:
+            src += s[L - lp:L]
+            tgt += list(range(branch[0] - lp, branch[0]))
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=rd.device)  # noqa: E731
+    tree_kv.move_kv_cache(rd.draft, as_t(tgt), as_t(src))
+    rd.write(rd.draft, loc)  # every step's K/V (row t at step s may read its steps 0..s only)
+    pos = [L + j for L in rd.Ls for _ in range(k) for j in range(S)]
+    fb = TreeDraftBatch(forward_mode=ForwardMode.DECODE, out_cache_loc=as_t(loc), positions=as_t(pos), topk=k,
+                        num_steps=S, draft_cache_loc=as_t(loc), **rd.batch_fields())
+    for step in range(S - 1):
+        be = FlashAttentionTreeBackend(rd.draft, rd.kv, topk=k, num_steps=S, speculative_step_id=step,
+                                       provider=provider)
+        be.init_forward_metadata(fb)
+        q = rd.randn(len(rd.rows) * k, rd.layer.num_heads, rd.layer.head_dim)
+        out = be.forward(q, None, None, rd.layer, draft_step_batch(fb, step))
+        slots = [s[:L] + e["draft_cache_loc"][t][:step + 1]
+                 for e, s, L in zip(entries, rd.slots, rd.Ls) for t in range(k)]
+        _compare(check, "draft", out, q, rd.draft, slots, f"draft decode step {step}")
+
+
+def _verify(rd: _Round, entries, check, provider) -> torch.Tensor:
+    """Step 3: TARGET_VERIFY on the recorded mask and positions; returns the node slots [B*N]."""
+    N, dev = rd.N, rd.device
+    mask = []
+    for e, L in zip(entries, rd.Ls):
+        for row in e["mask"]:
+            mask += [True] * L + [c == "1" for c in row]
+    node_slots = torch.tensor([x for s, L in zip(rd.slots, rd.Ls) for x in s[L:L + N]], dtype=torch.long,
+                              device=dev)
+    fb = TreeVerifyBatch(forward_mode=ForwardMode.TARGET_VERIFY, out_cache_loc=node_slots,
+                         positions=torch.tensor([p for e in entries for p in e["positions"]], device=dev),
+                         num_draft_tokens=N, topk=rd.k, custom_mask=torch.tensor(mask, device=dev),
+                         **rd.batch_fields())
+    be = FlashAttentionTreeBackend(rd.target, rd.kv, topk=rd.k, num_draft_tokens=N, provider=provider)
+    be.init_forward_metadata(fb)
+    for b, (e, L) in enumerate(zip(entries, rd.Ls)):
+        got = be.forward_metadata.page_table[b, :-(-L // rd.P)].tolist()
+        if got != e["page_table"]:
+            check.failures.append(f"[TR-010] request {b}: the replayed prefix page table {got} != the recorded "
+                                  f"{e['page_table']}")
+    q = rd.randn(len(rd.rows) * N, rd.layer.num_heads, rd.layer.head_dim)
+    out = be.forward(q, None, None, rd.layer, fb)
+    slots = [s[:L] + [s[L + j] for j in ancestors_and_self(e["parents"], i)]
+             for e, s, L in zip(entries, rd.slots, rd.Ls) for i in range(N)]
+    _compare(check, "verify", out, q, rd.target, slots, "tree verify (nodes: prefix + ancestors + self)")
+    return node_slots
+
+
+def _compact_and_extend(rd: _Round, entries, accepts, node_slots, check, provider) -> None:
+    """Step 4: TR-017 compaction of the target KV, then the v1 draft extend (FA3 vs oracle)."""
+    N, S, dev = rd.N, rd.S, rd.device
+    flat_k = rd.target.get_flat_kv(0)[0]
+    before = flat_k.clone()
+    accept_index = torch.full((len(rd.rows), S + 1), -1, dtype=torch.long, device=dev)
+    for b, e in enumerate(entries):
+        accept_index[b, :len(e["accept_path"])] = torch.tensor([b * N + i for i in e["accept_path"]])
+    n = torch.tensor([a - 1 for a in accepts], device=dev)
+    Lt = torch.tensor(rd.Ls, device=dev)
+    src, _, to_free = tree_kv.get_src_tgt_cache_loc(Lt, node_slots, accept_index, n, N, rd.P)
+    tgt, _ = tree_kv.get_target_cache_loc(node_slots, n, to_free, N)
+    tree_kv.move_kv_cache(rd.target, tgt, src)
+    for b, (e, s, L) in enumerate(zip(entries, rd.slots, rd.Ls)):
+        want = before[[s[L + i] for i in e["accept_path"]]]
+        got = flat_k[s[L:L + len(e["accept_path"])]]
+        if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
+            check.failures.append(f"[TR-017] request {b}: positions L..L+a-1 do not hold the accepted path "
+                                  f"{e['accept_path']}'s KV after compaction")
+    T, H, Hkv, D = sum(accepts), rd.layer.num_heads, rd.layer.num_kv_heads, rd.layer.head_dim
+    fb = draft_extend_batch(rd.kv, rd.rows, [L + a for L, a in zip(rd.Ls, accepts)], accepts, num_draft_tokens=S + 1)
+    q, k, v = rd.randn(T, H, D), rd.randn(T, Hkv, D), rd.randn(T, Hkv, D)
+    pool_oracle = copy.deepcopy(rd.draft)
+    be = FlashAttentionBackend(rd.draft, rd.kv, provider=provider)
+    be.init_forward_metadata(fb)
+    out = be.forward(q, k, v, rd.layer, fb)
+    ora = OracleBackend(pool_oracle, rd.kv, out_dtype=torch.float32)
+    ora.init_forward_metadata(fb)
+    ref = ora.forward(q, k, v, rd.layer, fb)
+    low = None
+    if q.dtype != torch.float32:
+        lo = OracleBackend(copy.deepcopy(pool_oracle), rd.kv, upcast=False)
+        lo.init_forward_metadata(fb)
+        low = lo.forward(q, k, v, rd.layer, fb)
+    verdict = t1(out, ref, low)
+    check.worst["extend"] = verdict.pct
+    if not verdict.ok:
+        check.failures.append(f"[SD-004] draft extend over the a accepted tokens: FA3 vs oracle {verdict}")
+
+
+def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0, trace_path="",
+                      progress=None) -> TreeReplayReport:
+    """Replay every round of a tree trace (module doc); returns the report.
+
+    Shapes: one layer of ``model_config``'s heads; ``dtype`` is the production wing's (the oracle
+    is fp32, plus its own ``dtype`` run for the T1 budget).  ``progress(label)`` is called per round.
+    """
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
+    cfg = trace["config"]
+    provider = select_provider(torch.device(device))
+    pages = [x // cfg["page_size"] for rd in trace["rounds"] for e in rd["tree"]
+             for x in from_runs(e["req_to_token"]) + [s for b in e["draft_cache_loc"] for s in b] + e["page_table"]]
+    num_pages = max(pages, default=0) + 2
+    checks = []
+    for i, rd in enumerate(trace["rounds"]):
+        if progress:
+            progress(f"round {i}")
+        check = TreeRoundCheck(i, rd["rids"], rd["seq_lens"], rd["num_accept_tokens"])
+        entries = rd["tree"]
+        for b, (e, L, a) in enumerate(zip(entries, rd["seq_lens"], rd["num_accept_tokens"])):
+            check.failures += [f"request {rd['rids'][b]}: {f}" for f in tree_round_failures(e, L, a, cfg)]
+        gen = torch.Generator().manual_seed(seed * 100003 + i)
+        rnd = _Round(cfg, entries, rd["seq_lens"], num_pages, device, dtype, gen)
+        try:
+            if cfg["num_steps"] > 1:
+                _draft_decode(rnd, entries, check, provider)
+            node_slots = _verify(rnd, entries, check, provider)
+            _compact_and_extend(rnd, entries, rd["num_accept_tokens"], node_slots, check, provider)
+        except Exception as e:  # noqa: BLE001 - an InvariantError (validation) or a crash is a failure of this round
+            check.failures.append(f"the FA3 wing raised {type(e).__name__}: {e}")
+        checks.append(check)
+    mc = cfg["model_config"]
+    shapes = f"H={mc['num_attention_heads']}, Hkv={mc['num_key_value_heads']}, D={mc['head_dim']}"
+    return TreeReplayReport(trace_path, str(device), str(dtype).replace("torch.", ""), provider, shapes, checks,
+                            time.perf_counter() - t0)

@@ -1,0 +1,172 @@
+"""Tree traces (refspec.speculative.tree_trace, record --topk, replay): a recorded top-k > 1 run's
+rounds re-run through the FA3 tree wing against the oracle, and a tampered recording fails by ID.
+
+A tiny random-init model stands in for SmolLM2 (3 requests, ``max_batch = 2`` so the third joins
+mid-run, k = 2, N = 4, S = 3, P = 4: branch tails are copied); the committed SmolLM2 tree trace
+replays too.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from refspec.cli._replay_tree import replay_tree_trace
+from refspec.cli.record import record
+from refspec.cli.replay import main as replay_main
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.speculative.trace import check_trace, is_tree_trace, load_trace, save_trace
+from refspec.speculative.tree_trace import TREE_FORMAT, ancestors_and_self, from_runs, mask_tree_rows, to_runs
+
+COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "mtbench_smollm2_tree.json"
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(128) for _ in range(n)] for n in (5, 11, 7)]
+BUDGETS = [14, 9, 12]
+K, N, S, P = 2, 4, 3, 4
+
+
+@functools.lru_cache(maxsize=None)
+def recorded() -> dict:
+    m = init_random_(LlamaModel(tiny_config()), seed=4).eval()
+    return record(m, None, PROMPTS, BUDGETS, version="v1", page_size=P, num_steps=S, draft="early-exit:1",
+                  max_batch=2, capture_bs=(1, 2), check=True, topk=K, num_draft_tokens=N)
+
+
+def tampered(fn) -> dict:
+    t = copy.deepcopy(recorded())
+    fn(t)
+    return t
+
+
+def failures(report) -> str:
+    return "\n".join(f for r in report.rounds for f in r.failures)
+
+
+def test_runs_and_mask_rows_by_hand():
+    assert to_runs([3, 4, 5, 9, 10, 12]) == [[3, 3], [9, 2], [12, 1]]
+    assert from_runs([[3, 3], [9, 2], [12, 1]]) == [3, 4, 5, 9, 10, 12]
+    # two requests, L = 1 and 2, N = 2: rows [prefix | tree]; request 1 starts at N * (L_0 + N) = 6
+    flat = [1, 1, 0, 1, 1, 1] + [1, 1, 1, 0, 1, 1, 0, 1]
+    assert mask_tree_rows([bool(x) for x in flat], [1, 2], 2) == [["10", "11"], ["10", "01"]]
+    assert ancestors_and_self([-1, 0, 1, 0, -1], 2) == [0, 1, 2]
+    assert ancestors_and_self([-1, 0, 1, 0, -1], 4) == [0, 4]  # an orphan sees the root and itself
+
+
+@pytest.mark.spec("TR-003", "TR-004", "TR-005", "TR-006", "PA-002")
+def test_recorded_tree_trace_carries_each_rounds_kernel_inputs():
+    t = recorded()
+    assert t["format"] == TREE_FORMAT and is_tree_trace(t)
+    assert t["config"]["topk"] == K and t["config"]["num_draft_tokens"] == N and t["config"]["version"] == "v1"
+    check_trace(t)
+    assert any(2 in rd["joined"] for rd in t["rounds"][1:])
+    for rd in t["rounds"]:
+        for e, L, a in zip(rd["tree"], rd["seq_lens"], rd["num_accept_tokens"]):
+            slots = from_runs(e["req_to_token"])
+            assert len(slots) == L + N and len(e["page_table"]) == -(-L // P)
+            assert e["mask"][0] == "1" + "0" * (N - 1) and e["positions"][0] == L and e["parents"][0] == -1
+            assert len(e["accept_path"]) == a and e["accept_path"][0] == 0
+            assert len(e["draft_cache_loc"]) == K and all(len(b) == S for b in e["draft_cache_loc"])
+            for p in range(L):  # PA-002 by hand
+                assert e["page_table"][p // P] * P + p % P == slots[p]
+
+
+@pytest.mark.spec("TR-008", "TR-010", "TR-012", "TR-015", "TR-017", "TR-019")
+def test_record_then_replay_round_trip(tmp_path):
+    path = save_trace(recorded(), tmp_path / "tree.json")
+    loaded = load_trace(path)
+    assert loaded == json.loads(json.dumps(recorded()))
+    rep = replay_tree_trace(loaded, trace_path=str(path))
+    assert rep.ok, rep.to_markdown()
+    assert len(rep.rounds) == len(loaded["rounds"])
+    assert all(set(r.worst) == {"draft", "verify", "extend"} and max(r.worst.values()) < 100 for r in rep.rounds)
+
+
+def _sibling_visible(t):
+    """The first recorded node with a sibling sees it in its stored mask row."""
+    for rd in t["rounds"]:
+        for e in rd["tree"]:
+            par = e["parents"]
+            for i in range(1, N):
+                sib = next((j for j in range(1, N) if j != i and par[j] == par[i] and par[i] >= 0), None)
+                if sib is not None:
+                    row = list(e["mask"][i])
+                    row[sib] = "1"
+                    e["mask"][i] = "".join(row)
+                    return
+    raise AssertionError("no node with a sibling in the recorded trees")
+
+
+def _page_changed(t):
+    e = next(e for rd in t["rounds"] for e in rd["tree"] if len(e["page_table"]) >= 2)
+    e["page_table"][1] += 1
+
+
+def _path_off_tree(t):
+    e = next(e for rd in t["rounds"] for e, a in zip(rd["tree"], rd["num_accept_tokens"]) if a >= 2)
+    e["accept_path"][1] = next(i for i in range(1, N) if e["parents"][i] != 0)
+
+
+def _position_shifted(t):
+    t["rounds"][0]["tree"][0]["positions"][1] += 1
+
+
+def _branch_slot_moved(t):
+    e = next(e for rd in t["rounds"] for e, L in zip(rd["tree"], rd["seq_lens"]) if L % P)
+    e["draft_cache_loc"][1][0] += 1
+
+
+@pytest.mark.spec("TR-004", "PA-002", "TR-006", "TR-005", "TR-015")
+@pytest.mark.parametrize("tamper,ids", [(_sibling_visible, ["TR-004", "TR-012"]), (_page_changed, ["PA-002", "TR-010"]),
+                                        (_path_off_tree, ["TR-006"]), (_position_shifted, ["TR-005"]),
+                                        (_branch_slot_moved, ["TR-015"])])
+def test_tampered_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
+    t = tampered(tamper)
+    check_trace(t)  # shapes are intact: only the rules are broken
+    rep = replay_tree_trace(t)
+    text = failures(rep)
+    assert not rep.ok
+    for inv in ids:
+        assert f"[{inv}]" in text, text
+    assert "FAIL" in rep.to_markdown()
+
+
+@pytest.mark.spec("TR-004")
+def test_replay_cli_detects_a_tree_trace(tmp_path, capsys):
+    good = save_trace(recorded(), tmp_path / "tree.json")
+    assert replay_main([str(good)]) == 0
+    assert "tree trace" in capsys.readouterr().out
+    bad = save_trace(tampered(_sibling_visible), tmp_path / "bad.json")
+    assert replay_main([str(bad), "--out", str(tmp_path / "r.md")]) == 1
+    assert "[TR-004]" in capsys.readouterr().out and "[TR-004]" in (tmp_path / "r.md").read_text()
+    assert replay_main([str(good), "--page-sizes", "1"]) == 2  # the layout was recorded at one P
+    assert "not for a tree trace" in capsys.readouterr().err
+
+
+def test_malformed_tree_entries_are_refused():
+    for fn, msg in [(lambda t: t["rounds"][0]["tree"].pop(), "one entry per request"),
+                    (lambda t: t["rounds"][0]["tree"][0]["mask"].pop(), "mask"),
+                    (lambda t: t["rounds"][0]["tree"][0]["accept_path"].append(1), "accept_path"),
+                    (lambda t: t["config"].pop("topk"), "topk")]:
+        with pytest.raises(ValueError, match=msg):
+            check_trace(tampered(fn))
+
+
+def test_record_refuses_v2_trees():
+    m = init_random_(LlamaModel(tiny_config()), seed=4).eval()
+    with pytest.raises(ValueError, match="v1 tree loop only"):
+        record(m, None, PROMPTS[:1], BUDGETS[:1], version="v2", page_size=P, draft="early-exit:1", topk=2)
+
+
+@pytest.mark.spec("TR-019")
+def test_committed_smollm2_tree_trace_replays_on_cpu():
+    t = load_trace(COMMITTED)
+    assert is_tree_trace(t) and t["source"]["checked_against_greedy"] and COMMITTED.stat().st_size < 200_000
+    torch.set_num_threads(1)
+    rep = replay_tree_trace(t, trace_path=str(COMMITTED))
+    assert rep.ok, rep.to_markdown()
