@@ -18,6 +18,7 @@ from refspec.mutants import runner as mutants
 from refspec.mutants.checks import Symptom
 from refspec.mutants.probes import PROBES, Probe
 from refspec.mutants.replace import NoCallSite, replaced
+from refspec.mutants.tree_variants import TREE_VARIANTS
 
 #: IDs of ``caught_by`` that only a real kernel can show (the emulator refuses the input first)
 DEVICE_ONLY_IDS = {"capture-max-seqlen-q-small": {"CG-006"}}
@@ -168,6 +169,59 @@ def test_positions_one_early_in_the_shared_core_is_caught_by_the_comparison(repo
     assert_caught(report, "positions-one-early", {"MD-005"}, {"TOL-002"})
     for r in results(report, "positions-one-early"):
         assert [s.kind for s in r.symptom.symptoms] == ["mismatch"] and r.symptom.error is None
+
+
+# ---- the FA3 top-k > 1 variants (refspec.mutants.tree_variants), in the same run ------------
+
+@pytest.mark.spec("TR-004", "TR-011", "TR-012", "TR-015", "TR-018", "TR-019")
+@pytest.mark.parametrize("name,validated,symptoms", [
+    ("tree-mask-sibling-visible", {"TR-004", "TR-019"}, {"TR-004", "TR-011", "TR-012", "TR-019"}),
+    ("expand-reads-prefix-twice", {"TR-011"}, {"TR-011", "TR-012"}),
+    ("lse-merge-no-rescale", {"TR-012"}, {"TR-012"}),
+    ("branch-no-tail-copy", {"TR-015", "TR-019"}, {"TR-015", "TR-019"}),
+    ("draft-expand-unsliced-cache-loc", {"TR-018"}, {"TR-018"}),
+])
+def test_tree_variant_is_listed_applied_and_caught(report, name, validated, symptoms):
+    assert name in TREE_VARIANTS and variants.VARIANTS[name] is TREE_VARIANTS[name]
+    assert all(r.probe.label.startswith("TREE_") for r in results(report, name))
+    for r in results(report, name):  # every probe passes with no variant on (baseline) and fires with it
+        assert r.baseline_ok and r.caught_by.first_id in validated
+    seen = {i for r in results(report, name) for i in r.symptom.ids}
+    assert symptoms <= seen, (name, seen)
+    for r in results(report, name):  # the table row: the variant, its probe, the catching ID, baseline pass
+        row = mutants.format_report(mutants.Report("cpu", [r])).splitlines()[2]
+        assert row.startswith(name[:29]) and r.caught_by.first_id in row and row.endswith("pass")
+
+
+def test_tree_variants_count_in_the_caught_line(report):
+    text = mutants.format_report(report)
+    assert set(TREE_VARIANTS) <= set(report.caught) and report.total == len(variants.CHAIN_VARIANTS) + 5
+    assert text.splitlines()[-1] == f"caught {len(variants.CHAIN_VARIANTS) + 5}/{len(variants.CHAIN_VARIANTS) + 5}"
+
+
+def test_tree_variants_run_in_low_precision_the_cuda_path():
+    """``--device cuda`` runs the same tree probes in bf16 (T1 budgets); the emulator in bf16 takes
+    that path here, and the fp32-only loop probe reports "not run", never a pass."""
+    rep = mutants.run("cpu", sorted(TREE_VARIANTS), low_precision=True)
+    assert sorted(rep.caught) == sorted(TREE_VARIANTS), mutants.format_report(rep, verbose=True)
+    loops = [r for r in rep.results if r.probe.label.startswith("TREE_LOOP")]
+    assert len(loops) == 2 and all(r.skipped and "CPU fp32 only" in r.skipped for r in loops)
+
+
+def test_cuda_run_lists_every_tree_probe(monkeypatch):
+    """Without a GPU the cuda run reports each tree probe as not run (with the reason); with one
+    it runs them (``device_reason`` None) through the same loop."""
+    monkeypatch.setattr(mutants, "device_reason", lambda device: "no GPU in this test")
+    rep = mutants.run("cuda", sorted(TREE_VARIANTS))
+    assert sorted(rep.variants()) == sorted(TREE_VARIANTS) and rep.caught == []
+    assert all(r.skipped == "no GPU in this test" for r in rep.results)
+    assert len(rep.results) == sum(len(PROBES[n]) for n in TREE_VARIANTS)
+
+
+def test_cli_runs_a_tree_variant(capsys):
+    assert mutants_main(["--only", "lse-merge-no-rescale,branch-no-tail-copy"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "caught 2/2" and any(x.startswith("lse-merge-no-rescale") and "TR-012" in x for x in out)
 
 
 def test_case_B20_step_major_is_invisible_at_batch_size_1():

@@ -198,7 +198,7 @@ def _main(argv) -> int:
                     help="k > 1 adds EAGLE tree rows (v1; default 1: the chain only)")
     ap.add_argument("--num-draft-tokens", type=positive_int(2), metavar="N",
                     help="tree nodes verified per round with --topk, root included (default 2k)")
-    ap.add_argument("--bug", choices=sorted(variants.VARIANTS), metavar="NAME",
+    ap.add_argument("--bug", choices=sorted(variants.CHAIN_VARIANTS), metavar="NAME",
                     help="show one bug-zoo variant live instead, e.g. seed-page-table (names: "
                          "python -m refspec mutants, or docs/bug-zoo.md)")
     ap.add_argument("--threads", type=positive_int(), metavar="N",

@@ -1,4 +1,5 @@
-"""The probes: for each wrong variant of :data:`refspec.variants.VARIANTS`, the scenario(s) that expose it.
+"""The probes: for each wrong variant of :data:`refspec.variants.VARIANTS`, the scenario(s) that expose it
+(the top-k > 1 variants' probes live in :mod:`refspec.mutants.tree_probes` and join :data:`PROBES` here).
 
 A probe is ``run(env, found, validate)``: it drives the production wing (eager FA3 metadata,
 or a :class:`~refspec.graphs.runner.GraphRunner` replay; the KV allocator for the accounting
@@ -25,6 +26,7 @@ from refspec.core.modes import ForwardMode as M
 from refspec.mutants.audit_probes import grown, paired_probe, replay_validation_probe, window_probe
 from refspec.mutants.checks import (Case, Env, Symptom, check_buffers, check_frozen_q, check_kv_writes,
                                     check_metadata, check_padding, compare, kv_snapshot, live)
+from refspec.mutants.tree_probes import TREE_PROBES
 
 
 @dataclass(frozen=True)
@@ -276,3 +278,4 @@ PROBES: dict[str, list[Probe]] = {
                             Probe("grown rows v2 P=16 DECODE: both wings on one batch",
                                   paired_probe(grown(M.DECODE, 16, version="v2")))],
 }
+PROBES.update({name: [Probe(label, run) for label, run in runs] for name, runs in TREE_PROBES.items()})

@@ -1,6 +1,6 @@
 """Named wrong variants of the FA3 top-k > 1 path, as *replacement functions* for its seams.
 
-The same shape as :mod:`refspec.mutants.variants` (its :class:`~refspec.mutants.variants.Variant`
+The same shape as :mod:`refspec.mutants.variants` (its :class:`~refspec.mutants.variant.Variant`
 and :func:`~refspec.mutants.replace.replaced`, which rebinds every production binding of the seam
 by identity): production code has no switch for them.  Each entry says what it changes, where the
 wrong rule comes from, what it does, and which invariants catch it; ``tests/test_tree_variants.py``
@@ -17,7 +17,7 @@ import torch
 from refspec.fa3 import tree_attention as ta
 from refspec.fa3 import tree_metadata as tm
 from refspec.mutants.replace import replaced
-from refspec.mutants.variants import Variant
+from refspec.mutants.variant import Variant
 from refspec.speculative import tree_graphs as tg
 from refspec.speculative import tree_kv as tkv
 

@@ -13,13 +13,14 @@ for the duration of a ``with`` block (:mod:`refspec.mutants.replace`)::
 A replacement that keeps the correct behaviour for the other modes calls the original through
 names bound at import (:data:`refspec.mutants.replacements._orig`): :mod:`refspec.mutants` is never rebound.
 ``python -m refspec mutants`` proves each variant is caught by the IDs in ``Variant.caught_by``.
+
+:data:`CHAIN_VARIANTS` are the seams of the chain (top-k = 1) path, defined here;
+:data:`VARIANTS`, the whole zoo, adds the FA3 top-k > 1 ones of :mod:`refspec.mutants.tree_variants`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 
 from refspec.core import batch as core_batch
 from refspec.core import kv_cache
@@ -30,32 +31,13 @@ from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
 from refspec.mutants import replacements as R
 from refspec.mutants.replace import replaced
+from refspec.mutants.tree_variants import TREE_VARIANTS
+from refspec.mutants.variant import Variant
 
 SG = "https://github.com/sgl-project/sglang/pull/"  #: SGLang pull requests (issues redirect)
 
 
-@dataclass(frozen=True)
-class Variant:
-    """A named wrong variant: ``replacement`` stands in for the production seam ``target``
-    (in every module that binds it, or only in module ``within``)."""
-
-    name: str
-    target: Callable  #: the production function (seam) replaced
-    replacement: Callable
-    changes: str  #: what the variant changes (the one-line diff)
-    source: str  #: where it was seen: upstream PR / commit links, or the docs page of the rule
-    symptom: str  #: what it does when it runs
-    caught_by: tuple[str, ...]  #: invariant IDs whose checks catch it (``python -m refspec mutants``)
-    within: str | None = None  #: restrict the replacement to this module's call sites
-    only_with_validation: bool = False  #: it removes a check: nothing to see with validation off
-
-    @property
-    def seam(self) -> str:
-        """``module.function`` of the replaced production function."""
-        return f"{self.target.__module__}.{self.target.__qualname__}"
-
-
-VARIANTS: dict[str, Variant] = {v.name: v for v in [
+CHAIN_VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("seed-page-table", gm.replay_page_table, R.slots_as_pages,
             "draft-decode and target-verify replay copy token slots into the page table (no ::P, no // P)",
             f"{SG}5090 (93470a141), fixed by {SG}5318 (188f0955f); {SG}5168",
@@ -185,6 +167,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "out_cache_loc and positions agree with req_to_token, so only the meaning is wrong",
             ("MD-005", "TOL-002")),
 ]}
+
+#: the whole zoo: the chain variants, then the FA3 top-k > 1 ones (:mod:`refspec.mutants.tree_variants`)
+VARIANTS: dict[str, Variant] = {**CHAIN_VARIANTS, **TREE_VARIANTS}
 
 _active: dict[str, list] = {}  #: name -> its rebound call sites, while enabled
 
