@@ -185,3 +185,46 @@ def test_positions_are_kv_indices_in_every_forward(version, graphs):
 
     run(drafter="random", page_size=4, version=version, graphs=graphs, observer=obs)
     assert {"prefill", "draft_decode", "verify", "draft_extend"} <= set(events)
+
+
+# ---- per-round accept lengths, chain and top-k tree rounds alike (RoundTrace.accept_length) ----
+
+@pytest.mark.spec("SD-003")
+def test_round_accept_lengths_by_hand():
+    from refspec.cli.demo import tree_round_lines
+    from refspec.speculative.metrics import GenerateResult, RequestResult, RoundTrace
+
+    trace = [RoundTrace(0, [0, 1], [10, 20], [3, 1], [[5, 6], [-1, -1]]),
+             RoundTrace(1, [0, 1], [13, 21], [2, 2], [[7, -1], [8, -1]]),
+             RoundTrace(2, [1], [23], [4], [[1, 2]], finished=[1])]
+    reqs = [RequestResult(0, [1] * 6, [3, 2], [3, 2]), RequestResult(1, [1] * 8, [1, 2, 4], [1, 2, 4])]
+    res = GenerateResult(reqs, "fa3", "v1", trace=trace)
+    assert [t.accept_length for t in trace] == [2.0, 2.0, 4.0]  # (3+1)/2, (2+2)/2, 4/1
+    assert res.round_accept_lengths == [2.0, 2.0, 4.0]
+    assert res.accept_length == 12 / 5  # per request-round, not the mean of the round means
+    assert GenerateResult(reqs, "oracle", "v1").round_accept_lengths is None  # no per-round trace
+    assert tree_round_lines({("v1", 4): res, ("v1 k=2 N=4", 4): res}) == [
+        "production tree v1 k=2 N=4 P=4: accept length per round (mean a over the batch, 3 rounds): 2.00 2.00 4.00"]
+
+
+@pytest.mark.spec("SD-003", "TR-019")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_tree_rounds_report_num_accept_tokens_per_round(graphs):
+    """A target whose layers write nothing to the residual stream (o_proj, down_proj = 0): each
+    position's logits depend on its own token only, so the early-exit draft computes the target's
+    own next-token function and proposes exactly its greedy continuation.  With N = 1 + k +
+    (S-1) k^2 every candidate is verified, so the greedy path (depth S) is always in the tree:
+    a = S + 1 = 3 in every round.  By hand, budgets 10 and 5 after the prefill token: request 0
+    emits 3 + 3 + 3 (3 rounds), request 1 emits 3 + 1 (its 2nd round truncated at the budget)."""
+    m = init_random_(LlamaModel(tiny_config()), seed=0).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+    res = generate(m, PROMPTS[:2], backend="fa3", version="v1", page_size=4, graphs=graphs, draft="early-exit:1",
+                   num_steps=2, max_new_tokens=[10, 5], topk=2, num_draft_tokens=7, capture_bs=(1, 2))
+    assert [t.num_accept_tokens for t in res.trace] == [[3, 3], [3, 3], [3]]
+    assert [t.rids for t in res.trace] == [[0, 1], [0, 1], [0]]
+    assert res.round_accept_lengths == [3.0, 3.0, 3.0]
+    assert res.accepts == [[3, 3, 3], [3, 3]] and [r.emitted for r in res.requests] == [[3, 3, 3], [3, 1]]
+    assert res.accept_length == (9 + 4) / 5

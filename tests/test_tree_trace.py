@@ -170,3 +170,13 @@ def test_committed_smollm2_tree_trace_replays_on_cpu():
     torch.set_num_threads(1)
     rep = replay_tree_trace(t, trace_path=str(COMMITTED))
     assert rep.ok, rep.to_markdown()
+
+
+@pytest.mark.parametrize("argv,msg", [(["--topk", "2", "--version", "v2"], "v1 tree loop only"),
+                                      (["--num-draft-tokens", "4"], "needs --topk"),
+                                      (["--topk", "2", "--num-steps", "1", "--num-draft-tokens", "5"], "TR-002")])
+def test_record_cli_refuses_bad_tree_flags_before_loading_the_model(tmp_path, capsys, argv, msg):
+    from refspec.cli.record import main as record_main
+    assert record_main(["--out", str(tmp_path / "t.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1

@@ -167,6 +167,20 @@ def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observe
                         res.tokens == ora.tokens and res.accepts == ora.accepts))
 
 
+def tree_round_lines(outputs: dict) -> list[str]:
+    """One line per production tree run of ``outputs`` (key ``(label, P)`` with a ``k=`` label):
+    its accept length per round, the mean a over the round's requests
+    (:attr:`~refspec.speculative.metrics.GenerateResult.round_accept_lengths`)."""
+    lines = []
+    for (label, P), res in outputs.items():
+        if " k=" not in str(label) or not res.round_accept_lengths:
+            continue
+        per = res.round_accept_lengths
+        lines.append(f"production tree {label} P={P}: accept length per round (mean a over the batch, "
+                     f"{len(per)} rounds): {' '.join(f'{x:.2f}' for x in per)}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; 0 if every check passes, 1 if one fails, 2 on a usage error (one line)."""
     return run(_main, argv, f"{PROG} demo")
@@ -243,6 +257,8 @@ def _main(argv) -> int:
     print(f"\nKV accounting audited after each of {res.rounds_audited} production rounds (PA-001, KV-002, "
           f"KV-004/005, SD-008); every page freed at the end (KV-006): {'yes' if res.kv_ok else 'NO'}; "
           f"FA3 metadata validated before every kernel call.")
+    for line in tree_round_lines(res.outputs):
+        print(line)
     # the longest answer, from the last production run (== greedy when the table says so)
     last = res.outputs[(versions[-1], page_sizes[-1])]
     i = max(range(len(prompts)), key=lambda j: len(last.tokens[j]))

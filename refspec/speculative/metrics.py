@@ -5,6 +5,10 @@ overall as the sum over requests of emitted tokens / the sum of their verify rou
 [1, Sd + 1]: every verify round of a live request emits at least the bonus token and at most N.
 The prefill token is not a verify-round token; SGLang's ``send_one.py`` "Acc Length" counts it
 (``completion_tokens / spec_verify_ct``) and is reported as ``send_one_accept_length``.
+
+**Per round**: each production round's :class:`RoundTrace` holds ``num_accept_tokens`` (a per
+request) for chain and top-k tree rounds alike; ``RoundTrace.accept_length`` is its mean and
+``GenerateResult.round_accept_lengths`` the list over rounds (what ``demo --topk`` prints).
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ class RoundTrace:
     host_syncs: int = 0
     graph: list[str] = field(default_factory=list)
     discarded: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float | None:
+        """This round's mean a over its requests (tokens per request, bonus included; the same for a
+        chain round and a top-k tree round, whose a is its accepted path length).  Before the
+        budget / EOS truncation that :attr:`RequestResult.emitted` applies; None for an empty round."""
+        a = self.num_accept_tokens
+        return sum(a) / len(a) if a else None
 
 
 @dataclass
@@ -94,6 +106,14 @@ class GenerateResult:
         """SGLang ``send_one.py``: completion tokens (prefill token included) / verify rounds."""
         rounds = sum(r.verify_rounds for r in self.requests)
         return sum(len(r.tokens) for r in self.requests) / rounds if rounds else None
+
+    @property
+    def round_accept_lengths(self) -> list[float] | None:
+        """Per production round (chain or tree), :attr:`RoundTrace.accept_length`; None without a
+        per-round trace (the oracle loops run one request at a time)."""
+        if self.trace is None:
+            return None
+        return [t.accept_length for t in self.trace if t.num_accept_tokens]
 
     def accept_table(self) -> dict[int, list[int]]:
         """``rid -> [a per round]``: feed to :class:`~refspec.speculative.accept.ScriptedAccept` to replay."""
