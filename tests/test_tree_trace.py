@@ -180,3 +180,17 @@ def test_record_cli_refuses_bad_tree_flags_before_loading_the_model(tmp_path, ca
     assert record_main(["--out", str(tmp_path / "t.json"), *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.spec("TR-012", "TOL-002")
+def test_gpu_replays_the_committed_tree_trace_with_real_fa3():
+    """On Hopper: bf16 through the real FA3 kernel, T1 against the fp32 slot oracle, every round;
+    the tampered mask still fails by ID."""
+    t = load_trace(COMMITTED)
+    rep = replay_tree_trace(t, device="cuda", dtype=torch.bfloat16, trace_path=str(COMMITTED))
+    assert rep.provider != "emulator", "on Hopper the real FA3 kernel must be selected"
+    assert rep.ok, rep.to_markdown()
+    bad = copy.deepcopy(t)
+    _sibling_visible(bad)
+    assert "[TR-004]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))

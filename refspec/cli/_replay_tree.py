@@ -268,3 +268,19 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     shapes = f"H={mc['num_attention_heads']}, Hkv={mc['num_key_value_heads']}, D={mc['head_dim']}"
     return TreeReplayReport(trace_path, str(device), str(dtype).replace("torch.", ""), provider, shapes, checks,
                             time.perf_counter() - t0)
+
+
+def replay_from_args(trace: dict, ns, dtype) -> TreeReplayReport:
+    """``python -m refspec replay`` on a tree trace: refuse the chain-only flags (CLIError), then replay."""
+    import sys
+
+    from refspec.cli._args import CLIError
+
+    given = [f"--{k.replace('_', '-')}" for k in ("versions", "page_sizes", "draft", "num_layers")
+             if getattr(ns, k) is not None] + (["--tiny"] if ns.tiny else []) + \
+        (["--drafter"] if ns.drafter != "perfect" else [])
+    if given:
+        raise CLIError(f"{', '.join(given)}: not for a tree trace (its rounds are replayed at the recorded KV layout, "
+                       f"P = {trace['config']['page_size']}, with its recorded trees)")
+    return replay_tree_trace(trace, device=ns.device, dtype=dtype, seed=ns.seed, trace_path=str(ns.trace),
+                             progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))

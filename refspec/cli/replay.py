@@ -293,7 +293,9 @@ def _main(argv) -> int:
     set_threads(ns.threads)
     t = time.perf_counter()
     if is_tree_trace(trace):
-        report = _replay_tree(trace, ns, dtype)
+        from refspec.cli._replay_tree import replay_from_args
+
+        report = replay_from_args(trace, ns, dtype)
     else:
         report = _replay_chain(trace, ns, dtype)
     md = report.to_markdown()
@@ -303,19 +305,6 @@ def _main(argv) -> int:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
         ns.out.write_text(md, encoding="utf-8")
     return 0 if report.ok else 1
-
-
-def _replay_tree(trace, ns, dtype):
-    from refspec.cli._replay_tree import replay_tree_trace
-
-    given = [f"--{k.replace('_', '-')}" for k in ("versions", "page_sizes", "draft", "num_layers")
-             if getattr(ns, k) is not None] + (["--tiny"] if ns.tiny else []) + \
-        (["--drafter"] if ns.drafter != "perfect" else [])
-    if given:
-        raise CLIError(f"{', '.join(given)}: not for a tree trace (its rounds are replayed at the recorded KV layout, "
-                       f"P = {trace['config']['page_size']}, with its recorded trees)")
-    return replay_tree_trace(trace, device=ns.device, dtype=dtype, seed=ns.seed, trace_path=str(ns.trace),
-                             progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
 
 
 def _replay_chain(trace, ns, dtype):
