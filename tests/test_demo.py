@@ -123,3 +123,30 @@ def test_record_then_replay_round_trip(tmp_path):
     rc = replay.main([str(path), "--tiny", "--out", str(md)])
     assert rc == 0, md.read_text()
     assert "**PASS**" in md.read_text()
+
+
+@pytest.mark.spec("SD-003", "TR-019")
+def test_demo_topk_prints_the_tree_rounds_accept_lengths(capsys):
+    rc = demo.main(["--prompts", "2", "--max-new-tokens", "5,3", "--page-sizes", "4", "--versions", "v1",
+                    "--draft", "early-exit:4", "--topk", "2", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [l.split() for l in out.splitlines() if l.startswith("production tree")]
+    assert rows[0][-2:] == ["yes", "yes"]  # == greedy, == the oracle tree loop
+    (line,) = [l for l in out.splitlines() if l.startswith("production tree v1 k=2 N=4 P=4: accept length per round")]
+    per = [float(x) for x in line.split(":")[-1].split()]
+    assert per and all(1.0 <= x <= 4.0 for x in per)  # a in [1, Sd + 1] for every request of every round
+
+
+@pytest.mark.spec("TR-004")
+def test_record_topk_then_replay_round_trip(tmp_path):
+    path = tmp_path / "tree.json"
+    assert record.main(["--out", str(path), "--prompts", "2", "--max-new-tokens", "6,4", "--max-batch", "1",
+                        "--topk", "2", "--page-size", "2", "--check", "--no-progress"]) == 0
+    from refspec.speculative.trace import is_tree_trace, load_trace
+
+    t = load_trace(path)
+    assert is_tree_trace(t) and t["config"]["topk"] == 2 and t["config"]["num_draft_tokens"] == 4
+    md = tmp_path / "replay.md"
+    assert replay.main([str(path), "--out", str(md)]) == 0, md.read_text()
+    assert "**PASS**" in md.read_text()
