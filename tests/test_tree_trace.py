@@ -87,6 +87,15 @@ def test_record_then_replay_round_trip(tmp_path):
     assert all(set(r.worst) == {"draft", "verify", "extend"} and max(r.worst.values()) < 100 for r in rep.rounds)
 
 
+@pytest.mark.spec("TOL-002")
+def test_low_precision_replay_uses_the_t1_budget():
+    """bf16 through the emulator (the path a CUDA replay takes): T1 against the fp32 oracle with
+    the oracle's own bf16 run as the budget, every phase of every round."""
+    rep = replay_tree_trace(recorded(), dtype=torch.bfloat16)
+    assert rep.ok and rep.dtype == "bfloat16", rep.to_markdown()
+    assert max(max(r.worst.values()) for r in rep.rounds) > 1  # bf16 rounding shows, within budget
+
+
 def _sibling_visible(t):
     """The first recorded node with a sibling sees it in its stored mask row."""
     for rd in t["rounds"]:
