@@ -203,3 +203,16 @@ def test_gpu_replays_the_committed_tree_trace_with_real_fa3():
     bad = copy.deepcopy(t)
     _sibling_visible(bad)
     assert "[TR-004]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.spec("TR-018")
+def test_graph_replay_that_does_not_write_metadata_in_place_fails(monkeypatch):
+    """Each round also replays verify and draft decode through the production tree graphs; a
+    replay whose metadata copy into the captured buffers is lost reads the capture-time batch."""
+    rep = replay_tree_trace(recorded())
+    assert rep.graphs and all(r.graphs == ["verify", "draft"] for r in rep.rounds), rep.to_markdown()
+    from refspec.speculative import tree_graphs
+    monkeypatch.setattr(tree_graphs, "_copy", lambda dst, src: None)
+    rep = replay_tree_trace(recorded())
+    assert not rep.ok and "[TR-018] tree verify: graph replay" in failures(rep)
+    assert replay_tree_trace(recorded(), graphed=False).ok  # eager alone does not see it

@@ -18,9 +18,12 @@ with random K/V written at every slot the round reads (NaN everywhere else) and 
    KV to the first a verify slots (checked against the pre-compaction KV, T0), then the v1
    DRAFT_EXTEND over the a accepted tokens, FA3 vs the oracle backend (SD-004).
 
+5. **graphs**: the same verify and draft decode replayed through the production tree graph
+   runner, captured once for the trace's ``capture_bs`` and rewritten in place every round
+   (TR-018, :mod:`refspec.cli._replay_tree_graphs`).
+
 Outputs are compared under T1 (TOL-002: the fp32 oracle, and its own low-precision run for the
-budget); metadata and moved KV bitwise.  Eager metadata and kernel calls (the tree graphs are
-checked by ``python -m refspec check --sections tree``).  Exit status 1 on any failure.
+budget); metadata and moved KV bitwise.  Exit status 1 on any failure.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class TreeRoundCheck:
     num_accept_tokens: list[int]
     worst: dict = field(default_factory=dict)  #: phase -> worst % of the T1 budget
     failures: list[str] = field(default_factory=list)
+    graphs: list[str] = field(default_factory=list)  #: phases also replayed through a captured graph
 
 
 @dataclass
@@ -66,6 +70,7 @@ class TreeReplayReport:
     shapes: str
     rounds: list[TreeRoundCheck]
     seconds: float = 0.0
+    graphs: bool = False  #: verify and draft decode also replayed through the production tree graphs
 
     @property
     def ok(self) -> bool:
@@ -75,14 +80,16 @@ class TreeReplayReport:
         yes = lambda b: "yes" if b else "**NO**"
         cell = lambda r, ph: "-" if ph not in r.worst else f"{r.worst[ph]:.1f} %"
         lines = [f"# Replay of the tree trace `{self.trace_path}`", "",
-                 f"device `{self.device}`, dtype `{self.dtype}`, FA3 provider `{self.provider}`, eager; one attention "
+                 f"device `{self.device}`, dtype `{self.dtype}`, FA3 provider `{self.provider}`, "
+                 f"{'eager and CUDA graphs' if self.graphs else 'eager'}; one attention "
                  f"layer {self.shapes}, random K/V at the recorded slots; worst error per phase as % of the T1 "
                  f"budget (TOL-002)", "",
-                 "| round | batch (rids) | seq_lens | a | draft decode | verify | draft extend | ok |",
-                 "|---|---|---|---|---|---|---|---|"]
+                 "| round | batch (rids) | seq_lens | a | draft decode | verify | draft extend | graphs | ok |",
+                 "|---|---|---|---|---|---|---|---|---|"]
         for r in self.rounds:
             lines.append(f"| {r.index} | {r.rids} | {r.seq_lens} | {r.num_accept_tokens} | {cell(r, 'draft')} | "
-                         f"{cell(r, 'verify')} | {cell(r, 'extend')} | {yes(not r.failures)} |")
+                         f"{cell(r, 'verify')} | {cell(r, 'extend')} | {','.join(r.graphs) or '-'} | "
+                         f"{yes(not r.failures)} |")
         bad = [f"- round {r.index}: {f}" for r in self.rounds for f in r.failures]
         lines += ([""] + bad[:40] + ([f"- ... {len(bad) - 40} more"] if len(bad) > 40 else [])) if bad else []
         lines += ["", f"**{'PASS' if self.ok else 'FAIL'}** ({len(self.rounds)} rounds)", ""]
@@ -102,23 +109,32 @@ def _compare(check: TreeRoundCheck, phase: str, out, q, pool, slots, what: str) 
 
 
 class _Round:
-    """The KV cache and pools of one replayed round (rows as recorded, everything else NaN)."""
+    """The KV cache and pools of a replay, loaded with one round at a time: its rows as recorded,
+    random K/V at the slots it reads, NaN everywhere else.  One cache for every round, so that
+    graphs captured once (:mod:`refspec.cli._replay_tree_graphs`) see each round's rows."""
 
-    def __init__(self, cfg, entries, seq_lens, num_pages, device, dtype, gen):
+    def __init__(self, cfg, num_rows, width, num_pages, device, dtype):
         mc, P = cfg["model_config"], cfg["page_size"]
         self.layer = AttentionLayer(0, mc["num_attention_heads"], mc["num_key_value_heads"], mc["head_dim"])
         self.P, self.k, self.S, self.N = P, cfg["topk"], cfg["num_steps"], cfg["num_draft_tokens"]
-        self.device, self.dtype, self.gen = device, dtype, gen
-        self.rows = [e["req_pool_index"] for e in entries]
-        self.Ls, self.slots = list(seq_lens), [from_runs(e["req_to_token"]) for e in entries]
-        width = max(len(s) for s in self.slots)
-        self.kv = KVCache(max(self.rows) + 1, width, num_pages, P, device=device)
-        for r, s in zip(self.rows, self.slots):
-            self.kv.req_to_token[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token.dtype)
-            self.kv.req_to_token_cpu[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token_cpu.dtype)
+        self.device, self.dtype = device, dtype
+        self.kv = KVCache(num_rows, width, num_pages, P, device=device)
         hkv, D = self.layer.num_kv_heads, self.layer.head_dim
         self.target, self.draft = (KVPool(1, num_pages, P, hkv, D, dtype=dtype, device=device, fill=float("nan"))
                                    for _ in range(2))
+
+    def load(self, entries, seq_lens, gen) -> None:
+        """Round ``entries`` (its ``tree`` list) at committed lengths ``seq_lens``."""
+        self.gen = gen
+        self.rows = [e["req_pool_index"] for e in entries]
+        self.Ls, self.slots = list(seq_lens), [from_runs(e["req_to_token"]) for e in entries]
+        self.kv.req_to_token.zero_()
+        self.kv.req_to_token_cpu.zero_()
+        for r, s in zip(self.rows, self.slots):
+            self.kv.req_to_token[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token.dtype)
+            self.kv.req_to_token_cpu[r, :len(s)] = torch.tensor(s, dtype=self.kv.req_to_token_cpu.dtype)
+        for buf in self.target.k_buffer + self.target.v_buffer + self.draft.k_buffer + self.draft.v_buffer:
+            buf.fill_(float("nan"))
         for s, L in zip(self.slots, self.Ls):
             self.write(self.target, s)  # the committed prefix and the N verify slots
             self.write(self.draft, s[:L])  # the draft model's committed prefix
@@ -137,8 +153,9 @@ class _Round:
                     seq_lens=torch.tensor(self.Ls, dtype=torch.int32, device=dev), seq_lens_cpu=torch.tensor(self.Ls))
 
 
-def _draft_decode(rd: _Round, entries, check, provider) -> None:
-    """Step 2 of the module doc: tail copies (TR-015), then each draft step vs the oracle (TR-008)."""
+def _draft_decode(rd: _Round, entries, check, provider):
+    """Step 2 of the module doc: tail copies (TR-015), then each draft step vs the oracle (TR-008).
+    Returns ``(fb, [q per step], [(eager output, key slots per row) per step])``."""
     k, S, P = rd.k, rd.S, rd.P
     loc = [x for e in entries for branch in e["draft_cache_loc"] for x in branch]
     src, tgt = [], []
@@ -153,6 +170,7 @@ def _draft_decode(rd: _Round, entries, check, provider) -> None:
     pos = [L + j for L in rd.Ls for _ in range(k) for j in range(S)]
     fb = TreeDraftBatch(forward_mode=ForwardMode.DECODE, out_cache_loc=as_t(loc), positions=as_t(pos), topk=k,
                         num_steps=S, draft_cache_loc=as_t(loc), **rd.batch_fields())
+    qs, outs = [], []
     for step in range(S - 1):
         be = FlashAttentionTreeBackend(rd.draft, rd.kv, topk=k, num_steps=S, speculative_step_id=step,
                                        provider=provider)
@@ -162,10 +180,14 @@ def _draft_decode(rd: _Round, entries, check, provider) -> None:
         slots = [s[:L] + e["draft_cache_loc"][t][:step + 1]
                  for e, s, L in zip(entries, rd.slots, rd.Ls) for t in range(k)]
         _compare(check, "draft", out, q, rd.draft, slots, f"draft decode step {step}")
+        qs.append(q)
+        outs.append((out, slots))
+    return fb, qs, outs
 
 
-def _verify(rd: _Round, entries, check, provider) -> torch.Tensor:
-    """Step 3: TARGET_VERIFY on the recorded mask and positions; returns the node slots [B*N]."""
+def _verify(rd: _Round, entries, check, provider):
+    """Step 3: TARGET_VERIFY on the recorded mask and positions; returns ``(fb, q, (eager output, key
+    slots per row))``."""
     N, dev = rd.N, rd.device
     mask = []
     for e, L in zip(entries, rd.Ls):
@@ -189,7 +211,7 @@ def _verify(rd: _Round, entries, check, provider) -> torch.Tensor:
     slots = [s[:L] + [s[L + j] for j in ancestors_and_self(e["parents"], i)]
              for e, s, L in zip(entries, rd.slots, rd.Ls) for i in range(N)]
     _compare(check, "verify", out, q, rd.target, slots, "tree verify (nodes: prefix + ancestors + self)")
-    return node_slots
+    return fb, q, (out, slots)
 
 
 def _compact_and_extend(rd: _Round, entries, accepts, node_slots, check, provider) -> None:
@@ -233,41 +255,51 @@ def _compact_and_extend(rd: _Round, entries, accepts, node_slots, check, provide
 
 
 def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0, trace_path="",
-                      progress=None) -> TreeReplayReport:
+                      progress=None, graphed: bool = True) -> TreeReplayReport:
     """Replay every round of a tree trace (module doc); returns the report.
 
     Shapes: one layer of ``model_config``'s heads; ``dtype`` is the production wing's (the oracle
     is fp32, plus its own ``dtype`` run for the T1 budget).  ``progress(label)`` is called per round.
+    ``graphed``: also replay each round's verify and draft decode through the production tree
+    graphs (:mod:`refspec.cli._replay_tree_graphs`; not with the emulator on CUDA, which syncs).
     """
     t0 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     cfg = trace["config"]
     provider = select_provider(torch.device(device))
-    pages = [x // cfg["page_size"] for rd in trace["rounds"] for e in rd["tree"]
+    rounds = trace["rounds"]
+    pages = [x // cfg["page_size"] for rd in rounds for e in rd["tree"]
              for x in from_runs(e["req_to_token"]) + [s for b in e["draft_cache_loc"] for s in b] + e["page_table"]]
-    num_pages = max(pages, default=0) + 2
+    width = max((sum(c for _, c in e["req_to_token"]) for rd in rounds for e in rd["tree"]), default=1)
+    num_rows = max((e["req_pool_index"] for rd in rounds for e in rd["tree"]), default=0) + 1
+    rnd = _Round(cfg, num_rows, width, max(pages, default=0) + 2, device, dtype)
+    graphs = None
+    if graphed and not (torch.device(device).type == "cuda" and provider == "emulator"):  # the emulator syncs
+        from refspec.cli._replay_tree_graphs import TreeGraphs
+
+        graphs = TreeGraphs(rnd, provider, cfg["capture_bs"])
     checks = []
-    for i, rd in enumerate(trace["rounds"]):
+    for i, rd in enumerate(rounds):
         if progress:
             progress(f"round {i}")
         check = TreeRoundCheck(i, rd["rids"], rd["seq_lens"], rd["num_accept_tokens"])
         entries = rd["tree"]
         for b, (e, L, a) in enumerate(zip(entries, rd["seq_lens"], rd["num_accept_tokens"])):
             check.failures += [f"request {rd['rids'][b]}: {f}" for f in tree_round_failures(e, L, a, cfg)]
-        gen = torch.Generator().manual_seed(seed * 100003 + i)
-        rnd = _Round(cfg, entries, rd["seq_lens"], num_pages, device, dtype, gen)
+        rnd.load(entries, rd["seq_lens"], torch.Generator().manual_seed(seed * 100003 + i))
         try:
-            if cfg["num_steps"] > 1:
-                _draft_decode(rnd, entries, check, provider)
-            node_slots = _verify(rnd, entries, check, provider)
-            _compact_and_extend(rnd, entries, rd["num_accept_tokens"], node_slots, check, provider)
+            draft = _draft_decode(rnd, entries, check, provider) if cfg["num_steps"] > 1 else None
+            verify = _verify(rnd, entries, check, provider)
+            if graphs is not None:
+                graphs.check_round(check, verify, draft)
+            _compact_and_extend(rnd, entries, rd["num_accept_tokens"], verify[0].out_cache_loc, check, provider)
         except Exception as e:  # noqa: BLE001 - an InvariantError (validation) or a crash is a failure of this round
             check.failures.append(f"the FA3 wing raised {type(e).__name__}: {e}")
         checks.append(check)
     mc = cfg["model_config"]
     shapes = f"H={mc['num_attention_heads']}, Hkv={mc['num_key_value_heads']}, D={mc['head_dim']}"
     return TreeReplayReport(trace_path, str(device), str(dtype).replace("torch.", ""), provider, shapes, checks,
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, graphs is not None)
 
 
 def replay_from_args(trace: dict, ns, dtype) -> TreeReplayReport:
