@@ -142,8 +142,8 @@ def test_production_tree_worked_example():
 def test_tree_engine_refuses_bad_arguments(model):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=8, num_steps=2)  # 1 + 2 + 4 = 7
-    with pytest.raises(ValueError, match="v1 only"):
-        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2")
+    with pytest.raises(ValueError, match="'v1' or 'v2'"):
+        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v3")
 
 
 @pytest.mark.spec("TR-019")
