@@ -81,8 +81,8 @@ class HiddenScaledDraft:
 
     def __init__(self, m):
         c = m.config
-        self.m, self.num_layers, self.num_kv_heads, self.head_dim = m, c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-        self.hidden_size = c.hidden_size
+        self.m, self.num_layers, self.num_kv_heads = m, c.num_hidden_layers, c.num_key_value_heads
+        self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
 
     def forward(self, input_ids, hidden, fb, backend):
         logits, h = self.m.forward(input_ids, fb, backend)

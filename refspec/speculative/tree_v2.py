@@ -141,7 +141,7 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
     """One v2 top-k round (module doc; :func:`prepare_tree_v2` ran first); the device rows."""
     kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
-    B, dev = len(reqs), eng.device
+    B = len(reqs)
     for r, l in zip(reqs, L):
         require(r.alloc_len >= l + N, "TR-020", f"request {r.rid}: verify writes L..L+N-1 = {l}..{l + N - 1}, "
                                                 f"the row holds {r.alloc_len} positions")
