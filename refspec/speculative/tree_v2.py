@@ -138,7 +138,14 @@ def _draft(eng, reqs, rows, L):
 
 
 def round_tree_v2(eng, reqs) -> torch.Tensor:
-    """One v2 top-k round (module doc; :func:`prepare_tree_v2` ran first); the device rows."""
+    """One v2 top-k round over ``reqs`` (module doc); :func:`prepare_tree_v2` must have run.
+
+    Returns the device rows ``[B, 2 + N + S]`` int64 (module doc).  Leaves each request's next
+    ``root``, ``topk_p`` / ``topk_index`` [k] and ``dhid`` [E] as device views; host lengths
+    (``seq_len`` += a) are set by the engine from the rows.
+    Raises: InvariantError TR-020 when a row's reserve does not hold the branch regions or the
+    verify window.
+    """
     kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
     B = len(reqs)
