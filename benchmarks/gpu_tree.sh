@@ -8,8 +8,9 @@
 #   bash benchmarks/gpu_tree.sh cpu        # the CPU tree suites (emulator, emulated graphs, fp32 bitwise)
 #   bash benchmarks/gpu_tree.sh demo       # SmolLM2 (real weights installed): chain N = 4 vs top-k 4, N = 8, same
 #                                          # draft; accept length and tokens/s, T2 vs greedy, production == oracle
-# Look for: "96 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
-# 12 draft graphed; 24 loop), "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log.
+# Look for: "120 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
+# 12 draft graphed; 48 loop: v1 and v2 (the non-overlapped v2 tree round) x P x k x eager/graphs),
+# "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -33,7 +34,7 @@ for what in "$@"; do
       echo "demo rc=$?"; tail -20 "$OUT/demo-tree-cuda.txt" ;;
     cpu)
       timeout 580 python3 -m pytest -q -p no:cacheprovider tests/test_tree_fa3_attention.py tests/test_tree_fa3_loop.py \
-        tests/test_tree_fa3_graphs.py tests/test_tree_variants.py > "$OUT/cpu-tree-tests.log" 2>&1
+        tests/test_tree_fa3_graphs.py tests/test_tree_fa3_v2.py tests/test_tree_variants.py > "$OUT/cpu-tree-tests.log" 2>&1
       echo "cpu tree tests rc=$?"; tail -3 "$OUT/cpu-tree-tests.log" ;;
   esac
 done
