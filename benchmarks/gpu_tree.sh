@@ -11,8 +11,9 @@
 #   bash benchmarks/gpu_tree.sh replay     # the committed SmolLM2 tree trace: every round's draft decode, verify and
 #                                          # draft extend through the real FA3 kernel (bf16) vs the fp32 slot oracle
 #   bash benchmarks/gpu_tree.sh mutants    # python -m refspec mutants --device cuda --only <the 5 tree variants>
-# Look for: "96 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
-# 12 draft graphed; 24 loop), "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log,
+# Look for: "120 passed" in gpu-tree-tests.log (72 attention: 24 verify eager, 12 verify graphed, 24 draft eager,
+# 12 draft graphed; 48 loop: v1 and v2 (the non-overlapped v2 tree round) x P x k x eager/graphs),
+# "0 FAIL" in check-tree-cuda.txt, "ERROR SUMMARY: 0 errors" in sanitizer-tree.log,
 # "**PASS** (19 rounds)" in replay-tree-cuda.md, "caught 5/5" in mutants-tree-cuda.txt (the TREE_LOOP probes
 # say "not run": fp32 CPU only).
 set -u
@@ -46,7 +47,8 @@ lse-merge-no-rescale,branch-no-tail-copy,draft-expand-unsliced-cache-loc > "$OUT
       echo "mutants rc=$?"; tail -9 "$OUT/mutants-tree-cuda.txt" ;;
     cpu)
       timeout 580 python3 -m pytest -q -p no:cacheprovider tests/test_tree_fa3_attention.py tests/test_tree_fa3_loop.py \
-        tests/test_tree_fa3_graphs.py tests/test_tree_variants.py tests/test_tree_trace.py > "$OUT/cpu-tree-tests.log" 2>&1
+        tests/test_tree_fa3_graphs.py tests/test_tree_fa3_v2.py tests/test_tree_variants.py tests/test_tree_trace.py \
+        > "$OUT/cpu-tree-tests.log" 2>&1
       echo "cpu tree tests rc=$?"; tail -3 "$OUT/cpu-tree-tests.log" ;;
   esac
 done

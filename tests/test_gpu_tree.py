@@ -131,15 +131,16 @@ def test_gpu_tree_draft_decode_graphed(P, topk):
         _check(out, q2, pool, slots, f"graphed draft step {s} P={P} k={topk}")
 
 
-@pytest.mark.spec("TR-019", "TR-018", "TOL-003", "KV-006")
+@pytest.mark.spec("TR-019", "TR-018", "TR-020", "TR-021", "TOL-003", "KV-006")
+@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize("k,N", [(2, 4), (4, 8), (8, 16)])
 @pytest.mark.parametrize("P", PAGE_SIZES, ids=lambda P: f"P{P}")
-def test_gpu_tree_loop_matches_oracle_t2(P, k, N, graphs):
+def test_gpu_tree_loop_matches_oracle_t2(P, k, N, graphs, version):
     from test_gpu_spec import SMALL, _check_t2, _pair, _prompts
     m32, m16 = _pair(SMALL)
     prompts = _prompts(SMALL, [5, 17, 33, 64])
-    prod = _check_t2(m32, m16, prompts, [20, 16, 24, 12], version="v1", page_size=P, graphs=graphs,
+    prod = _check_t2(m32, m16, prompts, [20, 16, 24, 12], version=version, page_size=P, graphs=graphs,
                      draft="eagle", num_steps=3, topk=k, num_draft_tokens=N)
     if graphs:
         assert prod.forwards.get(("tree_verify", "graph"), 0) > 0

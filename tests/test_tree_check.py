@@ -8,7 +8,7 @@ from refspec.cli.check import main
 from refspec.mutants.tree_variants import apply_variant
 
 
-@pytest.mark.spec("TR-018", "TR-019")
+@pytest.mark.spec("TR-018", "TR-019", "TR-020", "TR-021")
 def test_tree_check_quick_passes_with_every_row(capsys):
     rc = main(["--quick", "--sections", "tree"])
     out = capsys.readouterr().out
@@ -17,7 +17,9 @@ def test_tree_check_quick_passes_with_every_row(capsys):
     modes = {(r[1], r[2]) for r in rows}
     assert {("TREE_VERIFY", "k=2"), ("TREE_VERIFY", "k=4"), ("TREE_DRAFT", "k=2"), ("TREE_DRAFT", "k=4"),
             ("TREE_LOOP", "k=2"), ("TREE_LOOP", "k=4")} <= modes
-    assert all("pass" in r for r in rows) and len(rows) == 2 * 2 * (3 + 3 + 2)
+    assert all("pass" in r for r in rows) and len(rows) == 2 * 2 * (3 + 3 + 4)
+    loops = [line for line in out.splitlines() if line.startswith("tree ") and "TREE_LOOP" in line]
+    assert sum("lossless v2" in line for line in loops) == sum("lossless v1" in line for line in loops) == 2 * 2 * 2
 
 
 @pytest.mark.spec("TR-012")

@@ -142,22 +142,23 @@ def test_production_tree_worked_example():
 def test_tree_engine_refuses_bad_arguments(model):
     with pytest.raises(ValueError, match="num_draft_tokens"):
         TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=8, num_steps=2)  # 1 + 2 + 4 = 7
-    with pytest.raises(ValueError, match="v1 only"):
-        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2")
+    with pytest.raises(ValueError, match="'v1' or 'v2'"):
+        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v3")
 
 
-@pytest.mark.spec("TR-019")
+@pytest.mark.spec("TR-019", "TR-020")
 def test_demo_matrix_topk_rows(model):
-    """``demo --topk``'s matrix on the tiny model: an oracle tree row and a production tree row per
-    page size, both lossless, production == oracle, pages all freed."""
+    """``demo --topk``'s matrix on the tiny model: per version an oracle tree row and a production
+    tree row per page size, all lossless, production == oracle (same version), pages all freed."""
     from refspec.cli.demo import run_matrix
 
-    res = run_matrix(model, PROMPTS, BUDGETS, page_sizes=(1, 16), versions=("v1",), draft="eagle", num_steps=3,
-                     topk=2, num_draft_tokens=4)
+    res = run_matrix(model, PROMPTS, BUDGETS, page_sizes=(1, 16), versions=("v1", "v2"), draft="eagle",
+                     num_steps=3, topk=2, num_draft_tokens=4)
     tree = [r for r in res.rows if "tree" in r.path]
-    assert [(r.path, r.page_size) for r in tree] == [("oracle tree", None), ("production tree", 1),
-                                                      ("production tree", 16)]
-    assert all(r.spec_eq_greedy for r in tree) and all(r.prod_eq_oracle for r in tree[1:]) and res.ok
+    assert [(r.path, r.page_size, r.version.split()[0]) for r in tree] == [
+        (path, P, v) for v in ("v1", "v2") for path, P in (("oracle tree", None), ("production tree", 1),
+                                                          ("production tree", 16))]
+    assert all(r.spec_eq_greedy for r in tree) and all(r.prod_eq_oracle for r in tree if r.page_size) and res.ok
 
 
 @pytest.mark.spec("TR-016", "TR-001", "TR-002", "TR-003", "TR-004", "TR-005", "TR-006")

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -243,6 +245,48 @@ fig.tight_layout()
 show(fig)
 
 # %% [markdown]
+# ## 6. The production loop under spec v2
+#
+# The production wing (`backend="fa3"`: paged KV, the FA3 cascade, CUDA graphs) runs the tree
+# round as SGLang's v1 worker did and as its v2 worker (`EAGLEWorkerV2`, the only one from
+# v0.5.14 on) does. Drafting, the tree, verify and acceptance are the same; v2 changes the KV
+# bookkeeping and the draft extend (docs/spec/tree.md, "The v2 tree round"):
+#
+# * **TR-020**: before the round each row is topped up to `L + R` positions, `R =
+#   max(npp*P*k, N)` (the `k` page-aligned branch regions, or the `N` verify slots); nothing is
+#   allocated or freed inside the round, so the rejected branches' slots stay in the row until
+#   the request finishes. The accepted path's KV is still moved to the first `a` verify slots.
+# * **TR-021**: the draft extend runs `DRAFT_EXTEND_V2` over all `N` verify rows (not the `a`
+#   accepted ones), with the target's predictions and hidden states *compacted to the front*
+#   (path node `j` in row `j`), and keeps row `a - 1`.
+#
+# Watch one request's committed length `L` and the positions its row holds after each round:
+
+# %%
+held = {}
+for v in ("v1", "v2"):
+    held[v] = []
+
+    def watch(event, eng, **info):
+        if event == "round_end" and eng.running:
+            r = min(eng.running, key=lambda r: r.rid)
+            held[eng.version].append((r.seq_len, r.alloc_len))
+
+    res = generate(target, prompts[:2], backend="fa3", version=v, page_size=4, topk=4, num_draft_tokens=8,
+                   num_steps=3, draft="early-exit:1", max_new_tokens=24, observer=watch, graphs=True,
+                   capture_bs=(1, 2))
+    lossless[("fa3", v)] = res.tokens == [greedy(target, p, 24).tokens for p in prompts[:2]]
+    print(f"{v}: == greedy {lossless[('fa3', v)]}, pages all freed {res.free_pages[0] == res.free_pages[1]}; "
+          f"(L, positions held) per round {held[v][:5]} ...")
+
+# %% [markdown]
+# v1 frees whole pages past `ceil_4(L + a)` in every round (TR-017), so the row holds its `L` positions;
+# v2 holds `L_start + R = L_start + 32` (`npp = ceil((3 + 3) / 4) = 2` pages per branch, 4
+# branches, `P = 4`) and returns it all when the request finishes. Tree + the overlap schedule is
+# not implemented in refspec (upstream v0.5.23 runs it); `generate(..., overlap=True)` with
+# `topk > 1` raises.
+
+# %% [markdown]
 # ## Exercises
 #
 # **7a.** In the tree part of the verify mask, which nodes does row 5 (token 22) see (TR-004)?
@@ -317,3 +361,5 @@ assert f2.parent_row == [0, 0]                                                  
 assert all(lossless.values())                                                                   # TR-009
 assert runs[4].tokens == runs[1].tokens                             # same text whatever k is
 assert runs[4].accept_length > runs[1].accept_length                # the tree accepts more per round
+assert all(a - L < 4 for L, a in held["v1"])                        # v1 frees rejected pages (TR-017)
+assert all(a > L for L, a in held["v2"])                            # v2 keeps its reserve (TR-020)

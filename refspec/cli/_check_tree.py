@@ -7,9 +7,10 @@ Rows, for k in (2, 4) (and 8 on CUDA), P in (1, 4, 16, 64):
 * the same, graphed: captured once, the metadata (a new tree) or the KV rewritten in place and
   replayed: T0 vs the eager run of the new inputs on CPU (T1 on CUDA, where the real kernel may
   pick another split), and T1 vs the oracle (TR-018);
-* ``TREE_LOOP`` (CPU): the production top-k loop, eager and graphed, emits plain greedy's tokens
-  (fp32, bitwise) and the oracle tree loop's accept counts (TR-019).  On CUDA the loop is checked
-  by ``tests/test_gpu_tree.py`` (bf16, T2) and the row says so.
+* ``TREE_LOOP`` (CPU): the production top-k loop, v1 and v2 (TR-020, TR-021), eager and
+  graphed, emits plain greedy's tokens (fp32, bitwise) and the oracle tree loop's accept counts
+  (same version, TR-019).  On CUDA the loop is checked by ``tests/test_gpu_tree.py`` (bf16, T2)
+  and the row says so.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _draft_checks(P, k, dtype, device, prov, graphed=True):
     return tuple(zip(*out))
 
 
-def _loop_ok(P, k, graphs):
+def _loop_ok(P, k, graphs, version):
     from refspec.model.drafts import make_draft
     from refspec.model.llama import LlamaModel, init_random_, tiny_config
     from refspec.oracle.loop import greedy
@@ -116,13 +117,13 @@ def _loop_ok(P, k, graphs):
     d = make_draft(m, m)
     prompts, budgets, N = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]], [14, 10, 12], N_FOR_K[k]
     eng = TreeEngine(m, d, topk=k, num_draft_tokens=N, num_steps=3, page_size=P, max_context=48, max_batch=3,
-                     provider="emulator", shuffle_pages=P, graphs=graphs, capture_bs=(1, 2, 4))
+                     provider="emulator", shuffle_pages=P, graphs=graphs, capture_bs=(1, 2, 4), version=version)
     for i, (p, b) in enumerate(zip(prompts, budgets)):
         eng.add_request(i, p, b)
     eng.run()
     for r in sorted(eng.done, key=lambda r: r.rid):
         o = speculative_tree_greedy(m, d, r.prompt, num_steps=3, topk=k, num_draft_tokens=N,
-                                    max_new_tokens=r.max_new_tokens)
+                                    max_new_tokens=r.max_new_tokens, version=version)
         if r.output != greedy(m, r.prompt, r.max_new_tokens).tokens:
             raise AssertionError(f"request {r.rid}: tokens differ from plain greedy")
         if r.accepts != o.accepts:
@@ -153,12 +154,12 @@ def tree_rows(device, page_sizes, quick, *, row, guard, providers):
                     if graphable:
                         yield row("tree", mode, P, prov, "graph == eager", list(same))
                         yield row("tree", mode, P, prov, "T1 graph vs oracle", list(vs))
-            for graphs in (False, True):
-                check = f"lossless, {'graphs' if graphs else 'eager'}"
+            for version, graphs in ((v, g) for v in ("v1", "v2") for g in (False, True)):
+                check = f"lossless {version}, {'graphs' if graphs else 'eager'}"
                 if device == "cuda":
                     yield row("tree", f"TREE_LOOP k={k}", P, "-", check, skip="GPU: tests/test_gpu_tree.py (T2)")
                     continue
-                got = guard(lambda: _loop_ok(P, k, graphs))
+                got = guard(lambda: _loop_ok(P, k, graphs, version))
                 yield row("tree", f"TREE_LOOP k={k}", P, "emulator", check,
                           *(() if isinstance(got, Exception) else ([got],)),
                           error=f"{type(got).__name__}: {got}" if isinstance(got, Exception) else None)

@@ -89,8 +89,8 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
 
     Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s counts
     completion tokens over each run's wall time (prefill and graph capture included, as
-    ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (v1, N = ``num_draft_tokens``):
-    the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).
+    ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (N = ``num_draft_tokens``), per
+    version: the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).
     Raises :class:`~refspec.core.invariants.InvariantError` if the FA3 validation or the
     per-round KV audit trips.
     """
@@ -140,16 +140,16 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
             same = res.tokens == oracle[v].tokens and res.accepts == oracle[v].accepts
             rows.append(Row("production", P, B, v, res.accept_length, sum(map(len, res.tokens)),
                             time.perf_counter() - t, res.tokens == base, same))
-    if topk > 1:
+    for v in versions if topk > 1 else ():
         _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, page_sizes=page_sizes,
-                   kw=dict(kw, topk=topk, num_draft_tokens=num_draft_tokens or 2 * topk, version="v1"))
+                   kw=dict(kw, topk=topk, num_draft_tokens=num_draft_tokens or 2 * topk, version=v))
     kv_ok = all(r.free_pages[0] == r.free_pages[1] for r in outputs.values() if r.free_pages)  # KV-006
     return DemoResult(rows, base, outputs, audited[0], kv_ok)
 
 
 def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, *, page_sizes, kw):
     """The top-k rows: the oracle tree loop (one request at a time), then production per page size."""
-    B, label = len(prompts), f"v1 k={kw['topk']} N={kw['num_draft_tokens']}"
+    B, label = len(prompts), f"{kw['version']} k={kw['topk']} N={kw['num_draft_tokens']}"
     t = start(f"oracle tree {label}")
     ora = generate(model, prompts, backend="oracle", **kw)
     bar.add(sum(map(len, ora.tokens)))
@@ -157,7 +157,7 @@ def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observe
     rows.append(Row("oracle tree", None, B, label, ora.accept_length, sum(map(len, ora.tokens)),
                     time.perf_counter() - t, ora.tokens == base))
     for P in page_sizes:
-        t = start(f"production tree P={P}")
+        t = start(f"production tree {kw['version']} P={P}")
         res = generate(model, prompts, backend="fa3", page_size=P, graphs=True, observer=observer,
                        capture_bs=capture_sizes(B), **kw)
         bar.finish_run(sum(max_new))
@@ -209,7 +209,7 @@ def _main(argv) -> int:
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
     ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
-                    help="k > 1 adds EAGLE tree rows (v1; default 1: the chain only)")
+                    help="k > 1 adds EAGLE tree rows (per --versions; default 1: the chain only)")
     ap.add_argument("--num-draft-tokens", type=positive_int(2), metavar="N",
                     help="tree nodes verified per round with --topk, root included (default 2k)")
     ap.add_argument("--bug", choices=sorted(variants.CHAIN_VARIANTS), metavar="NAME",
@@ -241,7 +241,7 @@ def _main(argv) -> int:
     for q, p, m in zip(qs, prompts, max_new):
         print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}: "
               f"{q['prompt'][:70]!r}{'...' if len(q['prompt']) > 70 else ''}")
-    runs = 1 + len(versions) * (1 + len(page_sizes)) + ((1 + len(page_sizes)) if ns.topk > 1 else 0)
+    runs = 1 + len(versions) * (1 + len(page_sizes)) * (2 if ns.topk > 1 else 1)
     bar = TokenBar(runs * sum(max_new), desc="demo", disable=ns.no_progress)
     try:
         res = run_matrix(model, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,

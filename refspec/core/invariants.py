@@ -261,6 +261,20 @@ RULES: dict[str, Rule] = {
     "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
                    "page freed", U,
                    (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
+    # --- the spec-v2 tree round (docs/spec/tree.md, "The v2 tree round") ------------------
+    "TR-020": Rule("v2 tree KV: reserve L + alloc_len_per_decode before a round; the branch slots live in it, the "
+                   "path KV moves to the first a verify slots, nothing is freed until the request finishes", U,
+                   (sgl("srt/mem_cache/allocation_sizing.py", NEW, 28, "get_alloc_len_per_decode"),
+                    sgl("srt/speculative/eagle_utils.py", NEW, 857, "eagle_prepare_for_decode"),
+                    sgl("srt/speculative/eagle_worker_common.py", NEW, 241, "prepare_for_draft"),
+                    sgl(SPEC_UTILS, NEW, 859, "move_accept_tokens_to_target_kvcache")), (NEW,),
+                   upstream="upstream reserves 2x (get_alloc_reserve_per_decode, the overlap double buffer) "
+                            "rounded up to whole pages; refspec's non-overlapped round reserves 1x"),
+    "TR-021": Rule("v2 tree draft extend: DRAFT_EXTEND_V2 over all N = num_draft_tokens window rows at L..L+N-1, "
+                   "predict and hidden compacted to the front, row b*N + a - 1 kept", U,
+                   (sgl("srt/speculative/eagle_worker_v2.py", NEW, 1110, "EagleDraftWorker._draft_extend_for_decode"),
+                    sgl("srt/speculative/eagle_worker_common.py", NEW, 524, "_compact_accept_to_front"),
+                    sgl("srt/speculative/eagle_worker_common.py", NEW, 112, "prepare_for_draft_extend")), (NEW,)),
     # --- tolerances ----------------------------------------------------------------------
     "TOL-001": Rule("T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)", H,
                     (doc("tolerance-policy.md"),),

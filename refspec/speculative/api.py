@@ -91,8 +91,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         topk: k branches per draft step (EAGLE top-k tree, docs/spec/tree.md); 1 = the chain.
         num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
             only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
-            (TR-002).  k > 1 runs with backend "oracle" (v1 or v2) or "fa3" (the production
-            :class:`~refspec.speculative.tree.TreeEngine`, v1), no drafter / accept.
+            (TR-002).  k > 1 runs with backend "oracle" or "fa3" (the production
+            :class:`~refspec.speculative.tree.TreeEngine`), v1 or v2, without overlap (``overlap=True``
+            raises), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).

@@ -26,8 +26,9 @@ The row per request is the chain's contract (:mod:`refspec.speculative.rounds`):
 c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) and ``d`` the
 accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
 -> ``draft`` / ``verify`` / ``forward_draft_extend_after_decode``; ``eagle_info.py``
-``EagleVerifyInput.verify`` (v1).  Upstream's v2 worker runs trees too (sgl-project/sglang#26866,
-page size 1; top-k > 1 with page size > 1 falls back to v1 there); refspec implements v1 only.
+``EagleVerifyInput.verify`` (v1).  The spec-v2 tree round (upstream's only EAGLE worker from
+v0.5.14 on, ``EAGLEWorkerV2``) is :func:`refspec.speculative.tree_v2.round_tree_v2`; both run
+without the overlap schedule.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from refspec.core.batch import draft_extend_batch
-from refspec.speculative import tree_kv
+from refspec.speculative import tree_kv, tree_v2
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
 from refspec.speculative.tree_build import (
@@ -131,33 +132,36 @@ def round_tree_v1(eng, reqs) -> list[list[int]]:
 
 
 class TreeEngine(Engine):
-    """The continuous-batching engine with EAGLE top-k > 1 trees (v1, FA3 tree backend).
+    """The continuous-batching engine with EAGLE top-k > 1 trees (v1 or v2, FA3 tree backend).
 
     Args: as :class:`~refspec.speculative.engine.Engine`, plus ``topk`` (k >= 2) and
-    ``num_draft_tokens`` (N, root included; ``2 <= N <= 1 + k + (S-1) k^2``).  ``version`` must
-    be "v1", ``attention`` "fa3"; the chain-only hooks ``drafter`` / ``accept`` are refused.
-    Each request's ``topk_p`` / ``topk_index`` ([k]) hold its root children between rounds.
+    ``num_draft_tokens`` (N, root included; ``2 <= N <= 1 + k + (S-1) k^2``).  ``version`` is
+    "v1" (:func:`round_tree_v1`) or "v2" (:func:`refspec.speculative.tree_v2.round_tree_v2`),
+    ``attention`` "fa3"; ``overlap`` must be None or False (no tree + overlap round); the
+    chain-only hooks ``drafter`` / ``accept`` are refused.  Each request's ``topk_p`` /
+    ``topk_index`` ([k]) hold its root children between rounds.
     Raises: ValueError for any of the above.
     """
 
     def __init__(self, target, draft, *, topk: int, num_draft_tokens: int, num_steps: int = 3, version: str = "v1",
-                 drafter=None, accept=None, **kw):
+                 drafter=None, accept=None, overlap=None, **kw):
         check_tree_args(topk, num_steps, num_draft_tokens)
-        if version != "v1":
-            raise ValueError(f"top-k > 1 runs v1 only (refspec has no v2 tree round), got version={version!r}")
+        if version not in ("v1", "v2"):
+            raise ValueError(f"top-k > 1 runs version 'v1' or 'v2', got version={version!r}")
+        if overlap:
+            raise ValueError("top-k > 1 with the overlap schedule is not implemented (the tree rounds run "
+                             "non-overlapped, docs/spec/tree.md); pass overlap=False or None")
         if (drafter is not None and type(drafter) is not Drafter) or accept is not None:
             raise ValueError("top-k > 1: the drafter / accept hooks are for the chain loop only")
         self.topk, self._tree_N = topk, num_draft_tokens
-        super().__init__(target, draft, version=version, num_steps=num_steps, **kw)
+        super().__init__(target, draft, version=version, num_steps=num_steps, overlap=False, **kw)
 
     def _verify_width(self, num_steps: int) -> int:
         return self._tree_N
 
     def _row_span(self) -> int:
         """The most positions past L a round gives slots: the k branch regions, or the N verify slots."""
-        P, k, S = self.P, self.topk, self.Sd
-        npp = S if P == 1 else -(-(P - 1 + S) // P)
-        return max(self.N, k * npp * P)
+        return tree_kv.alloc_len_per_decode(self.topk, self.Sd, self.N, self.P)
 
     def _make_runners(self, **kw) -> TreeRunners:
         return TreeRunners(self.target, self.draft, self.kv, self.target_pool, self.draft_pool, topk=self.topk,
@@ -171,4 +175,7 @@ class TreeEngine(Engine):
             r.dhid = draft_hidden[b] if self.draft.uses_hidden else None
 
     def _run_round(self, reqs):
-        return round_tree_v1(self, reqs)
+        if self.version == "v1":
+            return round_tree_v1(self, reqs)
+        tree_v2.prepare_tree_v2(self, reqs)  # before the round: alloc_len = seq_len + R (TR-020)
+        return tree_v2.round_tree_v2(self, reqs)

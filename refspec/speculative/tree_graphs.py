@@ -17,8 +17,9 @@ rule's metadata for the padded batch with the eager functions of
 :mod:`refspec.fa3.tree_metadata` and *writes it into* the captured buffers (CG-001), except
 the draft expand table, which replay fills the way upstream's ``_apply_cuda_graph_metadata``
 does: ``draft_decode_set_expand_metadata`` on ``cache_loc[:, :s+1]`` into the ``s + 2``-wide
-buffer (sgl-project/sglang#25077: unsliced, its ``scatter_`` writes past the buffer).  The v1
-draft extend is the chain's DRAFT_EXTEND graph at ``Sd + 1`` rows per request.
+buffer (sgl-project/sglang#25077: unsliced, its ``scatter_`` writes past the buffer).  The draft
+extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2 DRAFT_EXTEND_V2
+at N rows (:func:`capture_tree_graphs`).
 """
 
 from __future__ import annotations
@@ -188,13 +189,19 @@ class TreeGraphRunner:
 
 
 def capture_tree_graphs(runners, capture_bs, dtype) -> None:
-    """Capture the tree verify, the tree draft decode (S > 1) and the v1 draft extend graphs."""
+    """Capture the tree verify, the tree draft decode (S > 1) and the draft extend graphs.
+
+    The draft extend is the chain's graph: v1 ``DRAFT_EXTEND`` at ``Sd + 1`` rows per request,
+    v2 ``DRAFT_EXTEND_V2`` at N = ``num_draft_tokens`` rows (the whole verify window, TR-021;
+    upstream captures it with ``num_tokens_per_req = speculative_num_draft_tokens``).
+    """
     ids, E = ((), torch.long), runners.target.config.hidden_size
     hidden = {"hidden": ((E,), dtype)} if runners.draft.uses_hidden else {}
     runners.graph["tree_verify"] = TreeGraphRunner(runners, "verify", capture_bs, dtype)
     if runners.Sd > 1:
         runners.graph["tree_draft"] = TreeGraphRunner(runners, "draft", capture_bs, dtype)
+    mode, W = ((ForwardMode.DRAFT_EXTEND, runners.Sd + 1) if runners.version == "v1"
+               else (ForwardMode.DRAFT_EXTEND_V2, runners.num_draft_tokens))
     runners.graph["draft_extend"] = GraphRunner(
-        ForwardMode.DRAFT_EXTEND, [runners.draft_be], runners._draft_extend_fn, kv=runners.kv,
-        capture_bs=capture_bs, tokens_per_req=runners.Sd + 1, inputs={"ids": ids, **hidden},
-        num_draft_tokens=runners.Sd + 1)
+        mode, [runners.draft_be], runners._draft_extend_fn, kv=runners.kv,
+        capture_bs=capture_bs, tokens_per_req=W, inputs={"ids": ids, **hidden}, num_draft_tokens=W)

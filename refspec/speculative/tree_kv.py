@@ -47,6 +47,21 @@ def branch_geometry(L: int, num_steps: int, page_size: int) -> tuple[int, int, i
     return L - lp, lp, -(-(lp + num_steps) // page_size)
 
 
+def alloc_len_per_decode(topk: int, num_steps: int, num_draft_tokens: int, page_size: int) -> int:
+    """TR-020: positions past L one top-k round may give slots (tokens): the branch regions or
+    the N verify slots, whichever is larger.
+
+    P = 1: ``max(k * S, N)``.  P > 1: ``max(npp * P * k, N)`` with ``npp = ceil((P - 1 + S) / P)``,
+    the most pages a branch region spans (lp = P - 1).  Upstream: ``mem_cache/allocation_sizing.py``
+    ``get_alloc_len_per_decode`` (v0.5.23); v1 uses it as the row headroom, v2 as the per-round
+    reserve (:mod:`refspec.speculative.tree_v2`).
+    """
+    if page_size == 1:
+        return max(num_steps * topk, num_draft_tokens)
+    npp = (page_size - 1 + num_steps + page_size - 1) // page_size
+    return max(npp * page_size * topk, num_draft_tokens)
+
+
 def draft_alloc_len(L: int, topk: int, num_steps: int, page_size: int) -> int:
     """Row positions that hold slots during the draft: ``prefix_base + k * npp * P`` (tokens)."""
     base, _, npp = branch_geometry(L, num_steps, page_size)

@@ -1,0 +1,191 @@
+"""The production top-k > 1 round under spec v2 (EAGLE tree, ``EAGLEWorkerV2``), non-overlapped.
+
+One round over the running batch at committed lengths L (roots t_L known; the previous draft
+extend left each request's root children ``topk_p``, ``topk_index`` and draft hidden), B
+requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.speculative.tree_kv.alloc_len_per_decode`:
+
+0. **reserve** (TR-020, :func:`prepare_tree_v2`, before the round): each row is topped up to
+   ``alloc_len = L + R`` positions.  Nothing is allocated or freed inside the round;
+1. **draft** (TR-013..TR-015): the branch layout of v1 (branch t, step j at row position
+   ``prefix_base + t*npp*P + lp + j``, the partial tail page copied into branches t >= 1), but
+   the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``;
+2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``, as v1;
+3. **accept** (TR-016): ``verify_tree_greedy`` -> ``predict`` [B*N] (0 off the path),
+   ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
+4. **compact** (TR-020): the path's target KV moves to the first a verify slots of each
+   request (:func:`move_accept_tokens_to_target_kvcache`); ``predict`` and the target hidden
+   are gathered to the front of each request's N-row block (:func:`compact_accept_to_front`).
+   The rejected branches' slots are *not* freed: they stay in the reserve and the next round's
+   draft / verify overwrite them; the row is freed whole when the request finishes (KV-006);
+5. **draft extend v2** (TR-021): ``DRAFT_EXTEND_V2`` over the whole verify window, N rows per
+   request at KV ``L .. L+N-1`` (``seq_lens = L + N``), tokens = compacted ``predict``, hidden =
+   compacted target hidden; row ``b*N + a_b - 1`` (``select_index``) seeds the next round:
+   its softmax top-k are the next root children, its hidden the next draft hidden, and
+   ``predict`` there (the bonus) the next root.  ``seq_lens`` advances by a (``new_seq_lens =
+   seq_lens + accept_lens``).
+
+Returns ``[B, 2 + N + S]`` on the device: ``[a, c_0 .. c_(N-1), d_1 .. d_S, draft_len]`` with
+``c[:a]`` the emitted tokens (then -1), ``d`` the accepted drafts (then -1), ``draft_len = L + a``;
+the engine reads it once after the round (``"post_round"``).  refspec's tree building and
+acceptance are host ports (as in v1), so this round is not free of device -> host reads the way
+upstream's kernels are.
+
+Upstream, sgl-project/sglang v0.5.23:
+
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py
+  ``EAGLEWorkerV2.forward_batch_generation`` (draft -> verify -> ``_draft_extend_for_decode``),
+  ``EagleDraftWorker._draft_extend_for_decode`` (``num_tokens_per_req =
+  speculative_num_draft_tokens``; ``select_index = arange(0, B*N, N) + accept_lens - 1``);
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_common.py
+  ``prepare_for_draft`` (the page > 1 branch positions, ``duplicate_prefix_tail_to_draft_branches``),
+  ``run_eagle_verify`` -> ``_finalize_accept_tree_path`` / ``_compact_accept_to_front``,
+  ``prepare_for_draft_extend`` (``DRAFT_EXTEND_V2``, ``seq_lens + num_draft_tokens``);
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/spec_utils.py
+  ``move_accept_tokens_to_target_kvcache``;
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/allocation_sizing.py
+  ``get_alloc_len_per_decode`` / ``get_alloc_reserve_per_decode``, and ``eagle_utils.py``
+  ``eagle_prepare_for_decode`` (the reserve).
+
+Where refspec differs: the reserve is 1x (upstream reserves ``2 * get_alloc_len_per_decode()``,
+the double buffer of the overlap schedule, rounded up to whole pages); refspec runs this round
+without overlap (``TreeEngine(overlap=True)`` is refused).  Draft step s runs at position L + s
+(SD-007).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.core.batch import draft_extend_v2_batch
+from refspec.core.invariants import require
+from refspec.core.kv_cache import KVPool
+from refspec.speculative import tree_kv
+from refspec.speculative.tree_build import build_tree, draft_topk, organize_draft_results, verify_tree_greedy
+from refspec.speculative.tree_runners import tree_draft_batch, tree_verify_batch
+
+
+# ------------------------------------------------------------------ KV rules (TR-020)
+def prepare_tree_v2(eng, reqs) -> None:
+    """Before a v2 tree round: top each row up to ``alloc_len = seq_len + R`` (TR-020).
+
+    R = :func:`~refspec.speculative.tree_kv.alloc_len_per_decode` (tokens); the row keeps any
+    larger ``alloc_len`` it already has (upstream ``max(kv_allocated_len, ...)``).
+    """
+    R = tree_kv.alloc_len_per_decode(eng.topk, eng.Sd, eng.N, eng.P)
+    need = [r for r in reqs if r.alloc_len < r.seq_len + R]
+    if need:
+        eng.kv.alloc_extend([r.row for r in need], [r.alloc_len for r in need], [r.seq_len + R for r in need])
+    for r in need:
+        r.alloc_len = r.seq_len + R
+
+
+def move_accept_tokens_to_target_kvcache(pool: KVPool, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+                                         num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TR-020: the accepted path's target KV to the first a verify slots of each request, in place.
+
+    ``out_cache_loc`` int64 [B*N] (the verify window, node i of request b at ``b*N + i``),
+    ``accept_index`` [B, S+1] (flat node ids of the path, -1 padded).  Entry (b, j) moves
+    ``out_cache_loc[accept_index[b, j]]`` to ``out_cache_loc[b*N + j]``; a padded entry moves
+    slot 0 to slot 0 (the reserved dummy page, PA-008), as upstream's zero-filled
+    ``tgt_cache_loc`` / ``accept_out_cache_loc`` tails do.  Gathered first, so a path node
+    already at its target (j = node) and overlapping moves are safe.  Device only: no host read.
+    Returns ``(tgt, src)`` int64 [B*(S+1)].
+    """
+    B, W = accept_index.shape
+    valid = accept_index >= 0
+    window = out_cache_loc.view(B, num_draft_tokens)[:, :W]
+    tgt = torch.where(valid, window, torch.zeros_like(window)).flatten()
+    src = torch.where(valid, out_cache_loc[accept_index.clamp(min=0).long()], torch.zeros_like(window)).flatten()
+    tree_kv.move_kv_cache(pool, tgt, src)
+    return tgt, src
+
+
+def compact_accept_to_front(x: torch.Tensor, accept_index: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """TR-021, upstream ``_compact_accept_to_front``: the path to the front of each N-row block.
+
+    ``x`` [B*N, ...] node-indexed (``predict``, or the target hidden); ``accept_index`` [B, S+1].
+    Row ``b*N + j`` of the result is ``x[accept_index[b, j]]`` for j <= S, where a padded (-1)
+    entry clamps to flat row 0 (request 0's root: upstream reads the same, past a, never kept);
+    rows j > S keep their own value.  Returns a new tensor, ``x`` is not modified.
+    """
+    B, W = accept_index.shape
+    require(W <= num_draft_tokens, "TR-021", f"accept_index has {W} columns, the window only N = {num_draft_tokens}")
+    out = x.clone()
+    out.view(B, num_draft_tokens, *x.shape[1:])[:, :W] = x[accept_index.clamp(min=0).long().flatten()].view(
+        B, W, *x.shape[1:])
+    return out
+
+
+# ------------------------------------------------------------------ the round
+def _draft(eng, reqs, rows, L):
+    """Step 1: the branch slots (inside the reserve), the tail copies, the S - 1 steps."""
+    kv, k, S, P = eng.kv, eng.topk, eng.Sd, eng.P
+    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
+    hidden = torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None
+    if S == 1:
+        return eng.runners._tree_draft_fn(None, x)
+    for r, l in zip(reqs, L):
+        need = tree_kv.draft_alloc_len(l, k, S, P)
+        require(r.alloc_len >= need, "TR-020", f"request {r.rid}: the draft branches need {need} positions "
+                                               f"with slots, the row holds {r.alloc_len} (L = {l})")
+    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
+    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
+    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
+    fb = tree_draft_batch(kv, rows, L, k, S, loc)
+    out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
+    eng.observe("draft_decode", reqs=reqs, fb=fb)
+    return out
+
+
+def round_tree_v2(eng, reqs) -> torch.Tensor:
+    """One v2 top-k round over ``reqs`` (module doc); :func:`prepare_tree_v2` must have run.
+
+    Returns the device rows ``[B, 2 + N + S]`` int64 (module doc).  Leaves each request's next
+    ``root``, ``topk_p`` / ``topk_index`` [k] and ``dhid`` [E] as device views; host lengths
+    (``seq_len`` += a) are set by the engine from the rows.
+    Raises: InvariantError TR-020 when a row's reserve does not hold the branch regions or the
+    verify window.
+    """
+    kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
+    rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
+    B = len(reqs)
+    for r, l in zip(reqs, L):
+        require(r.alloc_len >= l + N, "TR-020", f"request {r.rid}: verify writes L..L+N-1 = {l}..{l + N - 1}, "
+                                                f"the row holds {r.alloc_len} positions")
+    scores, tokens, parents = _draft(eng, reqs, rows, L)
+    # 2. the tree, then verify at L..L+N-1 (the slots exist)
+    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
+    roots = torch.stack([r.root for r in reqs])
+    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
+    fb = tree_verify_batch(kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
+    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    eng.observe("verify", reqs=reqs, fb=fb)
+    # 3. accept: a = n + 1 stays on the device
+    predict, accept_index, n = verify_tree_greedy(
+        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
+        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
+    a = n + 1
+    # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
+    # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
+    acc = accept_index[:, :min(S + 1, N)]
+    move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
+    predict = compact_accept_to_front(predict, acc, N)
+    hidden = compact_accept_to_front(hidden, acc, N)
+    # 5. draft extend v2 over the whole window: N rows at L..L+N-1 (seq_lens = L + N); keep b*N + a_b - 1
+    de = draft_extend_v2_batch(kv, rows, [l + N for l in L], N)
+    de.num_accept_tokens = a.to(torch.int32)  # device only: selects the kept row
+    dl, dh = eng.runners.draft_extend(de, predict, hidden)
+    eng.observe("draft_extend", reqs=reqs, fb=de)
+    keep = torch.arange(B, device=a.device) * N + a - 1  # select_index
+    topk_p, topk_index = draft_topk(dl[keep], k)
+    bonus = predict[keep]
+    for b, r in enumerate(reqs):  # device views: no host read
+        r.root, r.topk_p, r.topk_index = bonus[b], topk_p[b], topk_index[b]
+        r.dhid = dh[keep[b]] if eng.draft.uses_hidden else None
+    pv, j = predict.view(B, N), torch.arange(N, device=a.device)[None]
+    c = torch.where(j < a[:, None], pv, -1)  # the a emitted tokens, then -1
+    d = torch.full((B, S), -1, dtype=pv.dtype, device=a.device)  # the a - 1 accepted drafts, then -1
+    m = min(N, S)
+    d[:, :m] = torch.where(j[:, :m] < (a - 1)[:, None], pv[:, :m], -1)
+    draft_len = eng.ids(L) + a  # the kept row's KV index + 1: seq_lens advance by a
+    return torch.cat([a[:, None], c, d, draft_len[:, None]], dim=1)
