@@ -1,0 +1,141 @@
+"""SGLang 0.5.23's top-k > 1 FA3 metadata (worker subprocess only): the tree jobs of
+:mod:`refspec.conformance.tree_cases`.
+
+Server args: ``speculative_eagle_topk = k``, ``speculative_num_draft_tokens = N``,
+``speculative_num_steps = S`` (upstream's ``override_server_args``).  Per job:
+
+* ``tree_verify``: upstream builds its *own* tree from the job's draft results with
+  ``eagle_utils.build_tree_kernel_efficient`` (FULL_MASK); its tree-building kernel is the
+  Triton one, ``spec_tree.sgl_build_tree_kernel_triton`` (the dispatch
+  ``build_tree_kernel_efficient_func`` picks it on XPU; the CUDA / CPU builds are compiled
+  kernels absent here), run in Triton's interpreter.  The result becomes an ``EagleVerifyInput``
+  (upstream's class) with ``topk``, ``custom_mask``, ``positions`` and the ``retrieve_*`` lists;
+  ``FlashAttentionBackend`` then builds the metadata.  The tree itself is returned as the
+  ``tree`` part of the eager result.
+* ``tree_draft_decode``: ``FlashAttentionMultiStepBackend(topk=k)`` with an ``EagleDraftInput``;
+  step s is ``attn_backends[s]``.
+
+Capture runs ``init_forward_metadata_out_graph(fb, in_capture=True)`` + ``..._in_graph`` on the
+padded static batch (for top-k > 1 upstream only binds its ``*_topk_normal`` /
+``*_topk_expand`` buffers there), replay the same two on refspec's padded static batch.  Verify
+replay's ``spec_info`` carries upstream's live tree plus the padded requests' mask blocks of
+refspec's runner (upstream's own runner passes the live ``spec_info``, whose padded rows read
+mask element 0: a runner policy, not a metadata rule; the padded rows are compared as refspec
+fills them).  ``draft_decode_set_expand_metadata`` is ``@torch.compile``: the worker runs it as
+plain PyTorch (``TORCHDYNAMO_DISABLE=1``), the same operations without a compiler.
+
+``seq_lens`` reaches upstream as int64, the dtype its scheduler and graph runners hold
+(``schedule_batch.py:2786``, ``eagle_draft_cuda_graph_runner.py:193``).  This matters: the eager
+P > 1 draft branch does ``metadata.cache_seqlens_int32 -= last_page_lens`` on
+``seq_lens.to(torch.int32)``, which for an int32 ``seq_lens`` is the *same* tensor, so step 0
+would shorten the batch's ``seq_lens`` in place and every later step would see lp = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.conformance import upstream_common as uc
+
+MODES = ("tree_verify", "tree_draft_decode")
+TREE_FIELDS = ("custom_mask", "positions", "retrive_index", "retrive_next_token", "retrive_next_sibling",
+               "draft_tokens")
+
+
+class TreeUpstream:
+    """The tree half of :class:`refspec.conformance.upstream_0523.Upstream` (same imports, same runner)."""
+
+    def __init__(self, up):
+        import sglang.kernels.ops.speculative.spec_tree as st
+        import sglang.srt.speculative.eagle_utils as eu
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput
+
+        self.up, self.eu, self.st, self.modes = up, eu, st, MODES
+        self.Verify, self.Draft, self.hidden_mode = EagleVerifyInput, EagleDraftInput, CaptureHiddenMode.FULL
+
+    def info(self) -> dict:
+        return {"tree kernel in Triton's interpreter":
+                uc.interpreted(self.st.sgl_build_tree_kernel_efficient_triton)}
+
+    def build_tree(self, tree: dict, seq_lens: torch.Tensor, k: int, S: int, N: int) -> dict:
+        """Upstream's ``build_tree_kernel_efficient`` with the Triton tree kernel (module doc)."""
+        saved = self.eu.build_tree_kernel_efficient_func
+        self.eu.build_tree_kernel_efficient_func = self.st.sgl_build_tree_kernel_triton
+        try:
+            out = self.eu.build_tree_kernel_efficient(
+                tree["verified_id"], tree["parent_list"], tree["top_scores_index"], tree["draft_tokens"],
+                seq_lens, int(seq_lens.sum()), k, S, N, tree_mask_mode=self.st.TreeMaskMode.FULL_MASK)
+        finally:
+            self.eu.build_tree_kernel_efficient_func = saved
+        return dict(zip(TREE_FIELDS, (x.clone() for x in out)))
+
+    def spec_info(self, mode: str, tree: dict | None, d: dict, k: int, S: int, N: int):
+        if mode == "tree_draft_decode":
+            B = int(d["req_pool_indices"].numel())
+            return self.Draft(topk_p=torch.zeros(B, k), topk_index=torch.zeros(B, k, dtype=torch.long),
+                              num_tokens_per_req=k)
+        return self.Verify(draft_token=tree["draft_tokens"], custom_mask=d["custom_mask"], positions=d["positions"],
+                           retrieve_index=tree["retrive_index"], retrieve_next_token=tree["retrive_next_token"],
+                           retrieve_next_sibling=tree["retrive_next_sibling"], retrieve_cum_len=None, spec_steps=S,
+                           topk=k, draft_token_num=N, capture_hidden_mode=self.hidden_mode,
+                           seq_lens_sum=int(d["seq_lens_cpu"].sum()), seq_lens_cpu=d["seq_lens_cpu"])
+
+    def forward_batch(self, mode: str, tree, d: dict, k: int, S: int, N: int, own_mask: bool = True):
+        """A ``ForwardBatch`` namespace; ``seq_lens`` int64, as upstream's scheduler and graph runners
+        hold it (module doc).  ``own_mask``: upstream's tree mask for the live requests, then the
+        padded requests' blocks of ``d``'s (refspec's runner's) mask."""
+        fm = "TARGET_VERIFY" if mode == "tree_verify" else "DECODE"
+        d = dict(d, seq_lens=d["seq_lens"].long())
+        if mode == "tree_verify" and own_mask:
+            n = tree["custom_mask"].numel()
+            d["custom_mask"] = torch.cat([tree["custom_mask"], d["custom_mask"][n:]])
+        fb = uc.NS(forward_mode=self.up.FM[fm], batch_size=int(d["req_pool_indices"].numel()),
+                   req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"], seq_lens_cpu=d["seq_lens_cpu"],
+                   seq_lens_sum=int(d["seq_lens_cpu"].sum()), extend_seq_lens=None, extend_seq_lens_cpu=None,
+                   extend_prefix_lens_cpu=None, encoder_lens=None, out_cache_loc=d["out_cache_loc"],
+                   positions=d["positions"], kv_loc_plan=None, kv_loc_cols=None)
+        fb.spec_info = self.spec_info(mode, tree, d, k, S, N)
+        return fb
+
+    def run(self, job: dict) -> dict:
+        """``{(phase, step): {"prefix": fields, "expand": fields[, "tree": fields]}}`` for one tree job."""
+        P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
+        override = self.up.context().override_server_args(
+            page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=k, speculative_num_steps=S,
+            speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        override.install()
+        try:
+            return self._run(job, mode, P, N, S, k)
+        finally:
+            override.restore()
+
+    def _run(self, job, mode, P, N, S, k) -> dict:
+        fa = self.up.fa
+        mr = self.up._runner(job["req_to_token"], P, job["context_len"], mode == "tree_draft_decode")
+        if mode == "tree_draft_decode":
+            be = fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
+            steps = list(enumerate(be.attn_backends))
+        else:
+            be = fa.FlashAttentionBackend(mr)
+            steps = [(None, be)]
+        tree = None
+        if mode == "tree_verify":
+            tree = self.build_tree(job["tree"], job["eager"]["seq_lens"].long(), k, S, N)
+        out = {}
+        be.init_forward_metadata(self.forward_batch(mode, tree, job["eager"], k, S, N))
+        out.update({("eager", s): self.parts(b) for s, b in steps})
+        if tree is not None:
+            out[("eager", None)]["tree"] = tree
+        bs = job["bs"]
+        be.init_cuda_graph_state(bs, bs * (N if mode == "tree_verify" else k * S))
+        for phase in ("capture", "replay"):
+            fb = self.forward_batch(mode, tree, job[phase], k, S, N, own_mask=phase == "replay")
+            be.init_forward_metadata_out_graph(fb, in_capture=phase == "capture")
+            be.init_forward_metadata_in_graph(fb)
+            out.update({(phase, s): self.parts(b) for s, b in steps})
+        return out
+
+    @staticmethod
+    def parts(b) -> dict:
+        return {"prefix": uc.fields(b.forward_metadata), "expand": uc.fields(b.forward_metadata_spec_decode_expand)}
