@@ -9,6 +9,7 @@ where the bug lives, and nowhere else; the same cases without the variant confor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from refspec.conformance import run
 
@@ -84,3 +85,71 @@ def test_upstream_replay_kernels_run_in_tritons_interpreter_and_stubs_were_armed
         kernels = info["replay kernels in Triton's interpreter"]
         assert kernels and all(kernels.values()), (pin, kernels)
         assert info["placeholders"] > 0
+
+
+# ---- top-k > 1 (refspec.conformance.tree_cases) ----
+TREE = {"pins": ("0.5.23",), "page_sizes": (1, 4), "modes": ("tree_verify", "tree_draft_decode"), "topks": (2, 4),
+        "log": quiet, "cache": UPSTREAM}
+TREE_KEYS = {"tree-expand-max-k", "tree-replay-prefix-max-k", "tree-prefix-table-width", "tree-capture-contents",
+             "tree-draft-prefix-cu-k", "tree-draft-expand-cu-k"}
+
+
+@pytest.fixture(scope="module")
+def clean_tree():
+    out = run.run(**TREE)
+    assert out.ok, run.render(out)
+    return out
+
+
+@pytest.mark.spec("TR-010", "TR-011", "TR-013", "TR-014", "TR-016", "TR-018")
+def test_tree_metadata_conforms_and_every_kernel_read_field_is_identical(clean_tree):
+    """Every kernel-read field of both parts is bitwise upstream's at eager and padded replay; the
+    differences are only the documented tree ones; upstream's own tree equals refspec's."""
+    rows = clean_tree.rows
+    assert {(r.mode, r.phase) for r in rows} == {(m, p) for m in TREE["modes"] for p in ("eager", "capture", "replay")}
+    assert len(rows) == 2 * 2 * (1 + 2) * 3  # (k, P) x (verify + 2 draft steps) x phases
+    used = {d.documented for r in rows for d in r.diffs}
+    assert used <= TREE_KEYS
+    for r in rows:
+        if r.phase != "capture":
+            assert not [d for d in r.diffs if d.field.split(":")[1] in ("cache_seqlens_int32", "cu_seqlens_q",
+                                                                          "max_seq_len_q", "page_table[live]")], r
+    info = clean_tree.info["0.5.23"]
+    assert info["tree kernel in Triton's interpreter"] is True
+
+
+@pytest.mark.spec("TR-011", "TR-004")
+def test_tree_mask_sibling_visible_fails_on_the_verify_expand_part_only(clean_tree):
+    """A node that also sees its siblings: verify expand K and live slots differ from upstream's."""
+    out = run.run(variant="tree-mask-sibling-visible", **TREE)
+    assert out.info["0.5.23"]["reused"] == len({r.job for r in out.rows})  # upstream's side is unchanged
+    got = failing(out)
+    assert set(got) == {("tree_verify", "eager"), ("tree_verify", "replay")}
+    for fields in got.values():
+        assert {"expand:cache_seqlens_int32", "expand:page_table[live]"} <= fields
+        assert all(f.startswith("expand:") for f in fields)
+
+
+@pytest.mark.spec("TR-013")
+def test_draft_prefix_reading_the_partial_page_fails_on_prefix_cache_seqlens_at_p_gt_1(clean_tree):
+    """The pre-#7725 prefix rule K = L (the partial tail page shared by every branch), applied
+    in this test only, at every binding of ``draft_prefix_seqlens``."""
+    from refspec.fa3 import tree_metadata as tm
+    from refspec.mutants.replace import replaced
+
+    whole_pages_too = lambda seq_lens, page_size: seq_lens.to(torch.int32)  # noqa: E731
+    with replaced(tm.draft_prefix_seqlens, whole_pages_too):
+        out = run.run(**TREE)
+    got = failing(out)
+    assert set(got) == {("tree_draft_decode", "eager"), ("tree_draft_decode", "replay")}
+    assert all(fields == {"prefix:cache_seqlens_int32"} for fields in got.values())
+    assert {r.page_size for r in out.rows if not r.ok} == {4}  # P = 1: lp = 0, the rule is the same
+
+
+@pytest.mark.spec("TR-018")
+def test_unsliced_draft_expand_replay_is_caught_at_replay_only(clean_tree):
+    """#25077 without its slice: at S = 3 the extra pages land in dead columns (never read) -- an
+    undocumented difference all the same, at draft-decode replay and nowhere else."""
+    got = failing(run.run(variant="draft-expand-unsliced-cache-loc", **TREE))
+    assert set(got) == {("tree_draft_decode", "replay")}
+    assert got[("tree_draft_decode", "replay")] == {"expand:page_table[dead]"}
