@@ -208,7 +208,10 @@ def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_
     k = known.match("0.5.23", "tree_draft_decode", "replay", "expand:cu_seqlens_k")
     assert k.key == "tree-draft-expand-cu-k" and "kernel-facts.md#cu-seqlens-k-new" in k.unread
     assert known.match("0.5.23", "tree_verify", "replay", "expand:cu_seqlens_k") is None  # verify rewrites it
-    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:cu_seqlens_k") is None
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:cu_seqlens_k").key == k.key
+    assert known.match("0.5.23", "tree_draft_decode", "replay", "expand:page_table[dead]") is None  # sliced there
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]").key == \
+        "tree-expand-unsliced-legacy"
 
 
 def test_tree_rows_are_labelled_with_their_top_k():
@@ -248,3 +251,17 @@ def test_the_run_applies_a_tree_variant_by_name_and_rejects_an_unknown_one():
     with pytest.raises(KeyError):
         with _variant("no-such-variant"):
             pass
+
+
+def test_the_tree_part_is_compared_only_where_upstream_built_the_tree():
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import OWN_TREE, rows_for
+
+    expand = md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 42, 41]])  # verify expand: slots (page size 1)
+    ref = {("eager", None): tree_result(OURS, expand, {"positions": torch.tensor([5, 6])})}
+    job = Job("tree_verify/k2/P4", "tree_verify", 4, "k2", True, {}, ref)
+    results = {"tree_verify/k2/P4": {("eager", None): tree_result(OURS, expand)}}  # upstream gave no tree
+    assert OWN_TREE == ("0.5.23",)
+    (new,) = rows_for("0.5.23", [job], results)
+    (old,) = rows_for("0.5.12.post1", [job], results)
+    assert [d.field for d in new.undocumented] == ["tree:positions"] and old.ok and not old.diffs

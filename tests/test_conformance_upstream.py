@@ -153,3 +153,16 @@ def test_unsliced_draft_expand_replay_is_caught_at_replay_only(clean_tree):
     got = failing(run.run(variant="draft-expand-unsliced-cache-loc", **TREE))
     assert set(got) == {("tree_draft_decode", "replay")}
     assert got[("tree_draft_decode", "replay")] == {"expand:page_table[dead]"}
+
+
+@pytest.mark.spec("TR-018", "TR-013", "TR-014")
+def test_the_legacy_pin_conforms_and_shows_its_unsliced_draft_expand_scatter_in_dead_columns_only():
+    """0.5.12.post1 predates #25077: its draft expand replay scatters all S steps.  The comparison
+    sees exactly that -- only at replay, step 0, P > 1, in dead columns -- and nothing else new."""
+    out = run.run(pins=("0.5.12.post1",), page_sizes=(1, 4), modes=("tree_verify", "tree_draft_decode"), topks=(2,),
+                  log=quiet, cache=UPSTREAM)
+    assert out.ok, run.render(out)
+    seen = {(r.mode, r.phase, r.step, r.page_size) for r in out.rows for d in r.diffs
+            if d.documented == "tree-expand-unsliced-legacy"}
+    assert seen == {("tree_draft_decode", "replay", 0, 4)}
+    assert not [d for r in out.rows for d in r.diffs if d.field.startswith("tree:")]  # its tree is refspec's

@@ -27,6 +27,7 @@ from refspec.conformance.compare import KERNEL_FIELDS, base_field
 FA = "python/sglang/srt/layers/attention/flashattention_backend.py"
 KM = "python/sglang/kernels/ops/attention/metadata.py"
 NEW, OLD = ("0.5.23",), ("0.5.12.post1",)
+BOTH = NEW + OLD
 #: kernel-listed fields an entry may document when it cites why the call does not read them
 UNREAD_IF_CITED = ("cu_seqlens_k",)
 
@@ -105,45 +106,63 @@ KNOWN: tuple[Known, ...] = (
           "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
           "upstream's replay kernel stores only each row's live pages (store mask cols < "
           "ceil(K_b / P)); columns at or past ceil(K_b / P) are never read (PA-007)"),
-    # ---- top-k > 1 (refspec.conformance.tree_cases; 0.5.23 only) ----
-    Known("tree-expand-max-k", ("expand:max_seq_len_k",), _TREE, ("eager",), NEW,
-          (("0.5.23", FA, 87), ("0.5.23", FA, 964), ("0.5.23", FA, 1105)),
+    # ---- top-k > 1 (refspec.conformance.tree_cases) ----
+    Known("tree-expand-max-k", ("expand:max_seq_len_k",), _TREE, ("eager",), BOTH,
+          (("0.5.23", FA, 87), ("0.5.23", FA, 964), ("0.5.23", FA, 1105), ("0.5.12.post1", FA, 49),
+           ("0.5.12.post1", FA, 321), ("0.5.12.post1", FA, 423)),
           "N (verify: at most N tree keys) / s + 1 + (P - 1) (draft: steps plus the tail copy)",
           "upstream's eager expand metadata never sets max_seq_len_k (the dataclass default 0); FA3 does not "
           "read max_seqlen_k (only FA4's static grid does, :2316)"),
-    Known("tree-replay-prefix-max-k", ("prefix:max_seq_len_k",), _TREE, ("replay",), NEW,
-          (("0.5.23", FA, 3057), ("0.5.23", FA, 3203)),
+    Known("tree-replay-prefix-max-k", ("prefix:max_seq_len_k",), _TREE, ("replay",), BOTH,
+          (("0.5.23", FA, 3057), ("0.5.23", FA, 3203), ("0.5.12.post1", FA, 1957), ("0.5.12.post1", FA, 2075)),
           "0: graph metadata keeps no max K",
-          "replay passes no CPU mirror, so upstream sets max_context_len (its page-copy bound); FA3 does not "
-          "read max_seqlen_k"),
-    Known("tree-prefix-table-width", ("prefix:page_table[dead]",), _TREE, ("capture", "replay"), NEW,
-          (("0.5.23", FA, 2501), ("0.5.23", FA, 2639), ("0.5.23", FA, 3066), ("0.5.23", FA, 3208)),
+          "upstream keeps its host-side page-copy bound there: max_context_len at 0.5.23 (no CPU mirror), "
+          "max(seq_lens_cpu) at 0.5.12.post1; FA3 does not read max_seqlen_k"),
+    Known("tree-capture-max-k-legacy", ("prefix:max_seq_len_k",), ("tree_draft_decode",), ("capture",), OLD,
+          (("0.5.12.post1", FA, 1678),),
+          "0: not set at capture",
+          "the legacy capture hook takes max(seq_lens) of the dummy batch; FA3 does not read max_seqlen_k"),
+    Known("tree-prefix-table-width", ("prefix:page_table[dead]",), _TREE, ("capture", "replay"), BOTH,
+          (("0.5.23", FA, 2501), ("0.5.23", FA, 2639), ("0.5.23", FA, 3066), ("0.5.23", FA, 3208),
+           ("0.5.12.post1", FA, 1422), ("0.5.12.post1", FA, 1549)),
           "a [bs, ceil(context_len / P)] prefix table (CG-008); replay writes ceil(max K / P) columns",
           "upstream's *_topk_normal page_table buffers are max_context_len columns wide (a page count "
           "only for P = 1) and replay copies the pages of max_context_len; columns at or past "
           "ceil(K_b / P) are never read (PA-007)"),
     Known("tree-capture-contents", ("prefix:cache_seqlens_int32", "prefix:cu_seqlens_k", "expand:cache_seqlens_int32",
-                                    "expand:cu_seqlens_k"), _TREE, ("capture",), NEW,
-          (("0.5.23", FA, 669), ("0.5.23", FA, 678), ("0.5.23", FA, 2761), ("0.5.23", FA, 2845)),
+                                    "expand:cu_seqlens_k"), _TREE, ("capture",), BOTH,
+          (("0.5.23", FA, 669), ("0.5.23", FA, 678), ("0.5.23", FA, 2761), ("0.5.23", FA, 2845),
+           ("0.5.12.post1", FA, 1672), ("0.5.12.post1", FA, 1787)),
           "fills the capture-time buffers from the padded dummy batch (L = 1, row 0)",
           "for top-k > 1 upstream's capture only binds its *_topk_normal / *_topk_expand buffers (their "
           "init_cuda_graph_state values) and returns; a graph keeps addresses, not contents, and every "
           "kernel-read one is rewritten at replay (the replay rows compare the rewritten values)"),
-    Known("tree-draft-prefix-cu-k", ("prefix:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), NEW,
-          (("0.5.23", FA, 955), ("0.5.23", FA, 1341), ("0.5.23", FA, 3053), ("0.5.23", FA, 2285)),
+    Known("tree-draft-prefix-cu-k", ("prefix:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), BOTH,
+          (("0.5.23", FA, 955), ("0.5.23", FA, 1341), ("0.5.23", FA, 3053), ("0.5.23", FA, 2285),
+           ("0.5.12.post1", FA, 312), ("0.5.12.post1", FA, 583), ("0.5.12.post1", FA, 1955),
+           ("0.5.12.post1", FA, 1196)),
           "cumsum(cache_seqlens) = cumsum(L - lp) (consistent with the K it passes)",
           "upstream computes it before `cache_seqlens_int32 -= last_page_lens` (eager, P > 1: cumsum(L)) and "
           "never writes it at replay ('cu_seqlens_k is not needed': zeros); its draft-decode prefix call "
           "passes no cu_seqlens_k_new at all",
-          unread="the draft-decode prefix flash_attn_with_kvcache call (:2285) passes page_table, "
-                 "cache_seqlens, cu_seqlens_q and max_seqlen_q only"),
-    Known("tree-draft-expand-cu-k", ("expand:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), NEW,
-          (("0.5.23", FA, 979), ("0.5.23", FA, 1345), ("0.5.23", FA, 2522), ("0.5.23", FA, 2328)),
+          unread="the draft-decode prefix flash_attn_with_kvcache call (0.5.23 :2285, 0.5.12.post1 :1196) "
+                 "passes page_table, cache_seqlens, cu_seqlens_q and max_seqlen_q only"),
+    Known("tree-draft-expand-cu-k", ("expand:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), BOTH,
+          (("0.5.23", FA, 979), ("0.5.23", FA, 1345), ("0.5.23", FA, 2522), ("0.5.23", FA, 2328),
+           ("0.5.12.post1", FA, 336), ("0.5.12.post1", FA, 587), ("0.5.12.post1", FA, 1443),
+           ("0.5.12.post1", FA, 1227)),
           "cumsum(cache_seqlens) = cumsum(s + 1 + lp) (consistent with the K it passes)",
           "P > 1: upstream's arange(0, .., s + 1) is built before `cache_seqlens += lp` (eager) and is a static "
           "buffer replay never rewrites, so it omits the tail lp; it reaches the kernel only as cu_seqlens_k_new",
           unread="FA3 reads cu_seqlens_k_new only when new K/V are passed (flash_api.cpp:929), which SGLang "
-                 "never does; measured on the H200: docs/kernel-facts.md#cu-seqlens-k-new"),
+                 "never does (docs/kernel-facts.md#cu-seqlens-k-new, measured on the H200 for the top-k = 1 "
+                 "calls; tests/test_gpu_tree_cu_seqlens_k.py makes this expand call with the stale value)"),
+    Known("tree-expand-unsliced-legacy", ("expand:page_table[dead]",), ("tree_draft_decode",), ("replay",), OLD,
+          (("0.5.12.post1", FA, 1975), ("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 1440)),
+          "feeds cache_loc[:, :s + 1] to the unique-pages scatter (TR-018, the #25077 fix; 0.5.23 :3084)",
+          "0.5.12.post1 feeds the whole num_steps-wide cache_loc row, so the pages of later steps land in "
+          "columns at or past ceil(K / P), never read (PA-007) -- here, where a branch spans at most s + 2 "
+          "pages; with more, its scatter writes past the s + 2 wide buffer: sgl-project/sglang#25077"),
 )
 
 
@@ -182,6 +201,9 @@ SOURCES = {
         ("draft_extend", "capture"): (FA, 1846), ("draft_extend_v2", "capture"): (FA, 1846),
         ("decode", "replay"): (FA, 1993), ("draft_decode", "replay"): (FA, 1915), ("verify", "replay"): (FA, 2035),
         ("draft_extend", "replay"): (FA, 2157), ("draft_extend_v2", "replay"): (FA, 2191),
+        ("tree_verify", "eager"): (FA, 403), ("tree_draft_decode", "eager"): (FA, 302),
+        ("tree_verify", "capture"): (FA, 1787), ("tree_draft_decode", "capture"): (FA, 1672),
+        ("tree_verify", "replay"): (FA, 2070), ("tree_draft_decode", "replay"): (FA, 1945),
     },
 }
 

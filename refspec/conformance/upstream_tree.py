@@ -1,5 +1,6 @@
-"""SGLang 0.5.23's top-k > 1 FA3 metadata (worker subprocess only): the tree jobs of
-:mod:`refspec.conformance.tree_cases`.
+"""SGLang's top-k > 1 FA3 metadata (worker subprocess only): the tree jobs of
+:mod:`refspec.conformance.tree_cases`, at 0.5.23 (:class:`TreeUpstream`) and 0.5.12.post1
+(:func:`run_legacy`, the legacy graph hooks; see its doc for what differs in the set-up).
 
 Server args: ``speculative_eagle_topk = k``, ``speculative_num_draft_tokens = N``,
 ``speculative_num_steps = S`` (upstream's ``override_server_args``).  Per job:
@@ -139,3 +140,59 @@ class TreeUpstream:
     @staticmethod
     def parts(b) -> dict:
         return {"prefix": uc.fields(b.forward_metadata), "expand": uc.fields(b.forward_metadata_spec_decode_expand)}
+
+
+def run_legacy(up, job: dict, server_args) -> dict:
+    """The tree job at 0.5.12.post1 (``up``: :class:`refspec.conformance.upstream_0512.Upstream`).
+
+    That release builds trees only with the CUDA ``sgl_kernel.build_tree_kernel_efficient``, so
+    its ``spec_info`` carries the tree of the job's batch snapshot -- refspec's ``build_tree``,
+    which the 0.5.23 jobs check bitwise against upstream's own tree kernel -- in a namespace with
+    the fields the metadata path reads (``custom_mask``, ``positions``, ``topk``; for draft decode
+    ``is_draft_input``), as the top-k = 1 cases do.  Capture / replay: the legacy
+    ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks.
+    """
+    P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
+    up.publish(server_args)
+    R = job["req_to_token"]
+    rows = uc.NS(req_to_token=R, size=R.shape[0] - 1)
+    mr = uc.NS(server_args=server_args, sliding_window_size=None,
+               model_config=uc.model_config(job["context_len"], up.arch.MHA), device="cpu", req_to_token_pool=rows,
+               token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None, page_size=P, attn_cp_size=1, tp_size=1,
+               attention_chunk_size=None)
+    draft = mode == "tree_draft_decode"
+    FM = up.FM["DECODE" if draft else "TARGET_VERIFY"]
+
+    def fb(phase):
+        d = job[phase]
+        spec = uc.NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=d["custom_mask"], topk=k,
+                     num_tokens_per_req=k if draft else N)
+        return uc.NS(forward_mode=FM, batch_size=int(d["req_pool_indices"].numel()),
+                     req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"].long(),
+                     seq_lens_cpu=d["seq_lens_cpu"], seq_lens_sum=int(d["seq_lens_cpu"].sum()),
+                     extend_seq_lens=None, extend_seq_lens_cpu=None, extend_prefix_lens_cpu=None, encoder_lens=None,
+                     out_cache_loc=d["out_cache_loc"], positions=d["positions"], req_to_token_pool=rows, spec_info=spec)
+
+    if draft:
+        be = up.fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
+        steps = list(enumerate(be.attn_backends))
+    else:
+        be = up.fa.FlashAttentionBackend(mr)
+        steps = [(None, be)]
+    be.init_forward_metadata(fb("eager"))
+    out = {("eager", s): TreeUpstream.parts(b) for s, b in steps}
+    bs, T = job["bs"], job["bs"] * (k * S if draft else N)
+    be.init_cuda_graph_state(bs, T)
+    cap, rep = fb("capture"), fb("replay")
+    if draft:
+        be.init_forward_metadata_capture_cuda_graph(cap)
+    else:
+        be.init_forward_metadata_capture_cuda_graph(bs, T, cap.req_pool_indices, cap.seq_lens, None, FM, cap.spec_info)
+    out.update({("capture", s): TreeUpstream.parts(b) for s, b in steps})
+    if draft:
+        be.init_forward_metadata_replay_cuda_graph(rep, bs)
+    else:
+        be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None, FM,
+                                                   rep.spec_info, rep.seq_lens_cpu, rep.out_cache_loc)
+    out.update({("replay", s): TreeUpstream.parts(b) for s, b in steps})
+    return out
