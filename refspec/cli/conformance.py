@@ -34,7 +34,7 @@ def _main(argv) -> int:
     ap.add_argument("--modes", "--mode", type=choice_list(modes, "modes"), default=None,
                     metavar="MODE[,MODE...]",
                     help=f"restrict the modes, comma-separated, from {', '.join(modes)} "
-                         "(default: every mode the pin has; the tree_* modes are top-k > 1, 0.5.23 only)")
+                         "(default: every mode the pin has; the tree_* modes are top-k > 1)")
     ap.add_argument("--topks", "--topk", type=int_list(2, "top-k values"), default=list(tree_cases.TOPKS),
                     metavar="K[,K...]",
                     help=f"top-k values of the tree_* modes, comma-separated, from "

@@ -69,6 +69,10 @@ class Outcome:
 def run_worker(pin: str, path: list[str], jobs: list[cases.Job]) -> tuple[dict, dict]:
     """Run upstream ``pin`` on ``jobs`` in a subprocess; ``(results by job id, worker info)``.
 
+    The worker runs with ``TRITON_INTERPRET=1`` (Triton kernels in the interpreter) and
+    ``TORCHDYNAMO_DISABLE=1`` (upstream's ``@torch.compile`` functions, e.g.
+    ``draft_decode_set_expand_metadata``, run as the plain PyTorch they are written in).
+
     Raises: RuntimeError with the worker's stderr if it fails as a whole (import error, ...).
     """
     with tempfile.TemporaryDirectory(prefix="refspec-conformance-") as tmp:

@@ -4,10 +4,11 @@ One *tree job* is one (mode, k, P) on a fresh ``req_to_token``: eager, one captu
 replay.  Each result holds two metadata *parts*, compared separately: ``prefix`` (the backend's
 ``forward_metadata``: committed KV, one sequence per request) and ``expand`` (its
 ``forward_metadata_spec_decode_expand``: one sequence per query row); verify's eager result
-also holds the ``tree`` part (mask, positions, retrive lists) when upstream builds the tree
-itself.  refspec's metadata comes from :class:`refspec.fa3.tree_backend.FlashAttentionTreeBackend`
-(eager) and :class:`refspec.speculative.tree_graphs.TreeGraphRunner` (capture + padded in-place
-replay; its padding is what both sides then see).
+also holds the ``tree`` part (mask, positions, retrive lists), compared at the pins where upstream
+builds the tree itself (``refspec.conformance.run.OWN_TREE``).  refspec's metadata comes from
+:class:`refspec.fa3.tree_backend.FlashAttentionTreeBackend` (eager) and
+:class:`refspec.speculative.tree_graphs.TreeGraphRunner` (capture + padded in-place replay; its
+padding is what both sides then see).
 
 Modes:
 
@@ -26,6 +27,8 @@ shuffled free list; B = 3 live requests replayed in a graph of 4 (padded).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace as NS
 
 import torch
 
@@ -117,8 +120,7 @@ class _Runners:
         self.kv, self.topk, self.Sd, self.num_draft_tokens = kv, k, S, N
         self.tree_verify_be = backends[0] if verify else None
         self.tree_step_bes = [] if verify else backends
-        self.target = type("Target", (), {"config": type("Config", (), {"hidden_size": 8})})()
-        self.draft = type("Draft", (), {"uses_hidden": False})()
+        self.target, self.draft = NS(config=NS(hidden_size=8)), NS(uses_hidden=False)
         self._tree_verify_fn = self._tree_draft_fn = lambda fb, x: (fb.positions.clone(),)
 
 
