@@ -85,6 +85,8 @@ def test_every_documented_difference_cites_an_upstream_line_of_its_pins():
     for k in known.KNOWN:
         assert k.upstream and {pin for pin, _, _ in k.upstream} <= set(k.pins), k.key
         assert all(f.startswith("python/sglang/") and line > 0 for _, f, line in k.upstream), k.key
+    assert "eagle_worker_common.py:65" in known.source("0.5.23", "tree_draft_decode", "eager", "tree:tail_copy")
+    assert "flashattention_backend.py:944" in known.source("0.5.23", "tree_draft_decode", "eager", "prefix:cu_seqlens_k")
     assert known.link("0.5.23", known.FA, 741) == (
         "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/"
         "flashattention_backend.py#L741")
@@ -230,6 +232,10 @@ def test_tree_jobs_carry_the_draft_results_and_refspecs_padded_static_batch():
     assert set(draft.refspec) == {(p, s) for p in ("eager", "capture", "replay") for s in (0, 1)}
     assert set(verify.refspec[("eager", None)]) == {"prefix", "expand", "tree"}
     assert set(verify.inputs["tree"]) == {"parent_list", "top_scores_index", "draft_tokens", "verified_id"}
+    branches = draft.refspec[("eager", 0)]["tree"]  # the branch slots and the tail copies (TR-015)
+    assert torch.equal(branches["out_cache_loc"], draft.inputs["eager"]["out_cache_loc"])
+    tgt = branches["tail_copy"][:, 0].tolist()
+    assert tgt == sorted(tgt) and "tree" not in draft.refspec[("eager", 1)]
     N, B, bs = 4, tc.B, tc.BS
     rep = verify.inputs["replay"]
     assert rep["req_pool_indices"][B:].tolist() == [0] * (bs - B) and rep["seq_lens"][B:].tolist() == [1] * (bs - B)

@@ -146,6 +146,17 @@ def test_draft_prefix_reading_the_partial_page_fails_on_prefix_cache_seqlens_at_
     assert {r.page_size for r in out.rows if not r.ok} == {4}  # P = 1: lp = 0, the rule is the same
 
 
+@pytest.mark.spec("TR-015")
+def test_no_tail_copy_fails_on_the_branch_tail_copies_against_upstreams_prepare_for_draft(clean_tree):
+    """A KV-layout bug (no metadata field changes): the lp tail tokens are not copied into branches
+    t >= 1.  Caught by the draft ``tree`` part, which holds upstream's own slot assignment and
+    tail copies (``eagle_worker_common.prepare_for_draft``), at P > 1 only."""
+    out = run.run(variant="branch-no-tail-copy", **TREE)
+    got = failing(out)
+    assert got == {("tree_draft_decode", "eager"): {"tree:tail_copy"}}
+    assert {(r.page_size, r.step) for r in out.rows if not r.ok} == {(4, 0)}
+
+
 @pytest.mark.spec("TR-018")
 def test_unsliced_draft_expand_replay_is_caught_at_replay_only(clean_tree):
     """#25077 without its slice: at S = 3 the extra pages land in dead columns (never read) -- an

@@ -208,7 +208,16 @@ SOURCES = {
 }
 
 
-def source(pin: str, mode: str, phase: str) -> str:
-    """``file:line`` (and link) of upstream's builder for (mode, phase) at ``pin``."""
-    f, line = SOURCES[pin][(mode, phase)]
+EU = "python/sglang/srt/speculative/eagle_utils.py"
+EWC = "python/sglang/srt/speculative/eagle_worker_common.py"
+#: the ``tree:`` fields come from upstream's speculative code, not the attention backend (0.5.23)
+TREE_SOURCES = {f"tree:{f}": (EU, 138) for f in ("custom_mask", "positions", "retrive_index", "retrive_next_token",
+                                                 "retrive_next_sibling", "draft_tokens")}
+TREE_SOURCES.update({"tree:out_cache_loc": (EWC, 241), "tree:tail_copy": (EWC, 65)})
+
+
+def source(pin: str, mode: str, phase: str, field: str = "") -> str:
+    """``file:line`` (and link) of upstream's builder for (mode, phase) at ``pin`` (of ``field``
+    where it has its own: the ``tree:`` part)."""
+    f, line = TREE_SOURCES[field] if field in TREE_SOURCES else SOURCES[pin][(mode, phase)]
     return f"{f.split('/')[-1]}:{line} {link(pin, f, line)}"

@@ -69,7 +69,7 @@ def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
             lines.append(f"  ERROR {where}: {r.error}")
         for d in r.undocumented:
             lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
-                         f"(upstream {source(r.pin, r.mode, r.phase)})")
+                         f"(upstream {source(r.pin, r.mode, r.phase, d.field)})")
     return "\n".join(lines)
 
 

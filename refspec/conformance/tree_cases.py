@@ -4,8 +4,9 @@ One *tree job* is one (mode, k, P) on a fresh ``req_to_token``: eager, one captu
 replay.  Each result holds two metadata *parts*, compared separately: ``prefix`` (the backend's
 ``forward_metadata``: committed KV, one sequence per request) and ``expand`` (its
 ``forward_metadata_spec_decode_expand``: one sequence per query row); verify's eager result
-also holds the ``tree`` part (mask, positions, retrive lists), compared at the pins where upstream
-builds the tree itself (``refspec.conformance.run.OWN_TREE``).  refspec's metadata comes from
+also holds the ``tree`` part (mask, positions, retrive lists), draft step 0's the branch slots
+and tail copies (TR-015), compared at the pins where upstream builds them itself
+(``refspec.conformance.run.OWN_TREE``).  refspec's metadata comes from
 :class:`refspec.fa3.tree_backend.FlashAttentionTreeBackend` (eager) and
 :class:`refspec.speculative.tree_graphs.TreeGraphRunner` (capture + padded in-place replay; its
 padding is what both sides then see).
@@ -97,6 +98,14 @@ def snapshot_tree(built: dict) -> dict:
                                            "retrive_next_sibling", "draft_tokens")}
 
 
+def snapshot_branches(kv, rows, Ls, k: int, loc: torch.Tensor) -> dict:
+    """The draft ``tree`` part: the branch slots (TR-015) and the tail copies, ``(target, source)``
+    slot pairs sorted by target (``refspec.speculative.tree_kv``)."""
+    src, tgt = tree_kv.tail_copy_slots(kv, rows, Ls, k, S)
+    pairs = torch.stack([tgt.long(), src.long()], dim=1)
+    return {"out_cache_loc": loc.clone(), "tail_copy": pairs[torch.argsort(pairs[:, 0])]}
+
+
 def snapshot_batch(fb) -> dict:
     """Plain copies of a tree batch's fields (live, or a graph runner's padded static batch)."""
     out = {f: getattr(fb, f).clone() for f in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc",
@@ -156,6 +165,8 @@ def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
         ref[("eager", s)] = snapshot(be)
     if mode == "tree_verify":
         ref[("eager", None)]["tree"] = snapshot_tree(built)
+    else:
+        ref[("eager", 0)]["tree"] = snapshot_branches(kv, rows, Ls, k, loc)
     runner = TreeGraphRunner(_Runners(kv, k, N, backends, mode == "tree_verify"),
                              "verify" if mode == "tree_verify" else "draft", [BS], torch.float32)
     inputs["capture"] = snapshot_batch(runner.static[BS][0])

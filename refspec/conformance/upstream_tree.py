@@ -14,7 +14,14 @@ Server args: ``speculative_eagle_topk = k``, ``speculative_num_draft_tokens = N`
   ``FlashAttentionBackend`` then builds the metadata.  The tree itself is returned as the
   ``tree`` part of the eager result.
 * ``tree_draft_decode``: ``FlashAttentionMultiStepBackend(topk=k)`` with an ``EagleDraftInput``;
-  step s is ``attn_backends[s]``.
+  step s is ``attn_backends[s]``.  Before it, upstream's own
+  ``eagle_worker_common.prepare_for_draft`` assigns the draft slots from the job's
+  ``req_to_token`` (P = 1: the Triton kernel ``assign_draft_cache_locs_contiguous``; P > 1: the
+  per-branch page-aligned gather) and requests the tail copies
+  (``duplicate_prefix_tail_to_draft_branches``); its ``ForwardBatch.init_new`` is replaced for that
+  call by one returning the batch's ``out_cache_loc``, and its pool records ``move_kv_cache``.
+  Both go into the ``tree`` part of step 0's eager result (``out_cache_loc``; ``tail_copy``, the
+  ``(target, source)`` slot pairs sorted by target).
 
 Capture runs ``init_forward_metadata_out_graph(fb, in_capture=True)`` + ``..._in_graph`` on the
 padded static batch (for top-k > 1 upstream only binds its ``*_topk_normal`` /
@@ -49,10 +56,11 @@ class TreeUpstream:
     def __init__(self, up):
         import sglang.kernels.ops.speculative.spec_tree as st
         import sglang.srt.speculative.eagle_utils as eu
+        import sglang.srt.speculative.eagle_worker_common as ewc
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput
 
-        self.up, self.eu, self.st, self.modes = up, eu, st, MODES
+        self.up, self.eu, self.st, self.ewc, self.modes = up, eu, st, ewc, MODES
         self.Verify, self.Draft, self.hidden_mode = EagleVerifyInput, EagleDraftInput, CaptureHiddenMode.FULL
 
     def info(self) -> dict:
@@ -70,6 +78,27 @@ class TreeUpstream:
         finally:
             self.eu.build_tree_kernel_efficient_func = saved
         return dict(zip(TREE_FIELDS, (x.clone() for x in out)))
+
+    def draft_slots(self, job: dict, k: int, S: int, P: int) -> dict:
+        """Upstream's draft ``out_cache_loc`` and tail copies for the job's live batch (module doc)."""
+        d = job["eager"]
+        B = int(d["req_pool_indices"].numel())
+        moves = []
+        pool = uc.NS(move_kv_cache=lambda tgt, src: moves.append(torch.stack([tgt.long(), src.long()], dim=1)))
+        batch = uc.NS(forward_mode=self.up.FM["DECODE"], seq_lens=d["seq_lens"].long(),
+                      req_pool_indices=d["req_pool_indices"], token_to_kv_pool_allocator=uc.NS(page_size=P),
+                      device="cpu", multimodal_inputs=[None] * B, out_cache_loc=None)
+        runner = uc.NS(model_config=uc.NS(model_is_mrope=False), token_to_kv_pool=pool,
+                       spec_algorithm=uc.NS(is_standalone=lambda: False))
+        saved = self.ewc.ForwardBatch
+        self.ewc.ForwardBatch = uc.NS(init_new=lambda b, *a, **kw: uc.NS(out_cache_loc=b.out_cache_loc))
+        try:
+            fb, _, _ = self.ewc.prepare_for_draft(self.spec_info("tree_draft_decode", None, d, k, S, 0),
+                                                  uc.NS(req_to_token=job["req_to_token"]), batch, None, runner, k, S)
+        finally:
+            self.ewc.ForwardBatch = saved
+        pairs = torch.cat(moves) if moves else torch.zeros((0, 2), dtype=torch.long)
+        return {"out_cache_loc": fb.out_cache_loc.clone(), "tail_copy": pairs[torch.argsort(pairs[:, 0])]}
 
     def spec_info(self, mode: str, tree: dict | None, d: dict, k: int, S: int, N: int):
         if mode == "tree_draft_decode":
@@ -128,6 +157,8 @@ class TreeUpstream:
         out.update({("eager", s): self.parts(b) for s, b in steps})
         if tree is not None:
             out[("eager", None)]["tree"] = tree
+        else:
+            out[("eager", 0)]["tree"] = self.draft_slots(job, k, S, P)
         bs = job["bs"]
         be.init_cuda_graph_state(bs, bs * (N if mode == "tree_verify" else k * S))
         for phase in ("capture", "replay"):

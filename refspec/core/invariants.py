@@ -245,7 +245,7 @@ RULES: dict[str, Rule] = {
     "TR-015": Rule("branch KV layout: branch t owns a page-aligned region; the partial tail page is copied into "
                    "branches t >= 1", U,
                    (sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "assign_draft_cache_locs"),
-                    pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV"))),
+                    pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV")), (NEW,), (NEW,)),
     "TR-016": Rule("the production tree (organize_draft_results, build_tree_efficient, VerifyTreeGreedy) equals "
                    "the rule", U,
                    (sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "organize_draft_results"),
