@@ -231,7 +231,7 @@ def test_tree_jobs_carry_the_draft_results_and_refspecs_padded_static_batch():
     assert set(verify.refspec) == {(p, None) for p in ("eager", "capture", "replay")}
     assert set(draft.refspec) == {(p, s) for p in ("eager", "capture", "replay") for s in (0, 1)}
     assert set(verify.refspec[("eager", None)]) == {"prefix", "expand", "tree"}
-    assert set(verify.inputs["tree"]) == {"parent_list", "top_scores_index", "draft_tokens", "verified_id"}
+    assert set(verify.inputs["tree"]) == {"score_list", "token_list", "parents_list", "verified_id", "target_predict"}
     branches = draft.refspec[("eager", 0)]["tree"]  # the branch slots and the tail copies (TR-015)
     assert torch.equal(branches["out_cache_loc"], draft.inputs["eager"]["out_cache_loc"])
     tgt = branches["tail_copy"][:, 0].tolist()

@@ -115,7 +115,10 @@ def test_tree_metadata_conforms_and_every_kernel_read_field_is_identical(clean_t
             assert not [d for d in r.diffs if d.field.split(":")[1] in ("cache_seqlens_int32", "cu_seqlens_q",
                                                                           "max_seq_len_q", "page_table[live]")], r
     info = clean_tree.info["0.5.23"]
-    assert info["tree kernel in Triton's interpreter"] is True
+    assert info["tree kernels in Triton's interpreter"] == {"sgl_build_tree_kernel_efficient_triton": True,
+                                                            "verify_tree_greedy_kernel_triton": True}
+    accepted = [r for r in rows if r.mode == "tree_verify" and r.phase == "eager"]
+    assert accepted and all(not [d for d in r.diffs if d.field.startswith("tree:")] for r in accepted)
 
 
 @pytest.mark.spec("TR-011", "TR-004")
@@ -144,6 +147,27 @@ def test_draft_prefix_reading_the_partial_page_fails_on_prefix_cache_seqlens_at_
     assert set(got) == {("tree_draft_decode", "eager"), ("tree_draft_decode", "replay")}
     assert all(fields == {"prefix:cache_seqlens_int32"} for fields in got.values())
     assert {r.page_size for r in out.rows if not r.ok} == {4}  # P = 1: lp = 0, the rule is the same
+
+
+@pytest.mark.spec("TR-016", "TR-006")
+def test_sibling_blind_greedy_acceptance_fails_on_the_accepted_path_only(clean_tree):
+    """Acceptance that follows only each node's first child (the sibling lists ignored), applied in
+    this test only: the accepted path differs from upstream's Triton ``verify_tree_greedy``."""
+    from refspec.mutants.replace import replaced
+    from refspec.speculative import tree_build
+
+    original = tree_build.verify_tree_greedy
+
+    def first_child_only(cand, ri, next_token, next_sibling, target_predict, n):
+        return original(cand, ri, next_token, torch.full_like(next_sibling, -1), target_predict, n)
+
+    with replaced(tree_build.verify_tree_greedy, first_child_only):
+        out = run.run(**TREE)
+    assert out.info["0.5.23"]["reused"] == len({r.job for r in out.rows})
+    got = failing(out)
+    assert set(got) == {("tree_verify", "eager")}
+    assert got[("tree_verify", "eager")] <= {"tree:predicts", "tree:accept_index", "tree:accept_token_num"}
+    assert "tree:accept_index" in got[("tree_verify", "eager")]
 
 
 @pytest.mark.spec("TR-015")

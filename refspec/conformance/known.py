@@ -213,7 +213,9 @@ EWC = "python/sglang/srt/speculative/eagle_worker_common.py"
 #: the ``tree:`` fields come from upstream's speculative code, not the attention backend (0.5.23)
 TREE_SOURCES = {f"tree:{f}": (EU, 138) for f in ("custom_mask", "positions", "retrive_index", "retrive_next_token",
                                                  "retrive_next_sibling", "draft_tokens")}
-TREE_SOURCES.update({"tree:out_cache_loc": (EWC, 241), "tree:tail_copy": (EWC, 65)})
+TREE_SOURCES.update({"tree:parent_list": (EU, 100), "tree:top_scores_index": (EU, 100)})
+TREE_SOURCES.update({"tree:out_cache_loc": (EWC, 241), "tree:tail_copy": (EWC, 65), "tree:predicts": (EU, 632),
+                     "tree:accept_index": (EU, 632), "tree:accept_token_num": (EU, 632)})
 
 
 def source(pin: str, mode: str, phase: str, field: str = "") -> str:

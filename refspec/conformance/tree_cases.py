@@ -13,11 +13,11 @@ padding is what both sides then see).
 
 Modes:
 
-* ``tree_verify`` (TARGET_VERIFY): N = 2k nodes per request over the committed KV; the tree is
-  drawn the way SGLang draws it, from random draft probabilities through refspec's
-  ``select_top_k_tokens_*`` / ``organize_draft_results``; the job carries ``parent_list``,
-  ``top_scores_index``, ``draft_tokens`` and the verified ids, from which *each side builds its
-  own* FULL_MASK tree (upstream with its own ``build_tree_kernel_efficient``);
+* ``tree_verify`` (TARGET_VERIFY): N = 2k nodes per request over the committed KV; the job carries
+  the draft loop's per-step score / token / parent lists, drawn from random draft probabilities
+  through refspec's ``select_top_k_tokens_*``, the verified ids and a target argmax per node, from
+  which *each side* selects the drafts (``organize_draft_results``), builds the FULL_MASK tree
+  and accepts greedily (upstream with its own ``eagle_utils`` functions and Triton kernels);
 * ``tree_draft_decode`` (DECODE, draft steps 0 .. S - 2): the B*k branch rows with the per-branch
   page-aligned regions of TR-015 (``refspec.speculative.tree_kv``), ``out_cache_loc`` laid out
   ``[B, k, S]``.
@@ -69,13 +69,14 @@ def _cache(width: int, P: int, seed: int):
     return kv, pool, rows
 
 
-def draw_tree(k: int, N: int, seed: int) -> dict:
+def draw_tree(k: int, seed: int) -> dict:
     """SGLang's draft-side tree inputs for B requests from random draft probabilities.
 
     ``select_top_k_tokens_first`` on the root's k children, then S - 1 expansions
-    (``select_top_k_tokens_later``), then ``organize_draft_results``.  Returns int64 tensors
-    ``parent_list`` [B, 1 + (S-1) k], ``top_scores_index`` [B, N-1], ``draft_tokens`` [B, N-1],
-    ``verified_id`` [B].
+    (``select_top_k_tokens_later``): the per-step lists ``EAGLEWorker.draft_forward`` hands to
+    ``organize_draft_results``.  Returns ``score_list`` (fp32 [B, 1, k], then [B, k, k] per step),
+    ``token_list`` (int64 [B, k], then [B, k*k]), ``parents_list`` (int64 [B, k + 1], then [B, k])
+    and ``verified_id`` int64 [B].
     """
     g = torch.Generator().manual_seed(seed)
     probs = lambda rows: torch.sort(torch.rand((rows, k), generator=g), dim=1, descending=True).values
@@ -87,15 +88,41 @@ def draw_tree(k: int, N: int, seed: int) -> dict:
         sl.append(info[0])
         tl_.append(info[1])
         pl.append(info[2])
-    parent_list, top, draft_tokens = tree_build.organize_draft_results(sl, tl_, pl, N)
-    return {"parent_list": parent_list, "top_scores_index": top, "draft_tokens": draft_tokens,
+    return {"score_list": sl, "token_list": tl_, "parents_list": pl,
             "verified_id": torch.randint(3, 1000, (B,), generator=g)}
 
 
-def snapshot_tree(built: dict) -> dict:
-    """The ``tree`` part: refspec's ``build_tree`` outputs upstream's ``build_tree_kernel_efficient`` returns."""
-    return {f: built[f].clone() for f in ("custom_mask", "positions", "retrive_index", "retrive_next_token",
-                                           "retrive_next_sibling", "draft_tokens")}
+def greedy_targets(parents: list[list[int]], tokens: torch.Tensor, N: int, seed: int) -> torch.Tensor:
+    """A target argmax per node, int64 [B*N], with a random accepted path: from the root, with
+    probability 3/4 the target names one of the node's children (a draft token), else token 1
+    (never drafted: the path stops); nodes off the path get random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tp = torch.randint(3, 1000, (len(parents) * N,), generator=g)
+    for b, par in enumerate(parents):
+        cur = 0
+        while True:
+            kids = [i for i in range(N) if par[i] == cur]
+            if not kids or float(torch.rand((), generator=g)) >= 0.75:
+                tp[b * N + cur] = 1
+                break
+            child = kids[int(torch.randint(len(kids), (), generator=g))]
+            tp[b * N + cur] = tokens[b * N + child]
+            cur = child
+    return tp
+
+
+def snapshot_tree(organized, built: dict, target_predict: torch.Tensor, N: int) -> dict:
+    """The ``tree`` part: refspec's ``organize_draft_results`` (``parent_list``,
+    ``top_scores_index``), its ``build_tree`` outputs (upstream's ``build_tree_kernel_efficient``
+    returns the same six) and ``verify_tree_greedy`` on them (``predicts``, ``accept_index``,
+    ``accept_token_num``: upstream's ``verify_tree_greedy_func`` outputs)."""
+    out = {f: built[f].clone() for f in ("custom_mask", "positions", "retrive_index", "retrive_next_token",
+                                          "retrive_next_sibling", "draft_tokens")}
+    out.update(parent_list=organized[0].clone(), top_scores_index=organized[1].clone())
+    cand = built["draft_tokens"].view(-1, N)
+    acc = tree_build.verify_tree_greedy(cand, built["retrive_index"], built["retrive_next_token"],
+                                        built["retrive_next_sibling"], target_predict, S + 1)
+    return dict(out, **dict(zip(("predicts", "accept_index", "accept_token_num"), acc)))
 
 
 def snapshot_branches(kv, rows, Ls, k: int, loc: torch.Tensor) -> dict:
@@ -143,11 +170,12 @@ def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
     ref: dict = {}
     if mode == "tree_verify":
         kv.alloc_extend(rows, Ls, [L + N for L in Ls])
-        tree = draw_tree(k, N, seed)
-        built = tree_build.build_tree(tree["verified_id"], tree["parent_list"], tree["top_scores_index"],
-                                      tree["draft_tokens"], torch.tensor(Ls), k, N)
+        tree = draw_tree(k, seed)
+        organized = tree_build.organize_draft_results(tree["score_list"], tree["token_list"], tree["parents_list"], N)
+        built = tree_build.build_tree(tree["verified_id"], *organized, torch.tensor(Ls), k, N)
         live = tree_verify_batch(kv, rows, Ls, N, k, built["positions"], built["custom_mask"])
         backends = [FlashAttentionTreeBackend(pool, kv, topk=k, num_draft_tokens=N, validate=False)]
+        tree["target_predict"] = greedy_targets(built["parents"], built["draft_tokens"], N, seed)
         inputs["tree"] = tree
         x = {"ids": torch.zeros(B * N, dtype=torch.long)}
     else:
@@ -164,7 +192,7 @@ def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
         be.init_forward_metadata(live)
         ref[("eager", s)] = snapshot(be)
     if mode == "tree_verify":
-        ref[("eager", None)]["tree"] = snapshot_tree(built)
+        ref[("eager", None)]["tree"] = snapshot_tree(organized, built, tree["target_predict"], N)
     else:
         ref[("eager", 0)]["tree"] = snapshot_branches(kv, rows, Ls, k, loc)
     runner = TreeGraphRunner(_Runners(kv, k, N, backends, mode == "tree_verify"),

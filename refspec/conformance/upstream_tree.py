@@ -5,14 +5,17 @@
 Server args: ``speculative_eagle_topk = k``, ``speculative_num_draft_tokens = N``,
 ``speculative_num_steps = S`` (upstream's ``override_server_args``).  Per job:
 
-* ``tree_verify``: upstream builds its *own* tree from the job's draft results with
+* ``tree_verify``: upstream selects the drafts from the job's per-step draft lists
+  (``eagle_utils.organize_draft_results``) and builds its *own* tree with
   ``eagle_utils.build_tree_kernel_efficient`` (FULL_MASK); its tree-building kernel is the
   Triton one, ``spec_tree.sgl_build_tree_kernel_triton`` (the dispatch
   ``build_tree_kernel_efficient_func`` picks it on XPU; the CUDA / CPU builds are compiled
   kernels absent here), run in Triton's interpreter.  The result becomes an ``EagleVerifyInput``
   (upstream's class) with ``topk``, ``custom_mask``, ``positions`` and the ``retrieve_*`` lists;
   ``FlashAttentionBackend`` then builds the metadata.  The tree itself is returned as the
-  ``tree`` part of the eager result.
+  ``tree`` part of the eager result, with the greedy acceptance of the job's ``target_predict``
+  on it: the buffers of ``eagle_utils``' verify (``predict`` zeros, ``accept_index`` -1, int32)
+  filled by the Triton kernel ``spec_tree.verify_tree_greedy_triton`` (the CUDA one is compiled).
 * ``tree_draft_decode``: ``FlashAttentionMultiStepBackend(topk=k)`` with an ``EagleDraftInput``;
   step s is ``attn_backends[s]``.  Before it, upstream's own
   ``eagle_worker_common.prepare_for_draft`` assigns the draft slots from the job's
@@ -64,20 +67,34 @@ class TreeUpstream:
         self.Verify, self.Draft, self.hidden_mode = EagleVerifyInput, EagleDraftInput, CaptureHiddenMode.FULL
 
     def info(self) -> dict:
-        return {"tree kernel in Triton's interpreter":
-                uc.interpreted(self.st.sgl_build_tree_kernel_efficient_triton)}
+        return {"tree kernels in Triton's interpreter":
+                {n: uc.interpreted(getattr(self.st, n)) for n in ("sgl_build_tree_kernel_efficient_triton",
+                                                                 "verify_tree_greedy_kernel_triton")}}
 
     def build_tree(self, tree: dict, seq_lens: torch.Tensor, k: int, S: int, N: int) -> dict:
-        """Upstream's ``build_tree_kernel_efficient`` with the Triton tree kernel (module doc)."""
+        """Upstream's ``organize_draft_results`` on the job's draft lists, then its
+        ``build_tree_kernel_efficient`` with the Triton tree kernel, then greedy acceptance (module doc)."""
+        parent_list, top, draft_tokens = self.eu.organize_draft_results(tree["score_list"], tree["token_list"],
+                                                                        tree["parents_list"], N)
         saved = self.eu.build_tree_kernel_efficient_func
         self.eu.build_tree_kernel_efficient_func = self.st.sgl_build_tree_kernel_triton
         try:
             out = self.eu.build_tree_kernel_efficient(
-                tree["verified_id"], tree["parent_list"], tree["top_scores_index"], tree["draft_tokens"],
-                seq_lens, int(seq_lens.sum()), k, S, N, tree_mask_mode=self.st.TreeMaskMode.FULL_MASK)
+                tree["verified_id"], parent_list, top, draft_tokens, seq_lens, int(seq_lens.sum()), k, S, N,
+                tree_mask_mode=self.st.TreeMaskMode.FULL_MASK)
         finally:
             self.eu.build_tree_kernel_efficient_func = saved
-        return dict(zip(TREE_FIELDS, (x.clone() for x in out)))
+        built = dict(zip(TREE_FIELDS, (x.clone() for x in out)), parent_list=parent_list.clone(),
+                     top_scores_index=top.clone())
+        # greedy acceptance on upstream's own tree: eagle_utils' buffers, spec_tree's Triton kernel
+        B = seq_lens.numel()
+        predict = torch.zeros(B * N, dtype=torch.int32)
+        accept_index = torch.full((B, S + 1), -1, dtype=torch.int32)
+        accept_num = torch.empty((B,), dtype=torch.int32)
+        self.st.verify_tree_greedy_triton(predict, accept_index, accept_num, built["draft_tokens"].view(B, N),
+                                          built["retrive_index"], built["retrive_next_token"],
+                                          built["retrive_next_sibling"], tree["target_predict"].view(B, N))
+        return dict(built, predicts=predict, accept_index=accept_index, accept_token_num=accept_num)
 
     def draft_slots(self, job: dict, k: int, S: int, P: int) -> dict:
         """Upstream's draft ``out_cache_loc`` and tail copies for the job's live batch (module doc)."""

@@ -250,7 +250,7 @@ RULES: dict[str, Rule] = {
                    "the rule", U,
                    (sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "organize_draft_results"),
                     sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "build_tree_kernel_efficient"),
-                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func"))),
+                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func")), (NEW,), (NEW,)),
     "TR-017": Rule("accepted-path compaction: path KV to the first a verify slots; whole pages from ceil_P(L + a) "
                    "freed, none leaked", U,
                    (sgl("srt/speculative/eagle_info.py", T_EAGLE_INFO, None, "EagleVerifyInput.verify"),
