@@ -116,7 +116,8 @@ def test_tree_metadata_conforms_and_every_kernel_read_field_is_identical(clean_t
                                                                           "max_seq_len_q", "page_table[live]")], r
     info = clean_tree.info["0.5.23"]
     assert info["tree kernels in Triton's interpreter"] == {"sgl_build_tree_kernel_efficient_triton": True,
-                                                            "verify_tree_greedy_kernel_triton": True}
+                                                            "verify_tree_greedy_kernel_triton": True,
+                                                            "assign_draft_cache_locs_contiguous": True}
     accepted = [r for r in rows if r.mode == "tree_verify" and r.phase == "eager"]
     assert accepted and all(not [d for d in r.diffs if d.field.startswith("tree:")] for r in accepted)
 

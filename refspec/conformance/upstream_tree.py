@@ -57,19 +57,21 @@ class TreeUpstream:
     """The tree half of :class:`refspec.conformance.upstream_0523.Upstream` (same imports, same runner)."""
 
     def __init__(self, up):
+        import sglang.kernels.ops.speculative.cache_locs as cl
         import sglang.kernels.ops.speculative.spec_tree as st
         import sglang.srt.speculative.eagle_utils as eu
         import sglang.srt.speculative.eagle_worker_common as ewc
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput
 
-        self.up, self.eu, self.st, self.ewc, self.modes = up, eu, st, ewc, MODES
+        self.up, self.eu, self.st, self.ewc, self.cl, self.modes = up, eu, st, ewc, cl, MODES
         self.Verify, self.Draft, self.hidden_mode = EagleVerifyInput, EagleDraftInput, CaptureHiddenMode.FULL
 
     def info(self) -> dict:
-        return {"tree kernels in Triton's interpreter":
-                {n: uc.interpreted(getattr(self.st, n)) for n in ("sgl_build_tree_kernel_efficient_triton",
-                                                                 "verify_tree_greedy_kernel_triton")}}
+        kernels = {n: getattr(self.st, n) for n in ("sgl_build_tree_kernel_efficient_triton",
+                                                    "verify_tree_greedy_kernel_triton")}
+        kernels["assign_draft_cache_locs_contiguous"] = self.cl.assign_draft_cache_locs_contiguous
+        return {"tree kernels in Triton's interpreter": {n: uc.interpreted(f) for n, f in kernels.items()}}
 
     def build_tree(self, tree: dict, seq_lens: torch.Tensor, k: int, S: int, N: int) -> dict:
         """Upstream's ``organize_draft_results`` on the job's draft lists, then its
@@ -130,13 +132,13 @@ class TreeUpstream:
 
     def forward_batch(self, mode: str, tree, d: dict, k: int, S: int, N: int, own_mask: bool = True):
         """A ``ForwardBatch`` namespace; ``seq_lens`` int64, as upstream's scheduler and graph runners
-        hold it (module doc).  ``own_mask``: upstream's tree mask for the live requests, then the
-        padded requests' blocks of ``d``'s (refspec's runner's) mask."""
+        hold it (module doc).  ``own_mask``: upstream's tree mask and positions for the live
+        requests, then the padded requests' part of ``d``'s (refspec's runner's)."""
         fm = "TARGET_VERIFY" if mode == "tree_verify" else "DECODE"
         d = dict(d, seq_lens=d["seq_lens"].long())
         if mode == "tree_verify" and own_mask:
-            n = tree["custom_mask"].numel()
-            d["custom_mask"] = torch.cat([tree["custom_mask"], d["custom_mask"][n:]])
+            for f in ("custom_mask", "positions"):
+                d[f] = torch.cat([tree[f], d[f][tree[f].numel():]])
         fb = uc.NS(forward_mode=self.up.FM[fm], batch_size=int(d["req_pool_indices"].numel()),
                    req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"], seq_lens_cpu=d["seq_lens_cpu"],
                    seq_lens_sum=int(d["seq_lens_cpu"].sum()), extend_seq_lens=None, extend_seq_lens_cpu=None,
