@@ -158,7 +158,7 @@ KNOWN: tuple[Known, ...] = (
                  "never does (docs/kernel-facts.md#cu-seqlens-k-new, measured on the H200 for the top-k = 1 "
                  "calls; tests/test_gpu_tree_cu_seqlens_k.py makes this expand call with the stale value)"),
     Known("tree-expand-unsliced-legacy", ("expand:page_table[dead]",), ("tree_draft_decode",), ("replay",), OLD,
-          (("0.5.12.post1", FA, 1975), ("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 1440)),
+          (("0.5.12.post1", FA, 1975), ("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 1452)),
           "feeds cache_loc[:, :s + 1] to the unique-pages scatter (TR-018, the #25077 fix; 0.5.23 :3084)",
           "0.5.12.post1 feeds the whole num_steps-wide cache_loc row, so the pages of later steps land in "
           "columns at or past ceil(K / P), never read (PA-007) -- here, where a branch spans at most s + 2 "
