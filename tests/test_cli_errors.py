@@ -105,6 +105,8 @@ CASES = [
     (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,16,64"]),
     (["conformance", "--modes", "decode,prefill"], ["'prefill'", "draft_extend_v2"]),
     (["conformance", "--variant", "nope"], ["--variant", "'nope'", "seed-page-table"]),
+    (["conformance", "--topks", "3"], ["--topks", "[3]", "2,4,8"]),
+    (["conformance", "--topks", "1"], ["--topks", "1", ">= 2"]),
     (["conformance", "--pin", "0.5.23", "0.5.12.post1"], ["unrecognized arguments", "comma-separated"]),
 ]
 if not torch.cuda.is_available():
@@ -218,7 +220,7 @@ def test_list_options_are_comma_separated(monkeypatch, capsys):
     assert {("check", "--page-sizes"), ("check", "--sections"), ("demo", "--page-sizes"), ("demo", "--versions"),
             ("replay", "--page-sizes"), ("replay", "--versions"), ("bench", "--sections"),
             ("mutants", "--only"), ("conformance", "--pins"), ("conformance", "--page-sizes"),
-            ("conformance", "--modes")} <= lists
+            ("conformance", "--modes"), ("conformance", "--topks")} <= lists
     for _, p in _parsers(monkeypatch).items():
         for a in p._actions:  # options; a positional may take several words (cite ID ID ...)
             assert not a.option_strings or a.nargs in (None, 0), \

@@ -85,6 +85,8 @@ def test_every_documented_difference_cites_an_upstream_line_of_its_pins():
     for k in known.KNOWN:
         assert k.upstream and {pin for pin, _, _ in k.upstream} <= set(k.pins), k.key
         assert all(f.startswith("python/sglang/") and line > 0 for _, f, line in k.upstream), k.key
+    assert "eagle_worker_common.py:65" in known.source("0.5.23", "tree_draft_decode", "eager", "tree:tail_copy")
+    assert ":944" in known.source("0.5.23", "tree_draft_decode", "eager", "prefix:cu_seqlens_k")  # the FA builder
     assert known.link("0.5.23", known.FA, 741) == (
         "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/"
         "flashattention_backend.py#L741")
@@ -156,3 +158,116 @@ def test_an_upstream_error_or_a_missing_phase_is_a_failure_never_same():
     assert [(r.job, r.phase, r.ok) for r in rows] == [("decode/P4/x", "eager", False), ("decode/P4/x", "replay", False),
                                                       ("verify/P4/x", "eager", True), ("verify/P4/x", "replay", False)]
     assert rows[0].error.startswith("StubUsed") and "no replay" in rows[3].error
+
+
+# ---- top-k > 1: parts, the tree part, the documented-difference guard, the cases ----
+def tree_result(prefix, expand, tree=None):
+    out = {"prefix": prefix, "expand": expand}
+    if tree is not None:
+        out["tree"] = tree
+    return out
+
+
+def test_tree_parts_are_compared_each_under_its_own_page_size():
+    from refspec.conformance.compare import compare_parts
+
+    # verify expand: slots on the page-size-1 view, K = [1, 2]: row 1 reads 2 slots, its column 2 is dead
+    expand = md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 42, 41]])
+    ours = tree_result(OURS, expand)
+    theirs = tree_result(OURS, md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 42, 99]]))
+    assert [d.field for d in compare_parts(ours, theirs, 4, 1)] == ["expand:page_table[dead]"]
+    theirs = tree_result(OURS, md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 41, 41]]))
+    (d,) = compare_parts(ours, theirs, 4, 1)
+    assert (d.field, d.ours, d.theirs) == ("expand:page_table[live]", "row 1: [40, 42]", "row 1: [40, 41]")
+    # the same expand compared at P = 4 would read one page per row: the slot difference is then dead
+    assert [d.field for d in compare_parts(ours, theirs, 4, 4)] == ["expand:page_table[dead]"]
+
+
+def test_the_tree_part_is_compared_exactly_and_a_missing_tree_differs():
+    from refspec.conformance.compare import compare_parts
+
+    mask = torch.tensor([True, True, False, True])
+    ours = tree_result(OURS, OURS, {"custom_mask": mask, "positions": torch.tensor([5, 6])})
+    same = tree_result(OURS, OURS, {"custom_mask": mask.clone(), "positions": torch.tensor([5, 6])})
+    assert compare_parts(ours, same, 4, 4) == []
+    other = tree_result(OURS, OURS, {"custom_mask": torch.tensor([True, True, True, True]),
+                                     "positions": torch.tensor([5, 6])})
+    assert [d.field for d in compare_parts(ours, other, 4, 4)] == ["tree:custom_mask"]
+    assert [d.field for d in compare_parts(ours, tree_result(OURS, OURS), 4, 4)] == ["tree:custom_mask",
+                                                                                    "tree:positions"]
+
+
+def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_citation():
+    T = ("tree_draft_decode",)
+    with pytest.raises(ValueError, match="read by the kernel"):
+        known.Known("x", ("expand:cu_seqlens_k",), T, ("replay",), ("0.5.23",), (), "", "")
+    known.Known("x", ("expand:cu_seqlens_k",), T, ("replay",), ("0.5.23",), (), "", "", unread="flash_api.cpp:929")
+    for f in ("expand:cache_seqlens_int32", "prefix:page_table[live]", "prefix:cu_seqlens_q"):
+        with pytest.raises(ValueError, match="read by the kernel"):
+            known.Known("x", (f,), T, ("replay",), ("0.5.23",), (), "", "", unread="a citation")
+    with pytest.raises(ValueError, match="the verify tree itself"):
+        known.Known("x", ("tree:custom_mask",), ("tree_verify",), ("capture",), ("0.5.23",), (), "", "")
+    k = known.match("0.5.23", "tree_draft_decode", "replay", "expand:cu_seqlens_k")
+    assert k.key == "tree-draft-expand-cu-k" and "kernel-facts.md#cu-seqlens-k-new" in k.unread
+    assert known.match("0.5.23", "tree_verify", "replay", "expand:cu_seqlens_k") is None  # verify rewrites it
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:cu_seqlens_k").key == k.key
+    assert known.match("0.5.23", "tree_draft_decode", "replay", "expand:page_table[dead]") is None  # sliced there
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]").key == \
+        "tree-expand-unsliced-legacy"
+
+
+def test_tree_rows_are_labelled_with_their_top_k():
+    rows = [Row("0.5.23", "tree_draft_decode/k4/P4", "tree_draft_decode", 4, "k4", "replay", 1),
+            Row("0.5.23", "tree_verify/k2/P1", "tree_verify", 1, "k2", "eager", None)]
+    assert [r.label for r in rows] == ["tree_draft_decode k4 s=1", "tree_verify k2"]
+
+
+def test_tree_jobs_carry_the_draft_results_and_refspecs_padded_static_batch():
+    from refspec.conformance import tree_cases as tc
+
+    jobs = tc.build_jobs(page_sizes=(4,), topks=(2,))
+    assert [j.id for j in jobs] == ["tree_verify/k2/P4", "tree_draft_decode/k2/P4"]
+    verify, draft = jobs
+    assert set(verify.refspec) == {(p, None) for p in ("eager", "capture", "replay")}
+    assert set(draft.refspec) == {(p, s) for p in ("eager", "capture", "replay") for s in (0, 1)}
+    assert set(verify.refspec[("eager", None)]) == {"prefix", "expand", "tree"}
+    assert set(verify.inputs["tree"]) == {"score_list", "token_list", "parents_list", "verified_id", "target_predict"}
+    branches = draft.refspec[("eager", 0)]["tree"]  # the branch slots and the tail copies (TR-015)
+    assert torch.equal(branches["out_cache_loc"], draft.inputs["eager"]["out_cache_loc"])
+    tgt = branches["tail_copy"][:, 0].tolist()
+    assert tgt == sorted(tgt) and "tree" not in draft.refspec[("eager", 1)]
+    N, B, bs = 4, tc.B, tc.BS
+    rep = verify.inputs["replay"]
+    assert rep["req_pool_indices"][B:].tolist() == [0] * (bs - B) and rep["seq_lens"][B:].tolist() == [1] * (bs - B)
+    L = verify.inputs["eager"]["seq_lens"].tolist()
+    live_mask = sum(N * (x + N) for x in L)
+    assert rep["custom_mask"].numel() == live_mask + (bs - B) * N * (1 + N)  # padded requests: L = 1
+    assert draft.inputs["replay"]["out_cache_loc"].numel() == bs * 2 * tc.S  # [bs, k, S]
+    assert verify.inputs["context_len"] == verify.inputs["req_to_token"].shape[1]
+
+
+def test_the_run_applies_a_tree_variant_by_name_and_rejects_an_unknown_one():
+    from refspec.conformance.run import _variant
+    from refspec.fa3 import tree_metadata as tm
+
+    original = tm.verify_mask_rows
+    with _variant("tree-mask-sibling-visible"):
+        assert tm.verify_mask_rows is not original
+    assert tm.verify_mask_rows is original
+    with pytest.raises(KeyError):
+        with _variant("no-such-variant"):
+            pass
+
+
+def test_the_tree_part_is_compared_only_where_upstream_built_the_tree():
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import OWN_TREE, rows_for
+
+    expand = md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 42, 41]])  # verify expand: slots (page size 1)
+    ref = {("eager", None): tree_result(OURS, expand, {"positions": torch.tensor([5, 6])})}
+    job = Job("tree_verify/k2/P4", "tree_verify", 4, "k2", True, {}, ref)
+    results = {"tree_verify/k2/P4": {("eager", None): tree_result(OURS, expand)}}  # upstream gave no tree
+    assert OWN_TREE == ("0.5.23",)
+    (new,) = rows_for("0.5.23", [job], results)
+    (old,) = rows_for("0.5.12.post1", [job], results)
+    assert [d.field for d in new.undocumented] == ["tree:positions"] and old.ok and not old.diffs

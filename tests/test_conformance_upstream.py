@@ -9,6 +9,7 @@ where the bug lives, and nowhere else; the same cases without the variant confor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from refspec.conformance import run
 
@@ -84,3 +85,120 @@ def test_upstream_replay_kernels_run_in_tritons_interpreter_and_stubs_were_armed
         kernels = info["replay kernels in Triton's interpreter"]
         assert kernels and all(kernels.values()), (pin, kernels)
         assert info["placeholders"] > 0
+
+
+# ---- top-k > 1 (refspec.conformance.tree_cases) ----
+TREE = {"pins": ("0.5.23",), "page_sizes": (1, 4), "modes": ("tree_verify", "tree_draft_decode"), "topks": (2, 4),
+        "log": quiet, "cache": UPSTREAM}
+TREE_KEYS = {"tree-expand-max-k", "tree-replay-prefix-max-k", "tree-prefix-table-width", "tree-capture-contents",
+             "tree-draft-prefix-cu-k", "tree-draft-expand-cu-k"}
+
+
+@pytest.fixture(scope="module")
+def clean_tree():
+    out = run.run(**TREE)
+    assert out.ok, run.render(out)
+    return out
+
+
+@pytest.mark.spec("TR-010", "TR-011", "TR-013", "TR-014", "TR-016", "TR-018")
+def test_tree_metadata_conforms_and_every_kernel_read_field_is_identical(clean_tree):
+    """Every kernel-read field of both parts is bitwise upstream's at eager and padded replay; the
+    differences are only the documented tree ones; upstream's own tree equals refspec's."""
+    rows = clean_tree.rows
+    assert {(r.mode, r.phase) for r in rows} == {(m, p) for m in TREE["modes"] for p in ("eager", "capture", "replay")}
+    assert len(rows) == 2 * 2 * (1 + 2) * 3  # (k, P) x (verify + 2 draft steps) x phases
+    used = {d.documented for r in rows for d in r.diffs}
+    assert used <= TREE_KEYS
+    for r in rows:
+        if r.phase != "capture":
+            assert not [d for d in r.diffs if d.field.split(":")[1] in ("cache_seqlens_int32", "cu_seqlens_q",
+                                                                          "max_seq_len_q", "page_table[live]")], r
+    info = clean_tree.info["0.5.23"]
+    assert info["tree kernels in Triton's interpreter"] == {"sgl_build_tree_kernel_efficient_triton": True,
+                                                            "verify_tree_greedy_kernel_triton": True,
+                                                            "assign_draft_cache_locs_contiguous": True}
+    accepted = [r for r in rows if r.mode == "tree_verify" and r.phase == "eager"]
+    assert accepted and all(not [d for d in r.diffs if d.field.startswith("tree:")] for r in accepted)
+
+
+@pytest.mark.spec("TR-011", "TR-004")
+def test_tree_mask_sibling_visible_fails_on_the_verify_expand_part_only(clean_tree):
+    """A node that also sees its siblings: verify expand K and live slots differ from upstream's."""
+    out = run.run(variant="tree-mask-sibling-visible", **TREE)
+    assert out.info["0.5.23"]["reused"] == len({r.job for r in out.rows})  # upstream's side is unchanged
+    got = failing(out)
+    assert set(got) == {("tree_verify", "eager"), ("tree_verify", "replay")}
+    for fields in got.values():
+        assert {"expand:cache_seqlens_int32", "expand:page_table[live]"} <= fields
+        assert all(f.startswith("expand:") for f in fields)
+
+
+@pytest.mark.spec("TR-013")
+def test_draft_prefix_reading_the_partial_page_fails_on_prefix_cache_seqlens_at_p_gt_1(clean_tree):
+    """The pre-#7725 prefix rule K = L (the partial tail page shared by every branch), applied
+    in this test only, at every binding of ``draft_prefix_seqlens``."""
+    from refspec.fa3 import tree_metadata as tm
+    from refspec.mutants.replace import replaced
+
+    whole_pages_too = lambda seq_lens, page_size: seq_lens.to(torch.int32)  # noqa: E731
+    with replaced(tm.draft_prefix_seqlens, whole_pages_too):
+        out = run.run(**TREE)
+    got = failing(out)
+    assert set(got) == {("tree_draft_decode", "eager"), ("tree_draft_decode", "replay")}
+    assert all(fields == {"prefix:cache_seqlens_int32"} for fields in got.values())
+    assert {r.page_size for r in out.rows if not r.ok} == {4}  # P = 1: lp = 0, the rule is the same
+
+
+@pytest.mark.spec("TR-016", "TR-006")
+def test_sibling_blind_greedy_acceptance_fails_on_the_accepted_path_only(clean_tree):
+    """Acceptance that follows only each node's first child (the sibling lists ignored), applied in
+    this test only: the accepted path differs from upstream's Triton ``verify_tree_greedy``."""
+    from refspec.mutants.replace import replaced
+    from refspec.speculative import tree_build
+
+    original = tree_build.verify_tree_greedy
+
+    def first_child_only(cand, ri, next_token, next_sibling, target_predict, n):
+        return original(cand, ri, next_token, torch.full_like(next_sibling, -1), target_predict, n)
+
+    with replaced(tree_build.verify_tree_greedy, first_child_only):
+        out = run.run(**TREE)
+    assert out.info["0.5.23"]["reused"] == len({r.job for r in out.rows})
+    got = failing(out)
+    assert set(got) == {("tree_verify", "eager")}
+    assert got[("tree_verify", "eager")] <= {"tree:predicts", "tree:accept_index", "tree:accept_token_num"}
+    assert "tree:accept_index" in got[("tree_verify", "eager")]
+
+
+@pytest.mark.spec("TR-015")
+def test_no_tail_copy_fails_on_the_branch_tail_copies_against_upstreams_prepare_for_draft(clean_tree):
+    """A KV-layout bug (no metadata field changes): the lp tail tokens are not copied into branches
+    t >= 1.  Caught by the draft ``tree`` part, which holds upstream's own slot assignment and
+    tail copies (``eagle_worker_common.prepare_for_draft``), at P > 1 only."""
+    out = run.run(variant="branch-no-tail-copy", **TREE)
+    got = failing(out)
+    assert got == {("tree_draft_decode", "eager"): {"tree:tail_copy"}}
+    assert {(r.page_size, r.step) for r in out.rows if not r.ok} == {(4, 0)}
+
+
+@pytest.mark.spec("TR-018")
+def test_unsliced_draft_expand_replay_is_caught_at_replay_only(clean_tree):
+    """#25077 without its slice: at S = 3 the extra pages land in dead columns (never read) -- an
+    undocumented difference all the same, at draft-decode replay and nowhere else."""
+    got = failing(run.run(variant="draft-expand-unsliced-cache-loc", **TREE))
+    assert set(got) == {("tree_draft_decode", "replay")}
+    assert got[("tree_draft_decode", "replay")] == {"expand:page_table[dead]"}
+
+
+@pytest.mark.spec("TR-018", "TR-013", "TR-014")
+def test_the_legacy_pin_conforms_and_shows_its_unsliced_draft_expand_scatter_in_dead_columns_only():
+    """0.5.12.post1 predates #25077: its draft expand replay scatters all S steps.  The comparison
+    sees exactly that -- only at replay, step 0, P > 1, in dead columns -- and nothing else new."""
+    out = run.run(pins=("0.5.12.post1",), page_sizes=(1, 4), modes=("tree_verify", "tree_draft_decode"), topks=(2,),
+                  log=quiet, cache=UPSTREAM)
+    assert out.ok, run.render(out)
+    seen = {(r.mode, r.phase, r.step, r.page_size) for r in out.rows for d in r.diffs
+            if d.documented == "tree-expand-unsliced-legacy"}
+    assert seen == {("tree_draft_decode", "replay", 0, 4)}
+    assert not [d for r in out.rows for d in r.diffs if d.field.startswith("tree:")]  # its tree is refspec's

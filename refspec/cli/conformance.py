@@ -20,8 +20,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv) -> int:
-    from refspec.mutants import variants
-    from refspec.conformance import cases, install, run as conformance
+    from refspec.mutants import tree_variants, variants
+    from refspec.conformance import cases, install, run as conformance, tree_cases
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
     ap.add_argument("--pins", "--pin", type=choice_list(list(install.PINS), "SGLang releases"),
@@ -30,11 +30,17 @@ def _main(argv) -> int:
     ap.add_argument("--page-sizes", "--page-size", type=int_list(1, "page sizes"), default=list(cases.PAGE_SIZES),
                     metavar="P[,P...]",
                     help=f"page sizes, comma-separated, from {','.join(map(str, cases.PAGE_SIZES))} (default: all)")
-    ap.add_argument("--modes", "--mode", type=choice_list(sorted(cases.MODES), "modes"), default=None,
+    modes = sorted(cases.MODES) + list(tree_cases.MODES)
+    ap.add_argument("--modes", "--mode", type=choice_list(modes, "modes"), default=None,
                     metavar="MODE[,MODE...]",
-                    help=f"restrict the modes, comma-separated, from {', '.join(sorted(cases.MODES))} "
-                         "(default: every mode the pin has)")
-    ap.add_argument("--variant", choices=sorted(variants.VARIANTS), metavar="NAME", default=None,
+                    help=f"restrict the modes, comma-separated, from {', '.join(modes)} "
+                         "(default: every mode the pin has; the tree_* modes are top-k > 1)")
+    ap.add_argument("--topks", "--topk", type=int_list(2, "top-k values"), default=list(tree_cases.TOPKS),
+                    metavar="K[,K...]",
+                    help=f"top-k values of the tree_* modes, comma-separated, from "
+                         f"{','.join(map(str, tree_cases.TOPKS))} (default: all)")
+    ap.add_argument("--variant", choices=sorted(variants.VARIANTS) + sorted(tree_variants.TREE_VARIANTS),
+                    metavar="NAME", default=None,
                     help="switch a refspec bug variant on (negative control: the run must fail)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="also print every documented difference with both values")
@@ -44,7 +50,10 @@ def _main(argv) -> int:
     if bad:
         ap.error(f"argument --page-sizes: {bad} not among the compared page sizes "
                  f"{','.join(map(str, cases.PAGE_SIZES))}")
-    out = conformance.run(ns.pins, ns.page_sizes, ns.modes, ns.variant, ns.root)
+    bad = [k for k in ns.topks if k not in tree_cases.TOPKS]
+    if bad:
+        ap.error(f"argument --topks: {bad} not among the compared top-k values {','.join(map(str, tree_cases.TOPKS))}")
+    out = conformance.run(ns.pins, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks))
     print(conformance.render(out, ns.verbose))
     sys.stdout.flush()
     return 0 if out.ok else 1

@@ -11,6 +11,12 @@ Fields the kernel does not read are reported, not failed, when the difference is
 :data:`refspec.conformance.known.KNOWN`: ``max_seq_len_k`` and the *dead* page-table columns
 (at or past ``ceil(K_b / P)``, including a different table width).  An unlisted difference in
 them fails like any other.
+
+Top-k > 1 results (:mod:`refspec.conformance.tree_cases`) have two metadata *parts*, each
+compared by these rules under its own page size (:func:`compare_parts`): ``prefix:<field>`` and
+``expand:<field>`` (the verify expand table holds token slots: page size 1); and verify's eager
+result a ``tree:<field>`` part (FULL_MASK ``custom_mask``, ``positions``, ``retrive_*``,
+``draft_tokens``), compared exactly and never documentable.
 """
 
 from __future__ import annotations
@@ -21,6 +27,12 @@ import torch
 
 KERNEL_FIELDS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q", "page_table[live]")
 OTHER_FIELDS = ("max_seq_len_k", "page_table[dead]")
+PARTS = ("prefix", "expand")  #: the two metadata parts of a top-k > 1 result
+
+
+def base_field(field: str) -> str:
+    """``expand:cu_seqlens_k`` -> ``cu_seqlens_k`` (the field without its part)."""
+    return field.rpartition(":")[2]
 
 
 @dataclass(frozen=True)
@@ -81,4 +93,17 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
     if dead_bad or a.shape[1] != b.shape[1]:
         diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
                           f"width {b.shape[1]}"))
+    return diffs
+
+
+def compare_parts(ours: dict, theirs: dict, page_size: int, expand_page_size: int) -> list[Diff]:
+    """The raw differences of a top-k > 1 result: each part by :func:`compare` (field names
+    ``part:field``), then the ``tree`` part exactly (shape and values)."""
+    diffs = []
+    for part, P in zip(PARTS, (page_size, expand_page_size)):
+        diffs += [Diff(f"{part}:{d.field}", d.ours, d.theirs) for d in compare(ours[part], theirs[part], P)]
+    for f, a in ours.get("tree", {}).items():
+        b = theirs.get("tree", {}).get(f)
+        if b is None or a.shape != b.shape or not torch.equal(a.long(), b.long()):
+            diffs.append(Diff(f"tree:{f}", _show(a), "None" if b is None else _show(b)))
     return diffs

@@ -2,7 +2,12 @@
 harmless.  The one committed table; ``docs/conformance.md`` reprints it.
 
 Only fields the FA3 MHA kernel does not read may appear here (``max_seq_len_k``, dead
-page-table columns), plus the *capture-time* contents of buffers every replay rewrites.
+page-table columns), plus the *capture-time* contents of buffers every replay rewrites, plus
+``cu_seqlens_k`` where an entry's ``unread`` cites why that kernel call cannot read it (top-k > 1
+draft decode: not passed at all, or passed as ``cu_seqlens_k_new``, which FA3 reads only with new
+K/V: ``docs/kernel-facts.md#cu-seqlens-k-new``).  Top-k > 1 fields carry their part
+(``prefix:`` / ``expand:``, :func:`refspec.conformance.compare.compare_parts`); the ``tree:``
+part is never documentable.
 Upstream's FA3 call passes ``page_table``, ``cache_seqlens``,
 ``cu_seqlens_q``, ``cu_seqlens_k_new`` and ``max_seqlen_q``, and ``max_seqlen_k`` only on the FA4
 static-grid path (``_decode_uses_static_max_seqlen_k``): 0.5.23
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refspec.conformance.compare import KERNEL_FIELDS
+from refspec.conformance.compare import KERNEL_FIELDS, base_field
 
 FA = "python/sglang/srt/layers/attention/flashattention_backend.py"
 KM = "python/sglang/kernels/ops/attention/metadata.py"
 NEW, OLD = ("0.5.23",), ("0.5.12.post1",)
+BOTH = NEW + OLD
+#: kernel-listed fields an entry may document when it cites why the call does not read them
+UNREAD_IF_CITED = ("cu_seqlens_k",)
 
 
 #: kernel-read fields every replay rewrites before the graph runs: their *capture-time* contents
@@ -41,15 +49,21 @@ class Known:
     upstream: tuple[tuple[str, str, int], ...]  #: (pin, file, line) where upstream sets it
     refspec: str  #: what refspec does instead
     why: str  #: why the kernel result cannot change
+    unread: str = ""  #: for a kernel-listed field: why this kernel call does not read it (a citation)
 
     def __post_init__(self):
         for f in self.fields:
-            if f in KERNEL_FIELDS and not (self.phases == ("capture",) and f in REWRITTEN_AT_REPLAY):
+            b = base_field(f)
+            if f.startswith("tree:"):
+                raise ValueError(f"{self.key}: {f} is the verify tree itself; a difference there is a bug")
+            if b in KERNEL_FIELDS and not (self.phases == ("capture",) and b in REWRITTEN_AT_REPLAY) and \
+                    not (b in UNREAD_IF_CITED and self.unread):
                 raise ValueError(f"{self.key}: {f} is read by the kernel; a difference there is a bug, never a "
                                  f"documented difference (only its capture-time contents may differ)")
 
 
 _DECODE_MODES = ("decode", "draft_decode", "verify", "draft_extend", "draft_extend_v2")
+_TREE = ("tree_verify", "tree_draft_decode")
 KNOWN: tuple[Known, ...] = (
     Known("replay-max-k-context", ("max_seq_len_k",), ("decode", "draft_extend_v2"), ("replay", "replay-staged"), NEW,
           (("0.5.23", FA, 741), ("0.5.23", FA, 3137), ("0.5.23", FA, 3289), ("0.5.23", FA, 541)),
@@ -92,6 +106,63 @@ KNOWN: tuple[Known, ...] = (
           "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
           "upstream's replay kernel stores only each row's live pages (store mask cols < "
           "ceil(K_b / P)); columns at or past ceil(K_b / P) are never read (PA-007)"),
+    # ---- top-k > 1 (refspec.conformance.tree_cases) ----
+    Known("tree-expand-max-k", ("expand:max_seq_len_k",), _TREE, ("eager",), BOTH,
+          (("0.5.23", FA, 87), ("0.5.23", FA, 964), ("0.5.23", FA, 1105), ("0.5.12.post1", FA, 49),
+           ("0.5.12.post1", FA, 321), ("0.5.12.post1", FA, 423)),
+          "N (verify: at most N tree keys) / s + 1 + (P - 1) (draft: steps plus the tail copy)",
+          "upstream's eager expand metadata never sets max_seq_len_k (the dataclass default 0); FA3 does not "
+          "read max_seqlen_k (only FA4's static grid does, :2316)"),
+    Known("tree-replay-prefix-max-k", ("prefix:max_seq_len_k",), _TREE, ("replay",), BOTH,
+          (("0.5.23", FA, 3057), ("0.5.23", FA, 3203), ("0.5.12.post1", FA, 1957), ("0.5.12.post1", FA, 2075)),
+          "0: graph metadata keeps no max K",
+          "upstream keeps its host-side page-copy bound there: max_context_len at 0.5.23 (no CPU mirror), "
+          "max(seq_lens_cpu) at 0.5.12.post1; FA3 does not read max_seqlen_k"),
+    Known("tree-capture-max-k-legacy", ("prefix:max_seq_len_k",), ("tree_draft_decode",), ("capture",), OLD,
+          (("0.5.12.post1", FA, 1678),),
+          "0: not set at capture",
+          "the legacy capture hook takes max(seq_lens) of the dummy batch; FA3 does not read max_seqlen_k"),
+    Known("tree-prefix-table-width", ("prefix:page_table[dead]",), _TREE, ("capture", "replay"), BOTH,
+          (("0.5.23", FA, 2501), ("0.5.23", FA, 2639), ("0.5.23", FA, 3066), ("0.5.23", FA, 3208),
+           ("0.5.12.post1", FA, 1422), ("0.5.12.post1", FA, 1549)),
+          "a [bs, ceil(context_len / P)] prefix table (CG-008); replay writes ceil(max K / P) columns",
+          "upstream's *_topk_normal page_table buffers are max_context_len columns wide (a page count "
+          "only for P = 1) and replay copies the pages of max_context_len; columns at or past "
+          "ceil(K_b / P) are never read (PA-007)"),
+    Known("tree-capture-contents", ("prefix:cache_seqlens_int32", "prefix:cu_seqlens_k", "expand:cache_seqlens_int32",
+                                    "expand:cu_seqlens_k"), _TREE, ("capture",), BOTH,
+          (("0.5.23", FA, 669), ("0.5.23", FA, 678), ("0.5.23", FA, 2761), ("0.5.23", FA, 2845),
+           ("0.5.12.post1", FA, 1672), ("0.5.12.post1", FA, 1787)),
+          "fills the capture-time buffers from the padded dummy batch (L = 1, row 0)",
+          "for top-k > 1 upstream's capture only binds its *_topk_normal / *_topk_expand buffers (their "
+          "init_cuda_graph_state values) and returns; a graph keeps addresses, not contents, and every "
+          "kernel-read one is rewritten at replay (the replay rows compare the rewritten values)"),
+    Known("tree-draft-prefix-cu-k", ("prefix:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), BOTH,
+          (("0.5.23", FA, 955), ("0.5.23", FA, 1341), ("0.5.23", FA, 3053), ("0.5.23", FA, 2285),
+           ("0.5.12.post1", FA, 312), ("0.5.12.post1", FA, 583), ("0.5.12.post1", FA, 1955),
+           ("0.5.12.post1", FA, 1196)),
+          "cumsum(cache_seqlens) = cumsum(L - lp) (consistent with the K it passes)",
+          "upstream computes it before `cache_seqlens_int32 -= last_page_lens` (eager, P > 1: cumsum(L)) and "
+          "never writes it at replay ('cu_seqlens_k is not needed': zeros); its draft-decode prefix call "
+          "passes no cu_seqlens_k_new at all",
+          unread="the draft-decode prefix flash_attn_with_kvcache call (0.5.23 :2285, 0.5.12.post1 :1196) "
+                 "passes page_table, cache_seqlens, cu_seqlens_q and max_seqlen_q only"),
+    Known("tree-draft-expand-cu-k", ("expand:cu_seqlens_k",), ("tree_draft_decode",), ("eager", "replay"), BOTH,
+          (("0.5.23", FA, 979), ("0.5.23", FA, 1345), ("0.5.23", FA, 2522), ("0.5.23", FA, 2328),
+           ("0.5.12.post1", FA, 336), ("0.5.12.post1", FA, 587), ("0.5.12.post1", FA, 1443),
+           ("0.5.12.post1", FA, 1227)),
+          "cumsum(cache_seqlens) = cumsum(s + 1 + lp) (consistent with the K it passes)",
+          "P > 1: upstream's arange(0, .., s + 1) is built before `cache_seqlens += lp` (eager) and is a static "
+          "buffer replay never rewrites, so it omits the tail lp; it reaches the kernel only as cu_seqlens_k_new",
+          unread="FA3 reads cu_seqlens_k_new only when new K/V are passed (flash_api.cpp:929), which SGLang "
+                 "never does (docs/kernel-facts.md#cu-seqlens-k-new, measured on the H200 for the top-k = 1 "
+                 "calls; tests/test_gpu_tree_cu_seqlens_k.py makes this expand call with the stale value)"),
+    Known("tree-expand-unsliced-legacy", ("expand:page_table[dead]",), ("tree_draft_decode",), ("replay",), OLD,
+          (("0.5.12.post1", FA, 1975), ("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 1452)),
+          "feeds cache_loc[:, :s + 1] to the unique-pages scatter (TR-018, the #25077 fix; 0.5.23 :3084)",
+          "0.5.12.post1 feeds the whole num_steps-wide cache_loc row, so the pages of later steps land in "
+          "columns at or past ceil(K / P), never read (PA-007) -- here, where a branch spans at most s + 2 "
+          "pages; with more, its scatter writes past the s + 2 wide buffer: sgl-project/sglang#25077"),
 )
 
 
@@ -118,6 +189,9 @@ SOURCES = {
         ("draft_extend_v2", "capture"): (FA, 2905),
         ("decode", "replay"): (FA, 3106), ("draft_decode", "replay"): (FA, 3027), ("verify", "replay"): (FA, 3170),
         ("draft_extend_v2", "replay"): (FA, 3281), ("draft_extend_v2", "replay-staged"): (FA, 539),
+        ("tree_verify", "eager"): (FA, 1084), ("tree_draft_decode", "eager"): (FA, 944),
+        ("tree_verify", "capture"): (FA, 2845), ("tree_draft_decode", "capture"): (FA, 2761),
+        ("tree_verify", "replay"): (FA, 3195), ("tree_draft_decode", "replay"): (FA, 3043),
     },
     "0.5.12.post1": {
         ("decode", "eager"): (FA, 352), ("draft_decode", "eager"): (FA, 280), ("verify", "eager"): (FA, 374),
@@ -127,11 +201,25 @@ SOURCES = {
         ("draft_extend", "capture"): (FA, 1846), ("draft_extend_v2", "capture"): (FA, 1846),
         ("decode", "replay"): (FA, 1993), ("draft_decode", "replay"): (FA, 1915), ("verify", "replay"): (FA, 2035),
         ("draft_extend", "replay"): (FA, 2157), ("draft_extend_v2", "replay"): (FA, 2191),
+        ("tree_verify", "eager"): (FA, 403), ("tree_draft_decode", "eager"): (FA, 302),
+        ("tree_verify", "capture"): (FA, 1787), ("tree_draft_decode", "capture"): (FA, 1672),
+        ("tree_verify", "replay"): (FA, 2070), ("tree_draft_decode", "replay"): (FA, 1945),
     },
 }
 
 
-def source(pin: str, mode: str, phase: str) -> str:
-    """``file:line`` (and link) of upstream's builder for (mode, phase) at ``pin``."""
-    f, line = SOURCES[pin][(mode, phase)]
+EU = "python/sglang/srt/speculative/eagle_utils.py"
+EWC = "python/sglang/srt/speculative/eagle_worker_common.py"
+#: the ``tree:`` fields come from upstream's speculative code, not the attention backend (0.5.23)
+TREE_SOURCES = {f"tree:{f}": (EU, 138) for f in ("custom_mask", "positions", "retrive_index", "retrive_next_token",
+                                                 "retrive_next_sibling", "draft_tokens")}
+TREE_SOURCES.update({"tree:parent_list": (EU, 100), "tree:top_scores_index": (EU, 100)})
+TREE_SOURCES.update({"tree:out_cache_loc": (EWC, 241), "tree:tail_copy": (EWC, 65), "tree:predicts": (EU, 632),
+                     "tree:accept_index": (EU, 632), "tree:accept_token_num": (EU, 632)})
+
+
+def source(pin: str, mode: str, phase: str, field: str = "") -> str:
+    """``file:line`` (and link) of upstream's builder for (mode, phase) at ``pin`` (of ``field``
+    where it has its own: the ``tree:`` part)."""
+    f, line = TREE_SOURCES[field] if field in TREE_SOURCES else SOURCES[pin][(mode, phase)]
     return f"{f.split('/')[-1]}:{line} {link(pin, f, line)}"

@@ -25,7 +25,8 @@ class Row:
 
     @property
     def label(self) -> str:
-        return self.mode if self.step is None else f"{self.mode} s={self.step}"
+        mode = f"{self.mode} {self.shape}" if self.mode.startswith("tree_") else self.mode  # shape: k2, k4, k8
+        return mode if self.step is None else f"{mode} s={self.step}"
 
     @property
     def undocumented(self) -> list[Diff]:
@@ -68,7 +69,7 @@ def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
             lines.append(f"  ERROR {where}: {r.error}")
         for d in r.undocumented:
             lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
-                         f"(upstream {source(r.pin, r.mode, r.phase)})")
+                         f"(upstream {source(r.pin, r.mode, r.phase, d.field)})")
     return "\n".join(lines)
 
 

@@ -18,17 +18,21 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec.conformance import cases, install, known, report
-from refspec.conformance.compare import compare
+from refspec.conformance import cases, install, known, report, tree_cases
+from refspec.conformance.compare import compare, compare_parts
 
 #: conformance modes per pin (0.5.23 has no DRAFT_EXTEND v1)
 PIN_MODES = {
-    "0.5.23": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle"),
+    "0.5.23": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle",
+               *tree_cases.MODES),
     "0.5.12.post1": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend",
-                     "draft_extend_v2"),  # no IDLE: upstream_0512 module doc
+                     "draft_extend_v2", *tree_cases.MODES),  # no IDLE: upstream_0512 module doc
 }
 #: pins whose backend has the staged draft-extend replay (``stage_draft_extend_metadata``)
 STAGED_REPLAY = ("0.5.23",)
+#: pins where upstream builds the verify tree itself (its Triton tree kernel); elsewhere the worker
+#: uses the job's tree and the ``tree`` part is not compared (``upstream_tree.run_legacy``)
+OWN_TREE = ("0.5.23",)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -36,11 +40,14 @@ def _variant(name: str | None):
     """The one place that applies a refspec bug variant (refspec's side only; a negative control).
 
     Returns a context manager; ``None`` -> no variant.  Raises KeyError for an unknown name.
+    A name of :data:`refspec.mutants.tree_variants.TREE_VARIANTS` applies that top-k > 1 variant.
     """
     if name is None:
         return nullcontext()
-    from refspec.mutants import variants
+    from refspec.mutants import tree_variants, variants
 
+    if name in tree_variants.TREE_VARIANTS:
+        return tree_variants.apply_variant(name)
     return variants.enabled(name)
 
 
@@ -62,12 +69,16 @@ class Outcome:
 def run_worker(pin: str, path: list[str], jobs: list[cases.Job]) -> tuple[dict, dict]:
     """Run upstream ``pin`` on ``jobs`` in a subprocess; ``(results by job id, worker info)``.
 
+    The worker runs with ``TRITON_INTERPRET=1`` (Triton kernels in the interpreter) and
+    ``TORCHDYNAMO_DISABLE=1`` (upstream's ``@torch.compile`` functions, e.g.
+    ``draft_decode_set_expand_metadata``, run as the plain PyTorch they are written in).
+
     Raises: RuntimeError with the worker's stderr if it fails as a whole (import error, ...).
     """
     with tempfile.TemporaryDirectory(prefix="refspec-conformance-") as tmp:
         jobs_path, out_path = os.path.join(tmp, "jobs.pt"), os.path.join(tmp, "out.pt")
         torch.save([(j.id, dict(j.inputs, mode=j.mode)) for j in jobs], jobs_path)
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([*path, REPO]),
+        env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", PYTHONPATH=os.pathsep.join([*path, REPO]),
                    PYTHONWARNINGS="ignore")
         proc = subprocess.run([sys.executable, "-m", "refspec.conformance.worker", pin, jobs_path, out_path],
                               env=env, capture_output=True, text=True, cwd=REPO, check=False)
@@ -89,7 +100,13 @@ def rows_for(pin: str, jobs: list[cases.Job], results: dict) -> list[report.Row]
             if got is None:
                 row.error = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
             else:
-                for d in compare(ours, got, j.page_size):
+                if "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
+                    if pin not in OWN_TREE:
+                        ours = {part: v for part, v in ours.items() if part != "tree"}
+                    raw = compare_parts(ours, got, j.page_size, 1 if j.mode == "tree_verify" else j.page_size)
+                else:
+                    raw = compare(ours, got, j.page_size)
+                for d in raw:
                     k = known.match(pin, j.mode, phase, d.field)
                     row.diffs.append(d if k is None else type(d)(d.field, d.ours, d.theirs, k.key))
             rows.append(row)
@@ -121,8 +138,9 @@ def _upstream(pin: str, path: list[str], jobs: list[cases.Job], cache: dict | No
 
 
 def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
-        root: str | None = None, log=print, cache: dict | None = None) -> Outcome:
-    """The whole comparison.  ``modes`` restricts every pin's mode list (None: all it has).
+        root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS) -> Outcome:
+    """The whole comparison.  ``modes`` restricts every pin's mode list (None: all it has);
+    ``topks`` the top-k values of the tree modes.
 
     ``cache`` (a dict kept by the caller) lets several runs share upstream's results for
     byte-identical inputs: a refspec variant that leaves the inputs unchanged costs no worker.
@@ -135,7 +153,8 @@ def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str
         t = time.perf_counter()
         pm = [m for m in PIN_MODES[pin] if modes is None or m in modes]
         with _variant(variant):
-            jobs = cases.build_jobs(pm, page_sizes, staged=pin in STAGED_REPLAY)
+            jobs = cases.build_jobs([m for m in pm if m in cases.MODES], page_sizes, staged=pin in STAGED_REPLAY)
+            jobs += tree_cases.build_jobs([m for m in pm if m in tree_cases.MODES], page_sizes, topks)
         results, info[pin] = _upstream(pin, paths[pin], jobs, cache)
         rows += rows_for(pin, jobs, results)
         seconds[pin] = round(time.perf_counter() - t, 1)
@@ -153,7 +172,7 @@ def render(out: Outcome, verbose: bool = False) -> str:
                      f"documented differences, {s['undocumented']} failing "
                      f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s)")
         for k, v in inf.items():
-            if k.startswith("replay kernels"):
+            if k.startswith(("replay kernels", "tree kernel")):
                 parts.append(f"   {k}: {v}")
         parts.append(report.table(out.rows, pin, verbose))
     used = {d.documented for r in out.rows for d in r.diffs if d.documented}

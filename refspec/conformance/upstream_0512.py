@@ -7,6 +7,8 @@ Here v1 draft extend and its replay rule ``cu_seqlens_q[1:] = cumsum(spec_info.n
 wrote them.  The model runner carries a real ``ServerArgs`` (dataclass defaults, no
 ``__post_init__``: that validates a model path and probes the GPU), also published through
 upstream's ``set_global_server_args_for_scheduler``.
+The top-k > 1 tree jobs go to :func:`refspec.conformance.upstream_tree.run_legacy` (with
+``speculative_eagle_topk = k``).
 IDLE is not compared: with an empty batch this release never builds attention metadata
 (``model_runner.py`` ``forward_idle``: ``if forward_batch.batch_size > 0``), and its eager
 builder would take the max of an empty ``seq_lens_cpu``.
@@ -19,7 +21,8 @@ from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
 
-MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2")
+MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2",
+         "tree_verify", "tree_draft_decode")
 
 
 def _server_args(ServerArgs, **over):
@@ -61,9 +64,12 @@ class Upstream:
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
         if mode not in MODES:
             raise ValueError(f"sglang 0.5.12.post1 is not compared on {mode!r}")
-        sa = _server_args(self.ServerArgs, page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1,
-                          speculative_num_steps=Sd, speculative_num_draft_tokens=N, device="cpu",
-                          attention_backend="fa3")
+        sa = _server_args(self.ServerArgs, page_size=P, speculative_algorithm="EAGLE",
+                          speculative_eagle_topk=job.get("topk", 1), speculative_num_steps=Sd,
+                          speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        if mode.startswith("tree_"):
+            from refspec.conformance.upstream_tree import run_legacy
+            return run_legacy(self, job, sa)
         self.publish(sa)
         R = job["req_to_token"]
         rows = NS(req_to_token=R, size=R.shape[0] - 1)

@@ -30,6 +30,10 @@ class Upstream:
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang.srt.runtime_context import get_context
 
+        from refspec.conformance.upstream_tree import TreeUpstream
+
+        self.fa, self.FM = fa, ForwardMode
+        self.tree = TreeUpstream(self)  # imports upstream's tree code before the stubs are armed
         uc.finish_imports()
         self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
         self.translator, self.context = KVIndexTranslator, get_context
@@ -37,7 +41,7 @@ class Upstream:
                         ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel")}
 
     def info(self) -> dict:
-        return {"replay kernels in Triton's interpreter": self.kernels}
+        return {"replay kernels in Triton's interpreter": self.kernels, **self.tree.info()}
 
     def _runner(self, R, P: int, ctx: int, draft: bool):
         pool = uc.KVPoolStub()
@@ -50,8 +54,10 @@ class Upstream:
                                                       is_draft_worker=draft))
 
     def run(self, job: dict) -> dict:
-        """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
+        """``{(phase, step): fields}`` for one job (``cases.Job.inputs``); tree jobs: :mod:`upstream_tree`."""
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
+        if mode in self.tree.modes:
+            return self.tree.run(job)
         override = self.context().override_server_args(
             page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=Sd,
             speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")

@@ -228,36 +228,36 @@ RULES: dict[str, Rule] = {
     # --- the FA3 tree path (docs/spec/tree.md, "The FA3 tree path") ----------------------
     "TR-010": Rule("tree verify prefix: K = L, cu_seqlens_q = arange(0, B*N+1, N), max_seqlen_q = N, causal=False", U,
                    (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
-                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend"))),
+                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend")), (OLD, NEW), BOTH),
     "TR-011": Rule("tree verify expand: one sequence per node, K = mask row sum, table = its allowed verify slots "
                    "first (page-1 view)", U,
                    (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
-                    pr(7725, "expand call on the page-size-1 view"))),
+                    pr(7725, "expand call on the page-size-1 view")), (OLD, NEW), BOTH),
     "TR-012": Rule("cascade merge: LSE-rescaled sum of prefix and expand equals attention over their union", U,
                    (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_decode"),
                     sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend"))),
     "TR-013": Rule("tree draft decode prefix: B*k rows packed k per request, K = L - (L mod P if P > 1)", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7725))),
+                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7725)), (OLD, NEW), BOTH),
     "TR-014": Rule("tree draft decode expand: K = s + 1 (+ L mod P), table = the row's own step slots (P = 1) or "
                    "unique pages (P > 1)", U,
                    (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7239, "view(-1, S)"),
-                    pr(7725), pr(15469, "unique consecutive pages"))),
+                    pr(7725), pr(15469, "unique consecutive pages")), (OLD, NEW), BOTH),
     "TR-015": Rule("branch KV layout: branch t owns a page-aligned region; the partial tail page is copied into "
                    "branches t >= 1", U,
                    (sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "assign_draft_cache_locs"),
-                    pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV"))),
+                    pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV")), (NEW,), (NEW,)),
     "TR-016": Rule("the production tree (organize_draft_results, build_tree_efficient, VerifyTreeGreedy) equals "
                    "the rule", U,
                    (sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "organize_draft_results"),
                     sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "build_tree_kernel_efficient"),
-                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func"))),
+                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func")), (NEW,), (NEW,)),
     "TR-017": Rule("accepted-path compaction: path KV to the first a verify slots; whole pages from ceil_P(L + a) "
                    "freed, none leaked", U,
                    (sgl("srt/speculative/eagle_info.py", T_EAGLE_INFO, None, "EagleVerifyInput.verify"),
                     sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
     "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
                    "columns) equals eager", U,
-                   (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469))),
+                   (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469)), (NEW,), BOTH),
     "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
                    "page freed", U,
                    (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
