@@ -19,7 +19,27 @@ out_cache_loc        0 (padded tokens write the dummy page 0)
 positions            0
 num_accept_tokens,   W (#15207 ``160a06cab`` fills ``num_tokens_per_bs``)
 extend_seq_lens
+inputs (ids, ...)    0
 ===================  ====================================================================
+
+**One copy per dtype.**  A replay writes its static buffers with ONE ``torch._foreach_copy_``
+per dtype (int64: ``req_pool_indices``, ``out_cache_loc``, ``positions``, the token inputs;
+int32: ``seq_lens``, ``num_accept_tokens``, ``extend_seq_lens``; the model dtype: ``hidden``):
+the real rows from the live batch's device tensors, the padded rows from constant fill
+tensors (:func:`pad_rows`), in one list, so the padding is part of the same launch (on CUDA one
+multi-tensor kernel per dtype, ``multi_tensor_apply``) instead of a ``copy_`` and a ``fill_``
+per field.  Every field the graph reads is device-derived in the overlap loop (the future
+map's lengths, the window's slots), so a device-to-device copy is the one that covers them
+all.  SGLang writes the same fields with one ``copy_`` / ``fill_`` each
+(``CudaGraphRunner.replay_prepare``, python/sglang/srt/model_executor/cuda_graph_runner.py,
+`v0.5.5 <https://github.com/sgl-project/sglang/blob/v0.5.5/python/sglang/srt/model_executor/cuda_graph_runner.py#L758>`_;
+``DecodeInputBuffers.populate_from_forward_batch`` at
+`v0.5.12.post1 <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/model_executor/cuda_graph_runner.py#L296>`_)
+and fuses the metadata writes that follow into one Triton kernel per backend
+(``normal_decode_set_metadata`` / ``draft_extend_set_metadata``,
+`python/sglang/kernels/ops/attention/metadata.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/ops/attention/metadata.py#L505>`_).
+The CPU mirrors of the static batch (``seq_lens_cpu``, the per-request lists) are built with
+no per-request Python loop.
 
 Graphs run ``forward_fn(fb, inputs)`` on the runner's *static* batch and input buffers, so the
 captured launches read the same memory at every replay.  Outputs come back sliced to the real
@@ -36,6 +56,9 @@ from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.graphs.capture import make_graph
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
+
+
+PER_TOKEN = ("out_cache_loc", "positions")  #: fields with one entry per token (T), not per request (B)
 
 
 class GraphRunner:
@@ -104,27 +127,34 @@ class GraphRunner:
             num_accept_tokens_cpu=[self.W] * bs, num_draft_tokens=self.N, draft_step=self.draft_step)
 
     def _fill(self, fb: ForwardBatch, live: ForwardBatch | None, bs: int, inputs: dict | None) -> None:
-        """Copy the live batch into the static buffers and pad (CG-005); set the CPU mirrors."""
+        """Copy the live batch into the static buffers and pad (CG-005) in one copy per dtype
+        (module doc); set the CPU mirrors."""
         B = 0 if live is None else live.batch_size
         T = 0 if live is None else live.num_tokens
         fill, W = self.seq_lens_fill(), self.W
+        dst, src = [], []
         for name, buf in self.buf.items():
-            per_token = name in ("out_cache_loc", "positions")
-            n = T if per_token else B
-            if live is not None and getattr(live, name) is not None and n:
-                buf[:n].copy_(getattr(live, name))
-            pad_rows(buf, name, n, bs * W if per_token else bs, self.mode, W)
+            n, stop = (T, bs * W) if name in PER_TOKEN else (B, bs)
+            x = None if live is None else getattr(live, name)
+            if x is not None and n:
+                dst.append(buf[:n])
+                src.append(x)
+            pad = pad_rows(buf, name, n, stop, self.mode, W)
+            if pad is not None:
+                dst.append(pad[0])
+                src.append(pad[1])
         for name, buf in self.inputs.items():
             if live is not None and T:
-                buf[:T].copy_(inputs[name])
-            buf[T:bs * W].zero_()
-        def cpu(field, default):
-            real = [default] * B if live is None or getattr(live, field) is None else list(getattr(live, field))
-            return [int(x) for x in real] + [default] * (bs - B)
-        fb.seq_lens_cpu = torch.tensor(cpu("seq_lens_cpu", fill), dtype=torch.long)
+                dst.append(buf[:T])
+                src.append(inputs[name])
+            dst.append(buf[T:bs * W])
+            src.append(fill_source(buf, 0)[T:bs * W])
+        copy_rows(dst, src)
+        pad_cpu = torch.full((bs - B,), fill, dtype=torch.long)
+        fb.seq_lens_cpu = pad_cpu if live is None else torch.cat([live.seq_lens_cpu.long(), pad_cpu])
         fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
-        fb.num_accept_tokens_cpu = cpu("num_accept_tokens_cpu", W)
-        fb.extend_seq_lens_cpu = cpu("extend_seq_lens_cpu", W)
+        fb.num_accept_tokens_cpu = _cpu_list(live, "num_accept_tokens_cpu", B, bs, W)
+        fb.extend_seq_lens_cpu = _cpu_list(live, "extend_seq_lens_cpu", B, bs, W)
 
     def _checking(self, B: int, bs: int) -> bool:
         return bs > B and all(getattr(b, "validate", True) for b in self.backends)
@@ -229,10 +259,43 @@ def seq_lens_fill(mode: ForwardMode, W: int) -> int:
     return W if mode.is_draft_extend(include_v2=True) else 1
 
 
-def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardMode, W: int) -> None:
-    """Rewrite ``buf[start:stop]``, the padded rows (or tokens) of field ``name``, with its fill
-    on *every* replay (CG-005): ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the
-    reserved row and the dummy page 0), ``seq_lens`` :func:`seq_lens_fill`,
-    ``num_accept_tokens`` / ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``)."""
+def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardMode, W: int):
+    """The padded rows (or tokens) ``buf[start:stop]`` of field ``name`` and what the replay's
+    copy writes there, rewritten on *every* replay (CG-005): ``(buf[start:stop], fills)``, the
+    fills ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the reserved row and the
+    dummy page 0), ``seq_lens`` :func:`seq_lens_fill`, ``num_accept_tokens`` /
+    ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``).  None: nothing to write."""
     fill = {"seq_lens": seq_lens_fill(mode, W), "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
-    buf[start:stop].fill_(fill)
+    return buf[start:stop], fill_source(buf, fill)[start:stop]
+
+
+_FILLS: dict = {}
+
+
+def fill_source(buf: torch.Tensor, value: int) -> torch.Tensor:
+    """A constant tensor like ``buf`` (shape, dtype, device) holding ``value``, made once and
+    shared (never written): the source of padded rows in the replay's copy."""
+    key = (buf.device, buf.dtype, tuple(buf.shape), value)
+    if key not in _FILLS:
+        _FILLS[key] = torch.full_like(buf, value)
+    return _FILLS[key]
+
+
+def copy_rows(dst: list, src: list) -> None:
+    """``dst[i].copy_(src[i])`` for all i, one ``torch._foreach_copy_`` per destination dtype
+    (on CUDA one multi-tensor kernel each when every pair has the same shape and strides, else
+    the copies in list order).  Pairs are applied in list order within a dtype."""
+    groups: dict = {}
+    for d, s in zip(dst, src):
+        if d.numel():
+            ds, ss = groups.setdefault(d.dtype, ([], []))
+            ds.append(d)
+            ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def _cpu_list(live, field: str, B: int, bs: int, W: int) -> list[int]:
+    """A per-request CPU list of the static batch: the live one's (or W each), then W per padded row."""
+    real = None if live is None else getattr(live, field)
+    return ([W] * B if real is None else list(real)) + [W] * (bs - B)

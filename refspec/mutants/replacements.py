@@ -100,15 +100,15 @@ def width_from_context(req_to_token, max_context_len, page_size):
 
 
 def pad_nothing(buf, name, start, stop, mode, W):
-    """stale-padded-rows: padded rows keep whatever the previous replay left there."""
+    """stale-padded-rows: padded rows keep whatever the previous replay left there (nothing to copy)."""
+    return None
 
 
 def pad_with_live_row(buf, name, start, stop, mode, W):
     """pad-rows-live-page: padded rows get the first live request's row instead of row 0."""
     if name == "req_pool_indices" and start > 0:
-        buf[start:stop].fill_(int(buf[0]))
-        return
-    _orig["pad_rows"](buf, name, start, stop, mode, W)
+        return buf[start:stop], buf[:1].expand(stop - start)  # row 0 as this replay's copy writes it
+    return _orig["pad_rows"](buf, name, start, stop, mode, W)
 
 
 def seq_lens_fill_zero(mode, W):

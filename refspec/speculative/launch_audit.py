@@ -1,0 +1,163 @@
+"""Count the host's work per round: torch ops dispatched outside the CUDA graphs, by site.
+
+On a GPU every torch op the host dispatches on a device tensor is at least one kernel launch
+(a few microseconds of host time each, plus Python around it), while a CUDA-graph replay is one
+launch whatever it holds.  :func:`host_ops` counts exactly that, on any device:
+
+* every aten op dispatched while the probe is active (a ``TorchDispatchMode``), by call site
+  ``(path, function)`` = the innermost ``refspec`` frame, and by op name;
+* a graph replay (``EmulatedGraph.replay`` / ``CudaGraph.replay``) as ONE op, ``graph_replay``,
+  at the runner that replays it: the ops inside an emulated replay (the model, on CPU) are not
+  counted, as on a GPU where they are the graph's own kernels.
+
+So on a CPU the count of a round is the count of host launches the same round makes on a GPU
+(tensor factories from host lists included: on a GPU those are the pinned staging copies), and
+a test can pin it (``tests/test_launch_audit.py``).  Phases are those of
+:func:`refspec.speculative.sync_audit.phases`: ``launch k`` (building and launching round k) and
+``commit k`` (reading and applying it).
+
+``python -m refspec.speculative.launch_audit --device cpu --tiny`` prints ops per round by
+site; ``--device cuda`` the same on the GPU, plus host milliseconds per launch phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from refspec.graphs import capture
+from refspec.speculative.sync_audit import phases
+
+#: ops that never reach a device (metadata only: views, shape queries); not counted
+_FREE = ("aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::t", "aten::expand",
+         "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes",
+         "aten::unbind", "aten::as_strided", "aten::transpose", "aten::permute", "aten::reshape", "aten::chunk",
+         "aten::narrow", "aten::sym_size", "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset",
+         "aten::is_pinned")
+
+
+def _site(frame) -> tuple[str, str]:
+    """Innermost frame inside the refspec package, not this module: ``(path, function)``."""
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename.replace("\\", "/")
+        if "/refspec/" in name and not name.endswith(("launch_audit.py", "sync_audit.py")):
+            return name.split("/refspec/", 1)[1], f.f_code.co_name
+        f = f.f_back
+    return "<outside refspec>", ""
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self, seen: Counter, state: dict):
+        super().__init__()
+        self.seen, self.state = seen, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if not self.state["paused"] and name not in _FREE:
+            self.seen[(self.state["now"](), *_site(sys._getframe(1)), name.removeprefix("aten::"))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def host_ops(now=lambda: ""):
+    """Count host-dispatched ops while active: yields a ``Counter`` of ``(phase, path, function,
+    op)`` (module doc); ``now()`` names the current phase.  Graph replays count once each."""
+    seen: Counter = Counter()
+    state = {"paused": False, "now": now}
+    saved = {cls: cls.replay for cls in (capture.EmulatedGraph, capture.CudaGraph)}
+
+    def counted(orig):
+        def replay(self):
+            if not state["paused"]:
+                seen[(now(), *_site(sys._getframe(1)), "graph_replay")] += 1
+            paused, state["paused"] = state["paused"], True
+            try:
+                return orig(self)
+            finally:
+                state["paused"] = paused
+        return replay
+
+    for cls, orig in saved.items():
+        cls.replay = counted(orig)
+    try:
+        with _Count(seen, state):
+            yield seen
+    finally:
+        for cls, orig in saved.items():
+            cls.replay = orig
+
+
+def round_ops(eng) -> tuple[Counter, Counter]:
+    """Run ``eng`` under :func:`host_ops` with its loop phases labelled: ``(ops, host_s)`` where
+    ``ops`` counts ``(phase kind, path, function, op)`` ("launch" / "commit" / "prefill" /
+    "setup") and ``host_s`` the wall seconds per phase kind spent outside graph replays."""
+    host_s: Counter = Counter()
+    with phases(eng) as state:
+        kind = lambda: state["now"].split()[0]  # noqa: E731
+        with host_ops(kind) as seen:
+            eng.run()
+    ops: Counter = Counter()
+    for (ph, path, fn, op), n in seen.items():
+        ops[(ph, path, fn, op)] += n
+    return ops, host_s
+
+
+def per_round(ops: Counter, rounds: int, phase: str = "launch") -> float:
+    """Ops per round of one phase kind."""
+    return sum(n for (ph, *_), n in ops.items() if ph == phase) / max(rounds, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m refspec.speculative.launch_audit",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="the tiny test config instead of SmolLM2's shapes")
+    ap.add_argument("--top", type=int, default=40)
+    ns = ap.parse_args(argv)
+    from refspec.model.drafts import make_draft
+    from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
+    from refspec.speculative.engine import Engine
+
+    dev = torch.device(ns.device)
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                          tie_word_embeddings=True, max_position_embeddings=8192)
+    cfg = tiny_config() if ns.tiny else smollm2
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = init_random_(LlamaModel(cfg), seed=0).to(dev, dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (24 + 8 * i,), generator=g).tolist() for i in range(ns.batch)]
+    eng = Engine(model, make_draft("early-exit:" + str(max(1, cfg.num_hidden_layers * 5 // 6)), model),
+                 version="v2", num_steps=3, page_size=ns.page_size, max_context=max(map(len, prompts)) +
+                 ns.max_new_tokens, max_batch=ns.batch, graphs=True, capture_bs=sorted({1, 2, 4, 8, ns.batch}),
+                 validate=False, overlap=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(i, p, ns.max_new_tokens)
+    t = time.perf_counter()
+    ops, _ = round_ops(eng)
+    wall = time.perf_counter() - t
+    rounds = eng.rounds_launched
+    print(f"device {dev}, v2 overlap, B = {ns.batch}, rounds {rounds}, {wall:.2f} s")
+    for ph in ("launch", "commit"):
+        print(f"host ops per round, {ph}: {per_round(ops, rounds, ph):.1f}")
+    by_site: Counter = Counter()
+    for (ph, path, fn, op), n in ops.items():
+        if ph in ("launch", "commit"):
+            by_site[(ph, f"{path}:{fn}", op)] += n
+    for (ph, site, op), n in by_site.most_common(ns.top):
+        print(f"  {n / max(rounds, 1):7.2f}  {ph:7s} {site:55s} {op}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
