@@ -42,21 +42,22 @@ def _draft(eng, reqs, fb, forced, d1, dhid):
 
 
 def _verify(eng, reqs, fb, roots, drafts):
-    """TARGET_VERIFY on [t_L, d_1..d_Sd] at L..L+N-1: hidden ``[B*N, E]``, n ``[B]``, c ``[B, N]``."""
+    """TARGET_VERIFY on [t_L, d_1..d_Sd] at L..L+N-1: hidden ``[B*N, E]``, n ``[B]``, c ``[B, N]``
+    (the verify rows' argmax comes out of the forward, :class:`~refspec.speculative.runners.SpecRunners`)."""
     B, N = len(reqs), eng.N
-    logits, hidden = eng.runners.verify(torch.cat([roots[:, None], drafts], dim=1).flatten(), fb)
+    predict, hidden = eng.runners.verify(torch.cat([roots[:, None], drafts], dim=1).flatten(), fb)
     eng.observe("verify", reqs=reqs, fb=fb)
-    predict = logits.argmax(-1).view(B, N)
+    predict = predict.view(B, N)
     n = eng.accept_counts(reqs, drafts, predict)
     return hidden, n, committed_candidates(drafts, predict, n)
 
 
-def _next_state(eng, rows_dev, new_seq_lens, cand, dl, dh, keep, a):
+def _next_state(eng, rows_dev, new_seq_lens, cand, d_next, dh, keep, a):
     """Into the future map: the next L, the bonus c[b, a_b - 1] (next root), the kept draft
-    rows' argmax (next d_1) and hidden."""
+    rows' argmax (next d_1; ``d_next [T]`` is every draft-extend row's) and hidden."""
     roots = cand.gather(1, (a - 1)[:, None])[:, 0]
     dh_keep = dh[keep] if eng.draft.uses_hidden else None
-    eng.future.stash(rows_dev, seq_lens=new_seq_lens, root=roots, d1=dl[keep].argmax(-1), hidden=dh_keep)
+    eng.future.stash(rows_dev, seq_lens=new_seq_lens, root=roots, d1=d_next[keep], hidden=dh_keep)
 
 
 def round_v1(eng, reqs) -> list[list[int]]:
@@ -88,9 +89,9 @@ def round_v1(eng, reqs) -> list[list[int]]:
     fb = draft_extend_batch(kv, rows, [l + ab for l, ab in zip(L, a)], a, num_draft_tokens=N)
     sel, keep = h2d_many([[b * N + i for b, ab in enumerate(a) for i in range(ab)],
                           [sum(a[:b + 1]) - 1 for b in range(len(a))]], eng.device)  # keep: each one's last row
-    dl, dh = eng.runners.draft_extend(fb, cand.flatten()[sel], hidden[sel])
+    d_next, dh = eng.runners.draft_extend(fb, cand.flatten()[sel], hidden[sel])
     eng.observe("draft_extend", reqs=reqs, fb=fb)
-    _next_state(eng, rows_dev, fb.seq_lens, cand, dl, dh, keep, a_dev)
+    _next_state(eng, rows_dev, fb.seq_lens, cand, d_next, dh, keep, a_dev)
     for r, row, K in zip(reqs, host, fb.seq_lens_cpu.tolist()):  # the extent the draft extend wrote
         r.draft_kv_len = K
         row.append(K)
@@ -129,9 +130,9 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     a_dev = n + 1
     # draft extend over all N rows at L..L+N-1 (seq_lens = L + N), SD-005
     fb.num_accept_tokens = a_dev.to(torch.int32)  # device only; used to select the kept row
-    dl, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
+    d_next, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
     eng.observe("draft_extend", reqs=reqs, fb=fb)
     keep = torch.arange(len(reqs), device=a_dev.device) * N + a_dev - 1  # row b*N + a_b - 1
-    _next_state(eng, rows_dev, L_dev + a_dev, cand, dl, dh, keep, a_dev)
+    _next_state(eng, rows_dev, L_dev + a_dev, cand, d_next, dh, keep, a_dev)
     draft_len = fb.positions[keep] + 1  # the kept row's KV index + 1
     return torch.cat([a_dev[:, None], cand, drafts, draft_len[:, None], L_dev[:, None]], dim=1)

@@ -24,6 +24,15 @@ laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): `
 d_1), ``forced`` (column s = a drafter's d_(s+2), or -1 for the draft's own argmax) and, for an
 EAGLE draft, ``hidden`` (column 0 = the kept draft-extend row's hidden).  Step s reads its
 ``draft_step_view`` and the backend of step s; the chosen tokens ``[B, Sd-1]`` come out.
+
+**The greedy head inside the graph** (``head = "argmax"``, the chain's default).  Verify and
+draft extend return each row's ``argmax`` token ``[T]`` instead of its logits ``[T, V]``: the
+chain reads nothing else of them (greedy acceptance SD-001 compares the verify argmax with the
+drafts; the next d_1 is the kept draft-extend row's argmax), so the argmax runs inside the
+captured graph and the ``[T, V]`` logits (V = 49152 for SmolLM2) are neither cloned out of the
+graph nor reduced by a separate launch.  ``torch.argmax`` of the same logits, so the tokens are
+the same bits as an argmax outside.  Top-k trees need the draft logits (``head = "logits"``,
+:class:`~refspec.speculative.tree_runners.TreeRunners`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ from refspec.oracle.backend import OracleBackend
 class SpecRunners:
     """Backends and graph runners of one production engine.
 
+    ``head``: what :meth:`verify` and :meth:`draft_extend` return per row (module doc):
+    ``"argmax"`` (int64 ``[T]``) or ``"logits"`` (``[T, V]``).
+
     Args:
         target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
         kv: the shared :class:`~refspec.core.kv_cache.KVCache`; target_pool, draft_pool: KV pools.
@@ -52,6 +64,8 @@ class SpecRunners:
         provider, validate: FA3 backend options.  syncs: the engine's ``Counter`` (the FA3
             backends add their ``"validation"`` reads to it).
     """
+
+    head = "argmax"
 
     def __init__(self, target, draft, kv, target_pool, draft_pool, *, num_steps, version, attention="fa3",
                  graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True, syncs=None):
@@ -93,11 +107,17 @@ class SpecRunners:
                                                  inputs={"ids": ids, **hidden}, num_draft_tokens=N)
 
     # ---- the forward functions (shared by eager and graphed runs) ----
+    def _head(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[T, V]`` logits -> what the phase returns (``head``, module doc)."""
+        return logits.argmax(-1) if self.head == "argmax" else logits
+
     def _verify_fn(self, fb, x):
-        return self.target.forward(x["ids"], fb, self.target_be)
+        logits, hidden = self.target.forward(x["ids"], fb, self.target_be)
+        return self._head(logits), hidden
 
     def _draft_extend_fn(self, fb, x):
-        return self.draft.forward(x["ids"], x.get("hidden"), fb, self.draft_be)
+        logits, hidden = self.draft.forward(x["ids"], x.get("hidden"), fb, self.draft_be)
+        return self._head(logits), hidden
 
     def _draft_decode_fn(self, fb, x):
         S1, B = self.Sd - 1, fb.batch_size
@@ -134,12 +154,13 @@ class SpecRunners:
         return self.draft.forward(ids, hidden, fb, self.draft_be)
 
     def verify(self, ids, fb):
-        """TARGET_VERIFY: ``ids [B*N]`` -> ``logits [B*N, V]``, ``hidden [B*N, E]``."""
+        """TARGET_VERIFY: ``ids [B*N]`` -> ``argmax [B*N]`` int64 (or ``logits [B*N, V]``, ``head``),
+        ``hidden [B*N, E]``."""
         return self._run("verify", fb, {"ids": ids}, self._verify_fn, self.target_be.init_forward_metadata)
 
     def draft_extend(self, fb, ids, hidden):
         """DRAFT_EXTEND (v1, packed ``T = sum a``) or DRAFT_EXTEND_V2 (``T = B*N``) ->
-        ``logits [T, V]``, ``hidden [T, E]``."""
+        ``argmax [T]`` int64 (or ``logits [T, V]``, ``head``), ``hidden [T, E]``."""
         x = {"ids": ids} if hidden is None or not self.draft.uses_hidden else {"ids": ids, "hidden": hidden}
         return self._run("draft_extend", fb, x, self._draft_extend_fn, self.draft_be.init_forward_metadata)
 

@@ -64,6 +64,8 @@ class TreeRunners(SpecRunners):
     ``attention`` must be "fa3".  Raises: ValueError otherwise.
     """
 
+    head = "logits"  # the tree reads the draft-extend top-k (draft_topk), not only the argmax
+
     def __init__(self, target, draft, kv, target_pool, draft_pool, *, topk, num_draft_tokens, num_steps,
                  attention="fa3", provider=None, validate=True, **kw):
         if attention != "fa3":
