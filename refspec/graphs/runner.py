@@ -248,7 +248,9 @@ class GraphRunner:
         out = self.graphs[bs].replay()
         self.num_replays += 1
         n = B if self.rows == "requests" else live.num_tokens
-        return tuple(o[:n].clone() for o in out) if isinstance(out, tuple) else out[:n].clone()
+        if isinstance(out, tuple):  # None: an output the caller does not read (nothing to copy out)
+            return tuple(None if o is None else o[:n].clone() for o in out)
+        return out[:n].clone()
 
 
 # ---- the padding rules (the module table), one function each ----

@@ -102,6 +102,8 @@ class Engine:
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
         p = next(target.parameters())
         self.drafter = drafter or Drafter()
+        self.forces_drafts = type(self.drafter) is not Drafter  #: a drafter may override draft tokens
+        self._no_drafts: dict = {}  #: B -> the constant [B, Sd] of -1 (no override)
         self.overlap = overlap = overlap_loop.resolve(overlap, version, p.device, self.drafter)
         if num_steps < 1:
             raise ValueError("num_steps (Sd) must be >= 1")
@@ -184,8 +186,10 @@ class Engine:
 
         Overlap: the host does not know this round's L, so the proposal is looked up on the
         device in the table of ``propose_at`` per (row, L) filled at admission."""
-        if type(self.drafter) is Drafter:  # no override: nothing to copy
-            return torch.full((len(reqs), self.Sd), -1, dtype=torch.long, device=self.device)
+        if not self.forces_drafts:  # no override: a constant -1, made once per batch size
+            if len(reqs) not in self._no_drafts:
+                self._no_drafts[len(reqs)] = torch.full((len(reqs), self.Sd), -1, dtype=torch.long, device=self.device)
+            return self._no_drafts[len(reqs)]
         if self.overlap:
             return self.draft_table[rows_dev, L_dev]
         rows = [self.drafter.propose(r.rid, r.tokens, self.Sd) or [-1] * self.Sd for r in reqs]

@@ -19,6 +19,9 @@ buffer             shape, dtype               row r after a round at committed l
 
 R = ``req_to_token.shape[0]``; row 0 is the dummy row (never a request's, PA-008).  A prefill
 writes the row's first entry (L = prompt length, root = the first generated token).
+
+The three int64 buffers are the columns of one ``[R, 3]`` tensor, so a round writes them with
+one scatter and reads them with one gather (two and one launches instead of six).
 """
 
 from __future__ import annotations
@@ -34,17 +37,15 @@ class FutureMap:
     """
 
     def __init__(self, num_rows: int, device: torch.device):
-        z = {"dtype": torch.long, "device": device}
         self.num_rows = num_rows
-        self.seq_lens, self.root, self.d1 = (torch.zeros(num_rows, **z) for _ in range(3))
+        self.ints = torch.zeros((num_rows, 3), dtype=torch.long, device=device)  #: columns seq_lens, root, d1
+        self.seq_lens, self.root, self.d1 = self.ints.unbind(1)  # [R] views (strided)
         self.hidden: torch.Tensor | None = None
 
     def stash(self, rows: torch.Tensor, *, seq_lens: torch.Tensor, root: torch.Tensor, d1: torch.Tensor,
               hidden: torch.Tensor | None = None) -> None:
         """Write rows ``rows [B]`` (int64, device): ``seq_lens, root, d1 [B]``, ``hidden [B, E]``."""
-        self.seq_lens[rows] = seq_lens.long()
-        self.root[rows] = root
-        self.d1[rows] = d1
+        self.ints[rows] = torch.stack([seq_lens.long(), root, d1], dim=1)
         if hidden is not None:
             if self.hidden is None:
                 self.hidden = torch.zeros((self.num_rows, hidden.shape[-1]), dtype=hidden.dtype,
@@ -54,4 +55,5 @@ class FutureMap:
     def gather(self, rows: torch.Tensor):
         """``(seq_lens, root, d1, hidden)`` of ``rows [B]``: ``[B]`` int64 x 3, ``[B, E]`` or None."""
         hidden = None if self.hidden is None else self.hidden[rows]
-        return self.seq_lens[rows], self.root[rows], self.d1[rows], hidden
+        seq_lens, root, d1 = self.ints[rows].unbind(1)
+        return seq_lens, root, d1, hidden

@@ -28,7 +28,8 @@ def _start(eng, reqs):
     rows_dev = h2d([r.row for r in reqs], eng.device)
     L_dev, roots, d1, dhid = eng.future.gather(rows_dev)
     forced = eng.forced_drafts(reqs, rows_dev, L_dev)
-    d1 = torch.where(forced[:, 0] >= 0, forced[:, 0], d1)
+    if eng.forces_drafts:
+        d1 = torch.where(forced[:, 0] >= 0, forced[:, 0], d1)
     return rows_dev, forced, d1, roots, dhid, L_dev
 
 
@@ -89,7 +90,7 @@ def round_v1(eng, reqs) -> list[list[int]]:
     fb = draft_extend_batch(kv, rows, [l + ab for l, ab in zip(L, a)], a, num_draft_tokens=N)
     sel, keep = h2d_many([[b * N + i for b, ab in enumerate(a) for i in range(ab)],
                           [sum(a[:b + 1]) - 1 for b in range(len(a))]], eng.device)  # keep: each one's last row
-    d_next, dh = eng.runners.draft_extend(fb, cand.flatten()[sel], hidden[sel])
+    d_next, dh = eng.runners.draft_extend(fb, cand.flatten()[sel], None if hidden is None else hidden[sel])
     eng.observe("draft_extend", reqs=reqs, fb=fb)
     _next_state(eng, rows_dev, fb.seq_lens, cand, d_next, dh, keep, a_dev)
     for r, row, K in zip(reqs, host, fb.seq_lens_cpu.tolist()):  # the extent the draft extend wrote
@@ -132,7 +133,7 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     fb.num_accept_tokens = a_dev.to(torch.int32)  # device only; used to select the kept row
     d_next, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
     eng.observe("draft_extend", reqs=reqs, fb=fb)
-    keep = torch.arange(len(reqs), device=a_dev.device) * N + a_dev - 1  # row b*N + a_b - 1
+    keep = torch.arange(0, len(reqs) * N, N, device=n.device) + n  # row b*N + a_b - 1 (= b*N + n_b)
     _next_state(eng, rows_dev, L_dev + a_dev, cand, d_next, dh, keep, a_dev)
     draft_len = fb.positions[keep] + 1  # the kept row's KV index + 1
     return torch.cat([a_dev[:, None], cand, drafts, draft_len[:, None], L_dev[:, None]], dim=1)

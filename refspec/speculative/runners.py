@@ -21,7 +21,7 @@ path run the *same* forward function; only where the metadata comes from differs
 
 The draft-decode graph (SGLang ``EAGLEDraftCudaGraphRunner``, CG-005) takes per-token inputs
 laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): ``ids`` (column 0 =
-d_1), ``forced`` (column s = a drafter's d_(s+2), or -1 for the draft's own argmax) and, for an
+d_1; the other columns are never read), ``forced`` (column s = a drafter's d_(s+2), or -1 for the draft's own argmax) and, for an
 EAGLE draft, ``hidden`` (column 0 = the kept draft-extend row's hidden).  Step s reads its
 ``draft_step_view`` and the backend of step s; the chosen tokens ``[B, Sd-1]`` come out.
 
@@ -113,11 +113,11 @@ class SpecRunners:
 
     def _verify_fn(self, fb, x):
         logits, hidden = self.target.forward(x["ids"], fb, self.target_be)
-        return self._head(logits), hidden
+        return self._head(logits), (hidden if self.draft.uses_hidden else None)  # only an EAGLE draft reads it
 
     def _draft_extend_fn(self, fb, x):
         logits, hidden = self.draft.forward(x["ids"], x.get("hidden"), fb, self.draft_be)
-        return self._head(logits), hidden
+        return self._head(logits), (hidden if self.draft.uses_hidden else None)
 
     def _draft_decode_fn(self, fb, x):
         S1, B = self.Sd - 1, fb.batch_size
@@ -155,12 +155,13 @@ class SpecRunners:
 
     def verify(self, ids, fb):
         """TARGET_VERIFY: ``ids [B*N]`` -> ``argmax [B*N]`` int64 (or ``logits [B*N, V]``, ``head``),
-        ``hidden [B*N, E]``."""
+        ``hidden [B*N, E]`` (None unless the draft reads it)."""
         return self._run("verify", fb, {"ids": ids}, self._verify_fn, self.target_be.init_forward_metadata)
 
     def draft_extend(self, fb, ids, hidden):
         """DRAFT_EXTEND (v1, packed ``T = sum a``) or DRAFT_EXTEND_V2 (``T = B*N``) ->
-        ``argmax [T]`` int64 (or ``logits [T, V]``, ``head``), ``hidden [T, E]``."""
+        ``argmax [T]`` int64 (or ``logits [T, V]``, ``head``), ``hidden [T, E]`` (None unless the
+        draft reads it)."""
         x = {"ids": ids} if hidden is None or not self.draft.uses_hidden else {"ids": ids, "hidden": hidden}
         return self._run("draft_extend", fb, x, self._draft_extend_fn, self.draft_be.init_forward_metadata)
 
@@ -172,13 +173,11 @@ class SpecRunners:
         tokens ``[B, Sd-1]`` (d_2..d_Sd).
         """
         B, S1 = fb.batch_size, self.Sd - 1
-        ids = torch.zeros((B, S1), dtype=torch.long, device=first_ids.device)
-        ids[:, 0] = first_ids
-        x = {"ids": ids.flatten(), "forced": forced.flatten()}
+        # request-major [B * (Sd-1)] like out_cache_loc; the graph reads column 0 only, so every
+        # column holds it (one copy, no zeros + scatter)
+        x = {"ids": first_ids[:, None].expand(B, S1).flatten(), "forced": forced.flatten()}
         if self.draft.uses_hidden:
-            h = torch.zeros((B, S1, hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
-            h[:, 0] = hidden
-            x["hidden"] = h.flatten(0, 1)
+            x["hidden"] = hidden[:, None].expand(B, S1, hidden.shape[-1]).flatten(0, 1)
 
         def eager_init(fb):
             for s, be in enumerate(self.step_bes):
