@@ -1,0 +1,123 @@
+"""Host work per round of the production loop, counted on CPU (refspec.speculative.launch_audit).
+
+On a GPU every torch op the host dispatches outside a CUDA graph is a launch (or a host tensor
+built for one), and the round is host-bound when they add up to more than the GPU's work
+(benchmarks/results/h200_round2.md: wall / GPU-busy 1.24 at B = 1, 1.43 at B = 16).  The probe
+counts those ops on the CPU, graph replays once each, so these bounds hold on every device.
+The expected numbers are derived from the rules in the docstrings, op by op; allocator work
+(``core/kv_cache.py``: a page when a row crosses its reserve) is amortised and left out.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from refspec.graphs.capture import EmulatedGraph
+from refspec.model.drafts import make_draft
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.speculative.engine import Engine
+from refspec.speculative.launch_audit import host_ops, round_ops
+
+torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8], [9, 7, 9, 3]]
+
+
+@functools.lru_cache(maxsize=None)
+def target() -> LlamaModel:
+    return init_random_(LlamaModel(tiny_config()), seed=0)
+
+
+def audited(B: int, draft: str = "early-exit:1"):
+    """An overlap v2 run (graphs, validation off, Sd = 3, P = 4) of B requests, 12 tokens each:
+    ``(ops Counter, rounds launched)``."""
+    eng = Engine(target(), make_draft(draft, target()), version="v2", num_steps=3, page_size=4, max_context=32,
+                 max_batch=B, graphs=True, capture_bs=(1, 2, 4), validate=False, overlap=True)
+    for i, p in enumerate(PROMPTS[:B]):
+        eng.add_request(i, p, 12)
+    ops = round_ops(eng)
+    return ops, eng.rounds_launched
+
+
+def per_round(ops, rounds, phase="launch", skip=("core/kv_cache.py",), site=None) -> float:
+    n = sum(v for (ph, path, fn, _op), v in ops.items()
+            if ph == phase and path not in skip and (site is None or (path, fn) == site))
+    return n / rounds
+
+
+def test_the_probe_counts_dispatched_ops_and_a_graph_replay_once():
+    """``a + b`` is one op; an emulated replay is one ``graph_replay`` whatever it runs; views
+    are free (no launch)."""
+    a, b = torch.ones(3), torch.ones(3)
+    g = EmulatedGraph()
+    g.capture(lambda: (a * 2 + b).sum())
+    with host_ops() as seen:
+        _ = a + b
+        _ = a[1:].view(2)
+        g.replay()
+    by_op = {op: n for (_ph, _p, _f, op), n in seen.items()}
+    assert by_op == {"add": 1, "graph_replay": 1}
+
+
+@pytest.mark.spec("CG-005")
+@pytest.mark.parametrize("draft, dtypes", [("early-exit:1", {"draft_decode": 2, "verify": 2, "draft_extend": 2}),
+                                           ("eagle", {"draft_decode": 3, "verify": 2, "draft_extend": 3})])
+def test_a_replay_writes_its_buffers_in_one_copy_per_dtype(draft, dtypes):
+    """graphs/runner.py ("one copy per dtype"): a replay's real rows and padded rows (CG-005)
+    of every static buffer go in ONE ``_foreach_copy_`` per dtype: int64 (req_pool_indices,
+    out_cache_loc, positions, ids / forced) and int32 (seq_lens, num_accept_tokens,
+    extend_seq_lens), plus the model dtype where an EAGLE draft passes ``hidden`` (draft decode
+    and draft extend; verify takes ids only).  Per round: 2 + 2 + 2 = 6 copies (early exit),
+    3 + 2 + 3 = 8 (EAGLE), whatever B and however many fields."""
+    want = sum(dtypes.values())
+    for B in (1, 3):
+        ops, rounds = audited(B, draft)
+        assert per_round(ops, rounds, site=("graphs/runner.py", "copy_rows")) == want
+        fill_ops = {op for (ph, path, fn, op) in ops if (path, fn) == ("graphs/runner.py", "_fill")}
+        assert fill_ops <= {"full", "cat"}, f"per-field writes are back in _fill: {fill_ops}"
+
+
+#: the bound of one round's launch phase (B = 1), op by op (test docstring)
+REPLAYS = {"draft_decode": 2 + 2 + 2 * 7 + 1 + 1, "verify": 2 + 2 + 7 + 1 + 1, "draft_extend": 2 + 2 + 8 + 1 + 1}
+ROUND_LOGIC = 2 + 4 + 8 + 3 + 9 + 14
+BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 47 + 40 = 87
+
+
+def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch():
+    """Upper bound of a v2 overlap round's launch phase, derived from the rules (B = 1, early-exit
+    draft, no drafter; allocator work left out):
+
+    * each graph replay (graphs/runner.py, fa3/graph_metadata.py): 2 copies (int64, int32) + 2
+      host ops for ``seq_lens_cpu`` (``full``, ``cat``); per backend 7 = ``seq_lens + delta``,
+      ``cache_seqlens`` copy, ``cu_seqlens_k`` cumsum, the page-table gather and ``// P``, and
+      the host ``max`` / its read; draft extend + 1 (``cu_seqlens_q`` cumsum); the replay 1;
+      1 clone of the one output read (tokens; hidden only for EAGLE).  Draft decode has Sd - 1
+      = 2 backends: 2 + 2 + 14 + 1 + 1 = 20; verify 13; draft extend 14: **47**.
+    * round logic (speculative/rounds.py, core/future_batch.py, speculative/overlap.py):
+      rows to the device + one future-map gather = 2; the window's positions (arange, add) and
+      slots (gather, int64) = 4; per builder a host ``seq_lens_cpu`` and int32 ``seq_lens`` = 6,
+      draft extend's ``extend_seq_lens`` and L + N = 2 (8); draft-decode inputs (ids, forced)
+      and the drafts ``cat`` <= 3; the verify input ``cat`` + acceptance (eq, int64, cumprod,
+      sum) + candidates (arange, cat, lt, where) = 9; a = n + 1, its int32 copy, the kept rows
+      (arange, add), the next state (L + a, a - 1, the roots' gather, the kept d_1), the
+      future-map scatter (stack, index_put), ``draft_len`` (gather, + 1), the result ``cat`` and
+      its copy = 14: **40**.
+
+    So <= 87 ops per round at B = 1 (before this bound: 127, of which 40 per-field copies and
+    fills in the three replays).  B = 3 adds only the two copies of the draft steps' first Sd - 1
+    window columns (a strided slice) and, once per batch size the run meets (3, 2, 1 as requests
+    finish), the constant "no override" drafts: no op per request.  The commit phase reads one
+    pinned buffer and works on host lists: 0 ops outside the allocator.
+    """
+    ops1, r1 = audited(1)
+    ops3, r3 = audited(3)
+    n1, n3 = per_round(ops1, r1), per_round(ops3, r3)
+    assert n1 <= BOUND_B1, f"{n1:.1f} ops per round > {BOUND_B1}"
+    bound3 = BOUND_B1 + 2 + 3 / r3
+    assert n3 <= bound3, f"B = 3: {n3:.1f} ops per round > {bound3:.1f}"
+    assert per_round(ops1, r1, "commit") == 0 and per_round(ops3, r3, "commit") == 0
+    graph_replays = {k: v for k, v in ops3.items() if k[3] == "graph_replay"}
+    assert sum(graph_replays.values()) == 3 * r3  # three graphs a round, all replayed (none eager)
