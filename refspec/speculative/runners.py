@@ -21,8 +21,9 @@ path run the *same* forward function; only where the metadata comes from differs
 
 The draft-decode graph (SGLang ``EAGLEDraftCudaGraphRunner``, CG-005) takes per-token inputs
 laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): ``ids`` (column 0 =
-d_1; the other columns are never read), ``forced`` (column s = a drafter's d_(s+2), or -1 for the draft's own argmax) and, for an
-EAGLE draft, ``hidden`` (column 0 = the kept draft-extend row's hidden).  Step s reads its
+d_1; the other columns are never read), ``forced`` (column s = a drafter's d_(s+2), or -1 for
+the draft's own argmax) and, for an EAGLE draft, ``hidden`` (column 0 = the kept draft-extend
+row's hidden; the others never read).  Step s reads its
 ``draft_step_view`` and the backend of step s; the chosen tokens ``[B, Sd-1]`` come out.
 
 **The greedy head inside the graph** (``head = "argmax"``, the chain's default).  Verify and
