@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_run.sh trace      # replay the committed MT-Bench trace on CUDA
 #   bash benchmarks/gpu_run.sh demo       # python -m refspec demo --device cuda (real weights installed)
 #   bash benchmarks/gpu_run.sh profile    # bench sections kernel, profile, seed (real weights if installed)
+#   bash benchmarks/gpu_run.sh host       # issue 14's round targets: B = 1, 16, v2 overlap: GPU-busy, wall,
+#                                         # wall/busy, launches + host ops per round; then launch_audit by site
 #   bash benchmarks/gpu_run.sh sanitizer  # graph tests under compute-sanitizer memcheck
 set -u
 OUT=${OUT:-out}
@@ -48,6 +50,12 @@ for what in "$@"; do
       timeout 540 python3 -m refspec bench --device cuda --sections kernel,profile,seed,drafts --out "$OUT/profile" \
         > "$OUT/profile.log" 2>&1
       echo "profile rc=$?"; grep -A40 "### profile" "$OUT/profile.log" | head -60 ;;
+    host)
+      timeout 420 python3 -m refspec bench --device cuda --sections host --out "$OUT/host" > "$OUT/host.log" 2>&1
+      echo "host rc=$?"; grep -A6 "### host" "$OUT/host.log"
+      timeout 150 python3 -m refspec.speculative.launch_audit --device cuda --batch 1 --top 30 \
+        > "$OUT/launch_audit_b1.txt" 2>&1
+      echo "launch_audit rc=$?"; head -4 "$OUT/launch_audit_b1.txt" ;;
     sanitizer)
       timeout 400 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -x \
         -p no:cacheprovider tests/test_gpu_graphs.py -k "${SANITIZER_K:-}" > "$OUT/sanitizer.log" 2>&1

@@ -16,6 +16,11 @@ Per configuration (draft, version, B):
   ``wall/busy`` is the ratio the issue targets (<= 1.2);
 * ``kernels_per_layer``: kernels per round / layer forwards per round (verify: all layers;
   each draft forward: the draft's layers), LM heads and metadata kernels included;
+* ``launches_per_round``: the host's CUDA runtime launch calls per round in the profiled run
+  (:data:`LAUNCH_CALLS`: kernels and async copies / memsets, outside graphs), and
+  ``graph_launches_per_round`` (``cudaGraphLaunch``);
+* ``host_ops_per_round`` (``count_ops=True``): torch ops the host dispatches per round outside
+  the graphs, :func:`refspec.speculative.launch_audit.host_ops` (a third run);
 * ``draft/verify/extend_ms``: per-phase GPU time between CUDA events recorded at the engine's
   phase events (idle GPU time inside a phase included);
 * ``tok_per_s`` and ``accept_length``; and two greedy baselines measured in the same run:
@@ -35,6 +40,9 @@ from refspec.speculative.greedy import production_greedy
 
 MAX_NEW = 48
 PHASES = ("draft_decode", "verify", "draft_extend")
+#: CUDA runtime / driver calls that launch work on the stream (counted on the profiler's CPU side)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
 def _workload(B: int):
@@ -76,19 +84,32 @@ def _gpu_busy_ms(prof) -> tuple[float, int]:
     return busy / 1e3, len(iv)
 
 
-def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, **kw) -> dict:
-    """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler."""
+def _launches(prof) -> tuple[int, int]:
+    """(runtime launch calls of :data:`LAUNCH_CALLS`, ``cudaGraphLaunch`` calls) in a finished profiler."""
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    return sum(n in LAUNCH_CALLS for n in names), sum(n == "cudaGraphLaunch" for n in names)
+
+
+def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
+                   **kw) -> dict:
+    """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler
+    (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.speculative.launch_audit.host_ops`."""
+    from refspec.speculative.launch_audit import host_ops
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
-    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None)
+    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None, ops=None)
 
     def observer(event, eng, **info):
         if event == "round_end" and st["t0"] is None and not info["trace"].joined and not eng.waiting:
             _sync(dev)
             st["t0"], st["r0"] = time.perf_counter(), len(eng.trace)
             if profiled and cuda:
-                st["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                st["prof"] = torch.profiler.profile(activities=acts)
                 st["prof"].start()
+            if count_ops:  # after capture and compilation: only the steady-state rounds
+                st["ops"] = host_ops()
+                st["seen"] = st["ops"].__enter__()
         if st["t0"] is not None and cuda and event in (*PHASES, "round_end"):
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -99,6 +120,8 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
     res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
                    drafter=drafter, num_steps=3, max_new_tokens=MAX_NEW, validate=False, observer=observer,
                    capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
+    if st["ops"] is not None:
+        st["ops"].__exit__(None, None, None)
     _sync(dev)
     t1 = time.perf_counter()
     rounds = max(st["r1"] - st["r0"], 1)
@@ -109,7 +132,11 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
     if st["prof"] is not None:
         st["prof"].stop()
         busy, n = _gpu_busy_ms(st["prof"])
-        row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds)
+        launches, graph_launches = _launches(st["prof"])
+        row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds, launches_per_round=launches / rounds,
+                   graph_launches_per_round=graph_launches / rounds)
+    if st["ops"] is not None:
+        row["host_ops_per_round"] = sum(st["seen"].values()) / rounds
     ph = {p: [] for p in PHASES}
     ev = st["ev"]
     for (_, a), (name, b) in zip(ev, ev[1:]):
@@ -153,7 +180,7 @@ def bench_profile(device, quick):
                                     draft=draft + (f" +{drafter} drafter" if drafter else ""),
                                     version=version, **r)
                     else:
-                        base.update(gpu_busy_ms=r.get("gpu_busy_ms"), kernels_per_round=r.get("kernels_per_round"))
+                        base.update({k: r.get(k) for k in ("gpu_busy_ms", "kernels_per_round", "launches_per_round")})
                 k = int(draft.split(":")[1])
                 layer_fwds = model.config.num_hidden_layers + 3 * k  # verify + 2 draft steps + draft extend
                 base["kernels_per_layer"] = (base["kernels_per_round"] / layer_fwds

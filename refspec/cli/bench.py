@@ -184,8 +184,15 @@ def bench_drafts(device, quick):
     return run(device, quick)
 
 
+def bench_host(device, quick):
+    """Issue 14's round targets: GPU-busy, wall / busy, launches per round (:mod:`refspec.cli._bench_host`)."""
+    from refspec.cli._bench_host import bench_host as run
+
+    return run(device, quick)
+
+
 SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
-            "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts}
+            "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts, "host": bench_host}
 
 
 def to_markdown(rows) -> str:

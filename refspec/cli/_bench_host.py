@@ -1,0 +1,60 @@
+"""The ``host`` section of ``python -m refspec bench``: issue 14's round-time targets in one table.
+
+Configuration: the profile section's (:mod:`refspec.cli._bench_profile`: SmolLM2-135M-Instruct
+on MT-Bench when the real weights are installed, bf16, the fused compiled model, graphs on,
+validation off, early-exit:25, Sd = 3, P = 16), spec v2 with overlap (the CUDA default), B = 1
+and B = 16.  Per B, three runs of :func:`~refspec.cli._bench_profile.profile_config`:
+
+1. plain: ``wall_ms`` per round (steady state, no profiler);
+2. profiled (CUDA + CPU activities): ``gpu_busy_ms`` per round (union of kernel intervals),
+   ``kernels_per_round``, and the host's launch calls per round (``launches_per_round``: kernel
+   launches and async copies outside graphs; ``graph_launches_per_round``: ``cudaGraphLaunch``,
+   3 per round: draft decode, verify, draft extend);
+3. under :func:`refspec.speculative.launch_audit.host_ops`: ``host_ops_per_round``, every torch
+   op the host dispatches per round outside the graphs (``tests/test_launch_audit.py`` pins the
+   same count on CPU: <= 87 at B = 1 for Sd = 3).
+
+Targets (issue 14): ``gpu_busy_ms <= 4`` at B = 1; ``wall / busy <= 1.2`` at B = 1 and 16.
+The ``pass`` column says which hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from refspec.cli._bench_profile import _workload, profile_config
+
+DRAFT = "early-exit:25"
+TARGET_BUSY_MS, TARGET_RATIO = 4.0, 1.2
+
+
+def bench_host(device, quick):
+    if device.type != "cuda" or quick:
+        return [dict(section="host", what="skipped: needs a CUDA GPU (GPU kernel time per round)")]
+    from refspec.model.fused import FusedLlama
+    from refspec.speculative.greedy import production_greedy
+    rows = []
+    for B in (1, 16):
+        model, prompts, label = _workload(B)
+        fast = FusedLlama(model)
+        production_greedy(fast, prompts[:1], [4], page_size=16)  # compile once, outside the timings
+        plain = profile_config(fast, prompts, version="v2", draft=DRAFT)
+        prof = profile_config(fast, prompts, version="v2", draft=DRAFT, profiled=True)
+        ops = profile_config(fast, prompts, version="v2", draft=DRAFT, count_ops=True)
+        busy = prof.get("gpu_busy_ms")
+        ratio = plain["wall_ms"] / busy if busy else None
+        ok = [ratio is not None and ratio <= TARGET_RATIO] + ([busy is not None and busy <= TARGET_BUSY_MS]
+                                                              if B == 1 else [])
+        rows.append(dict(section="host", workload=label, B=B, draft=DRAFT, version="v2 (overlap)",
+                         rounds=plain["rounds"], accept_length=plain["accept_length"],
+                         tok_per_s=plain["tok_per_s"], wall_ms=plain["wall_ms"], gpu_busy_ms=busy,
+                         **{"wall/busy": ratio}, kernels_per_round=prof.get("kernels_per_round"),
+                         launches_per_round=prof.get("launches_per_round"),
+                         graph_launches_per_round=prof.get("graph_launches_per_round"),
+                         host_ops_per_round=ops.get("host_ops_per_round"),
+                         targets=(f"busy <= {TARGET_BUSY_MS} ms, " if B == 1 else "") + f"wall/busy <= {TARGET_RATIO}",
+                         **{"pass": "yes" if all(ok) else "no"}))
+        del fast, model
+        torch.cuda.empty_cache()
+    return rows
+
