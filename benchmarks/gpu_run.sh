@@ -52,7 +52,7 @@ for what in "$@"; do
       echo "profile rc=$?"; grep -A40 "### profile" "$OUT/profile.log" | head -60 ;;
     host)
       timeout 420 python3 -m refspec bench --device cuda --sections host --out "$OUT/host" > "$OUT/host.log" 2>&1
-      echo "host rc=$?"; grep -A6 "### host" "$OUT/host.log"
+      echo "host rc=$?"; sed -n '/^### host/,$p' "$OUT/host.log" | head -45
       timeout 150 python3 -m refspec.speculative.launch_audit --device cuda --batch 1 --top 30 \
         > "$OUT/launch_audit_b1.txt" 2>&1
       echo "launch_audit rc=$?"; head -4 "$OUT/launch_audit_b1.txt" ;;

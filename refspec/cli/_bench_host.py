@@ -15,7 +15,9 @@ and B = 16.  Per B, three runs of :func:`~refspec.cli._bench_profile.profile_con
    same count on CPU: <= 87 at B = 1 for Sd = 3).
 
 Targets (issue 14): ``gpu_busy_ms <= 4`` at B = 1; ``wall / busy <= 1.2`` at B = 1 and 16.
-The ``pass`` column says which hold.
+The ``pass`` column says which hold.  A second table (``host kernels``) lists, per B, the
+:data:`TOP` kernels by GPU time per round (name, count and microseconds per round): where the
+next cut of GPU-busy has to come from.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from refspec.cli._bench_profile import _workload, profile_config
 
 DRAFT = "early-exit:25"
+TOP = 15
 TARGET_BUSY_MS, TARGET_RATIO = 4.0, 1.2
 
 
@@ -54,6 +57,9 @@ def bench_host(device, quick):
                          host_ops_per_round=ops.get("host_ops_per_round"),
                          targets=(f"busy <= {TARGET_BUSY_MS} ms, " if B == 1 else "") + f"wall/busy <= {TARGET_RATIO}",
                          **{"pass": "yes" if all(ok) else "no"}))
+        for name, (n, us) in sorted(prof.get("kernels", {}).items(), key=lambda kv: -kv[1][1])[:TOP]:
+            rows.append(dict(section="host kernels", B=B, kernel=name[:90].replace("|", "/"),
+                             per_round=n / prof["rounds"], us_per_round=us / prof["rounds"]))
         del fast, model
         torch.cuda.empty_cache()
     return rows

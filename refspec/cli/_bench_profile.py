@@ -84,6 +84,17 @@ def _gpu_busy_ms(prof) -> tuple[float, int]:
     return busy / 1e3, len(iv)
 
 
+def _kernel_table(prof) -> dict:
+    """Kernel name -> [count, total us] of the CUDA kernels in a finished profiler."""
+    table: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            row = table.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.end - e.time_range.start
+    return table
+
+
 def _launches(prof) -> tuple[int, int]:
     """(runtime launch calls of :data:`LAUNCH_CALLS`, ``cudaGraphLaunch`` calls) in a finished profiler."""
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
@@ -134,7 +145,7 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
         busy, n = _gpu_busy_ms(st["prof"])
         launches, graph_launches = _launches(st["prof"])
         row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds, launches_per_round=launches / rounds,
-                   graph_launches_per_round=graph_launches / rounds)
+                   graph_launches_per_round=graph_launches / rounds, kernels=_kernel_table(st["prof"]))
     if st["ops"] is not None:
         row["host_ops_per_round"] = sum(st["seen"].values()) / rounds
     ph = {p: [] for p in PHASES}
@@ -175,6 +186,7 @@ def bench_profile(device, quick):
                     r = profile_config(fast, prompts, version=version, draft=draft, drafter=drafter,
                                        profiled=profiled)
                     r.pop("text")
+                    r.pop("kernels", None)
                     if not profiled:
                         base = dict(section="profile", workload=label, B=B,
                                     draft=draft + (f" +{drafter} drafter" if drafter else ""),
