@@ -46,6 +46,17 @@ def test_fused_matches_readable_logits(tied):
     assert torch.equal(l0.argmax(-1), l1.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_table_is_the_readable_one_bitwise(dtype):
+    """The precomputed inverse frequencies + the table region (eager on CPU) give the readable
+    ``rope_cos_sin``'s cos / sin bit for bit, for contiguous and strided (draft-step) positions."""
+    m = _model()
+    f = FusedLlama(m)
+    for pos in (torch.tensor([0, 3, 17, 100, 4095]), torch.arange(40).view(8, 5)[:, 2]):
+        for a, b in zip(m.rope(pos, dtype), f.rope(pos, dtype)):
+            assert a.dtype == b.dtype == dtype and torch.equal(a, b)
+
+
 def test_fused_shares_the_reference_weights():
     m = _model()
     f = FusedLlama(m)

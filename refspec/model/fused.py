@@ -17,6 +17,13 @@ gate / up projections          2 matmuls                           1 matmul over
 SiLU * up, down, residual      3 elementwise ops + matmul          1 fused kernel + matmul
 =============================  ==================================  ==============================
 
+Per forward, the RoPE table (cos / sin ``[T, D]`` of ``positions``) is one compiled region over
+the inverse frequencies computed once at construction (the readable model recomputes them
+each forward: arange, divide, power, reciprocal, then the angle, cat, cos, sin and two casts,
+11 launches per forward, 4 forwards a round), with the same fp32 formula: eager, the same
+bits; compiled, cos / sin may differ by an fp32 ulp (vectorised math), which the cast to bf16
+almost always rounds away (the fused model's contract is T1 against the readable one anyway).
+
 The compiled parts are ``torch.compile`` (inductor) functions with dynamic shapes, one per
 kind of region (before attention, after attention, the LM head), shared by every layer: the
 attention call stays a plain Python call between them, so the FA3 kernel (or the emulator)
@@ -99,12 +106,25 @@ class FusedLlama(LlamaModel):
         def head(h, norm_w, lm_w):
             return F.linear(_rms(h, norm_w, eps), lm_w)
 
+        def rope_table(positions, inv_freq, dtype):
+            """:func:`~refspec.model.llama.rope_cos_sin` with ``inv_freq`` given: the same fp32 steps."""
+            ang = positions.float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((ang, ang), dim=-1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+
         dev = next(model.parameters()).device
+        # the readable rope_cos_sin's inverse frequencies, once (same expression, same device)
+        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
         if compile is None:
             compile = dev.type == "cuda"
         wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
         self._pre, self._post, self._post_pre, self._head = wrap(pre), wrap(post), wrap(post_pre), wrap(head)
+        self._rope_table = wrap(rope_table)
         self.compiled = bool(compile)
+
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin ``[T, D]`` of ``positions [T]``, compiled, from the precomputed ``inv_freq``."""
+        return self._rope_table(positions, self.inv_freq, dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head, compiled: ``[T, E]`` -> ``[T, V]``."""
