@@ -7,9 +7,10 @@ and B = 16.  Per B, three runs of :func:`~refspec.cli._bench_profile.profile_con
 
 1. plain: ``wall_ms`` per round (steady state, no profiler);
 2. profiled (CUDA + CPU activities): ``gpu_busy_ms`` per round (union of kernel intervals),
-   ``kernels_per_round``, and the host's launch calls per round (``launches_per_round``: kernel
-   launches and async copies outside graphs; ``graph_launches_per_round``: ``cudaGraphLaunch``,
-   3 per round: draft decode, verify, draft extend);
+   ``kernels_per_round``, and the host's launch calls per round with their host microseconds
+   (``launches_per_round`` / ``launch_us_per_round``: kernel launches and async copies outside
+   graphs; ``graph_launches_per_round`` / ``graph_launch_us_per_round``: ``cudaGraphLaunch``, 3
+   per round: draft decode, verify, draft extend, whose host cost grows with the graphs' nodes);
 3. under :func:`refspec.speculative.launch_audit.host_ops`: ``host_ops_per_round``, every torch
    op the host dispatches per round outside the graphs (``tests/test_launch_audit.py`` pins the
    same count on CPU: <= 87 at B = 1 for Sd = 3).
@@ -52,8 +53,8 @@ def bench_host(device, quick):
                          rounds=plain["rounds"], accept_length=plain["accept_length"],
                          tok_per_s=plain["tok_per_s"], wall_ms=plain["wall_ms"], gpu_busy_ms=busy,
                          **{"wall/busy": ratio}, kernels_per_round=prof.get("kernels_per_round"),
-                         launches_per_round=prof.get("launches_per_round"),
-                         graph_launches_per_round=prof.get("graph_launches_per_round"),
+                         **{k: prof.get(k) for k in ("launches_per_round", "launch_us_per_round",
+                                                     "graph_launches_per_round", "graph_launch_us_per_round")},
                          host_ops_per_round=ops.get("host_ops_per_round"),
                          targets=(f"busy <= {TARGET_BUSY_MS} ms, " if B == 1 else "") + f"wall/busy <= {TARGET_RATIO}",
                          **{"pass": "yes" if all(ok) else "no"}))

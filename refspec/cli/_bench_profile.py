@@ -18,7 +18,8 @@ Per configuration (draft, version, B):
   each draft forward: the draft's layers), LM heads and metadata kernels included;
 * ``launches_per_round``: the host's CUDA runtime launch calls per round in the profiled run
   (:data:`LAUNCH_CALLS`: kernels and async copies / memsets, outside graphs), and
-  ``graph_launches_per_round`` (``cudaGraphLaunch``);
+  ``graph_launches_per_round`` (``cudaGraphLaunch``), with their host microseconds
+  (``launch_us_per_round``, ``graph_launch_us_per_round``);
 * ``host_ops_per_round`` (``count_ops=True``): torch ops the host dispatches per round outside
   the graphs, :func:`refspec.speculative.launch_audit.host_ops` (a third run);
 * ``draft/verify/extend_ms``: per-phase GPU time between CUDA events recorded at the engine's
@@ -95,10 +96,19 @@ def _kernel_table(prof) -> dict:
     return table
 
 
-def _launches(prof) -> tuple[int, int]:
-    """(runtime launch calls of :data:`LAUNCH_CALLS`, ``cudaGraphLaunch`` calls) in a finished profiler."""
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    return sum(n in LAUNCH_CALLS for n in names), sum(n == "cudaGraphLaunch" for n in names)
+def _launches(prof) -> dict:
+    """The host's launch calls in a finished profiler: counts and host microseconds of the
+    :data:`LAUNCH_CALLS` (``launches``, ``launch_us``) and of ``cudaGraphLaunch`` (``graph_launches``,
+    ``graph_launch_us``: its host cost grows with the graph's node count)."""
+    out = dict(launches=0, launch_us=0.0, graph_launches=0, graph_launch_us=0.0)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        kind = "launch" if e.name in LAUNCH_CALLS else "graph_launch" if e.name == "cudaGraphLaunch" else None
+        if kind:
+            out[kind + "es"] += 1
+            out[kind + "_us"] += e.time_range.end - e.time_range.start
+    return out
 
 
 def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
@@ -143,9 +153,8 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
     if st["prof"] is not None:
         st["prof"].stop()
         busy, n = _gpu_busy_ms(st["prof"])
-        launches, graph_launches = _launches(st["prof"])
-        row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds, launches_per_round=launches / rounds,
-                   graph_launches_per_round=graph_launches / rounds, kernels=_kernel_table(st["prof"]))
+        row.update(gpu_busy_ms=busy / rounds, kernels_per_round=n / rounds, kernels=_kernel_table(st["prof"]),
+                   **{k + "_per_round": v / rounds for k, v in _launches(st["prof"]).items()})
     if st["ops"] is not None:
         row["host_ops_per_round"] = sum(st["seen"].values()) / rounds
     ph = {p: [] for p in PHASES}
