@@ -121,3 +121,26 @@ def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch()
     assert per_round(ops1, r1, "commit") == 0 and per_round(ops3, r3, "commit") == 0
     graph_replays = {k: v for k, v in ops3.items() if k[3] == "graph_replay"}
     assert sum(graph_replays.values()) == 3 * r3  # three graphs a round, all replayed (none eager)
+
+
+def test_a_stacked_kv_store_is_one_scatter_with_the_same_bits():
+    """KVPool.set_kv_buffer: k and v as the halves of one [2, T, Hkv, D] tensor (what the fused
+    model's pre region returns) are written by ONE index_put, with exactly the values of two
+    separate stores (the readable model's k and v); separate tensors still take two."""
+    from refspec.core.kv_cache import KVPool, stacked_halves
+
+    pools = [KVPool(2, 5, 4, 2, 8, fill=float("nan")) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 6, 2, 8, generator=g)
+    loc = torch.tensor([4, 5, 6, 9, 10, 19])
+    assert stacked_halves(kv[0], kv[1]) is kv and stacked_halves(kv[0].clone(), kv[1]) is None
+    ops = []
+    for pool, (k, v) in zip(pools, [(kv[0], kv[1]), (kv[0].clone(), kv[1].clone())]):
+        with host_ops() as seen:
+            pool.set_kv_buffer(1, loc, k, v)
+        ops.append(sum(n for (_ph, _p, _f, op), n in seen.items() if op == "index_put_"))
+    assert ops == [1, 2]
+    for a, b in zip(pools[0].k_buffer + pools[0].v_buffer, pools[1].k_buffer + pools[1].v_buffer):
+        assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
+    assert torch.equal(pools[0].get_flat_kv(1)[1][loc], kv[1]) and pools[0].k_buffer[0].isnan().all()
+    assert all(b.is_contiguous() for b in pools[0].k_buffer + pools[0].v_buffer)

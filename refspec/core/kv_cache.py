@@ -46,6 +46,14 @@ def _positive(**sizes) -> None:
 class KVPool:
     """Per-layer K and V buffers shaped ``[NP, P, Hkv, D]`` (one pool per model: target, draft).
 
+    A layer's K and V buffers are the two contiguous halves of one ``[2, NP, P, Hkv, D]``
+    tensor (``kv_buffer[l]``), so that :meth:`set_kv_buffer` writes both in ONE scatter when the
+    new k and v are the two halves of one ``[2, T, Hkv, D]`` tensor (the fused model's,
+    :class:`~refspec.model.fused.FusedLlama`), as SGLang's ``MHATokenToKVPool.set_kv_buffer``
+    stores both with one kernel (``store_cache``,
+    `python/sglang/jit_kernel/kvcache.py:store_cache@0d65353ce <https://github.com/sgl-project/sglang/blob/0d65353ce32f1b39676e63042b0313054ea277c3/python/sglang/jit_kernel/kvcache.py>`_).
+    The kernel still reads each half as its own contiguous ``[NP, P, Hkv, D]`` cache.
+
     Args:
         num_layers: layers with attention.
         num_pages: NP, pages in the pool *including* the reserved page 0.
@@ -62,10 +70,10 @@ class KVPool:
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.page_size, self.num_pages = page_size, num_pages
         what = f"KVPool num_layers={num_layers} x [num_pages, page_size, num_kv_heads, head_dim] = {list(shape)}"
-        self.k_buffer = allocate(what, lambda: [torch.full(shape, fill, dtype=dtype, device=device)
-                                                for _ in range(num_layers)])
-        self.v_buffer = allocate(what, lambda: [torch.full(shape, fill, dtype=dtype, device=device)
-                                                for _ in range(num_layers)])
+        self.kv_buffer = allocate(what + " for K and for V", lambda: [
+            torch.full((2, *shape), fill, dtype=dtype, device=device) for _ in range(num_layers)])
+        self.k_buffer = [kv[0] for kv in self.kv_buffer]
+        self.v_buffer = [kv[1] for kv in self.kv_buffer]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads.
@@ -81,7 +89,9 @@ class KVPool:
         return k.flatten(0, 1), v.flatten(0, 1)
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``k, v [T, Hkv, D]`` at flat slots ``loc [T]`` (int64), in place.
+        """Write ``k, v [T, Hkv, D]`` at flat slots ``loc [T]`` (int64), in place: one scatter
+        when ``k`` and ``v`` are the halves of one ``[2, T, Hkv, D]`` tensor (class doc), else
+        one each.
 
         Raises: InvariantError PA-009 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
         would broadcast a single row or head over all of them).  Shapes only: no host sync.
@@ -94,8 +104,21 @@ class KVPool:
         require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
                 lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"the pool wants [T, Hkv, D] = {want}")
+        kv = stacked_halves(k, v)
+        if kv is not None:
+            self.kv_buffer[layer_id].view(2, -1, *fk.shape[1:])[:, loc] = kv.to(fk.dtype)
+            return
         fk[loc] = k.to(fk.dtype)
         fv[loc] = v.to(fv.dtype)
+
+
+def stacked_halves(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The ``[2, T, Hkv, D]`` tensor whose halves ``k`` and ``v`` are (``k = kv[0]``,
+    ``v = kv[1]``, contiguous), or None when they are separate tensors."""
+    kv = k._base
+    if kv is None or v._base is not kv or tuple(kv.shape) != (2, *k.shape) or not kv.is_contiguous():
+        return None
+    return kv if k.data_ptr() == kv.data_ptr() and v.data_ptr() == kv[1].data_ptr() else None
 
 
 @dataclass

@@ -9,8 +9,11 @@ per layer                      readable :class:`LlamaModel`        :class:`Fused
 =============================  ==================================  ==============================
 RMSNorm                        6 elementwise ops                   fused (compiled)
 q / k / v projections          3 matmuls                           1 matmul over ``[Wq; Wk; Wv]``
-RoPE on q and k                a chain of elementwise ops each     fused (compiled)
-attention                      ``backend.forward`` (store + FA3)   the same call, not compiled
+RoPE on q and k                a chain of elementwise ops each     fused (compiled); k and v come
+                                                                   out as one ``[2, T, Hkv, D]``
+attention                      ``backend.forward`` (store + FA3)   the same call, not compiled;
+                                                                   the store is one scatter for k
+                                                                   and v (:class:`KVPool`)
 o_proj + residual + RMSNorm    matmul + 7 elementwise ops          matmul + 1 fused kernel
 residual + next RMSNorm        3 + 6 elementwise ops               1 fused kernel (``post_pre``)
 gate / up projections          2 matmuls                           1 matmul over ``[Wgate; Wup]``
@@ -86,10 +89,12 @@ class FusedLlama(LlamaModel):
         split = (H * D, Hkv * D, Hkv * D)
 
         def pre(h, ln_w, wqkv, cos, sin):
-            """input_layernorm -> one q/k/v matmul -> RoPE on q and k."""
+            """input_layernorm -> one q/k/v matmul -> RoPE on q and k; ``(q, kv)`` with k, v
+            stacked ``[2, T, Hkv, D]`` so the KV store is one scatter (KVPool.set_kv_buffer)."""
             T = h.shape[0]
             q, k, v = F.linear(_rms(h, ln_w, eps), wqkv).split(split, dim=-1)
-            return _rope(q.view(T, H, D), cos, sin), _rope(k.view(T, Hkv, D), cos, sin), v.view(T, Hkv, D)
+            return _rope(q.view(T, H, D), cos, sin), torch.stack((_rope(k.view(T, Hkv, D), cos, sin),
+                                                                  v.view(T, Hkv, D)))
 
         def post(h, o, wo, ln_w, wgu, wdown):
             """o_proj + residual -> post_attention_layernorm -> one gate/up matmul -> SiLU * up -> down + residual."""
@@ -135,13 +140,13 @@ class FusedLlama(LlamaModel):
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(fb.positions, h.dtype)
-        q, k, v = self._pre(h, layers[0].input_layernorm.weight, self.wqkv[0], cos, sin)
+        q, kv = self._pre(h, layers[0].input_layernorm.weight, self.wqkv[0], cos, sin)
         for i, lay in enumerate(layers):
-            o = backend.forward(q, k, v, lay.self_attn.layer, fb)
+            o = backend.forward(q, kv[0], kv[1], lay.self_attn.layer, fb)
             w = (h, o, lay.self_attn.o_proj.weight, lay.post_attention_layernorm.weight, self.wgu[i],
                  lay.mlp.down_proj.weight)
             if i + 1 < len(layers):
-                h, q, k, v = self._post_pre(*w, layers[i + 1].input_layernorm.weight, self.wqkv[i + 1], cos, sin)
+                h, q, kv = self._post_pre(*w, layers[i + 1].input_layernorm.weight, self.wqkv[i + 1], cos, sin)
             else:
                 h = self._post(*w)
         return self.logits(h), h
