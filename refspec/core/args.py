@@ -15,7 +15,7 @@ import torch
 
 def is_int(n) -> bool:
     """A Python / numpy integer (not a bool), or a 0-d integer tensor is *not* one (use .item())."""
-    return isinstance(n, Integral) and not isinstance(n, bool)
+    return type(n) is int or (isinstance(n, Integral) and not isinstance(n, bool))  # the common case first
 
 
 def count(name: str, n, least: int = 0) -> int:
