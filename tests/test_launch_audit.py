@@ -81,9 +81,9 @@ def test_a_replay_writes_its_buffers_in_one_copy_per_dtype(draft, dtypes):
 
 
 #: the bound of one round's launch phase (B = 1), op by op (test docstring)
-REPLAYS = {"draft_decode": 2 + 2 + 2 * 7 + 1 + 1, "verify": 2 + 2 + 7 + 1 + 1, "draft_extend": 2 + 2 + 8 + 1 + 1}
+REPLAYS = {"draft_decode": 2 + 2 + 2 * 6 + 1 + 1, "verify": 2 + 2 + 6 + 1 + 1, "draft_extend": 2 + 2 + 7 + 1 + 1}
 ROUND_LOGIC = 2 + 4 + 8 + 3 + 9 + 14
-BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 47 + 40 = 87
+BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 43 + 40 = 83
 
 
 def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch():
@@ -91,11 +91,11 @@ def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch()
     draft, no drafter; allocator work left out):
 
     * each graph replay (graphs/runner.py, fa3/graph_metadata.py): 2 copies (int64, int32) + 2
-      host ops for ``seq_lens_cpu`` (``full``, ``cat``); per backend 7 = ``seq_lens + delta``,
-      ``cache_seqlens`` copy, ``cu_seqlens_k`` cumsum, the page-table gather and ``// P``, and
-      the host ``max`` / its read; draft extend + 1 (``cu_seqlens_q`` cumsum); the replay 1;
-      1 clone of the one output read (tokens; hidden only for EAGLE).  Draft decode has Sd - 1
-      = 2 backends: 2 + 2 + 14 + 1 + 1 = 20; verify 13; draft extend 14: **47**.
+      host ops for ``seq_lens_cpu`` (``full``, ``cat``); per backend 6 = ``seq_lens + delta``
+      written into ``cache_seqlens``, ``cu_seqlens_k`` cumsum, the page-table gather and
+      ``// P``, and the host ``max`` / its read; draft extend + 1 (``cu_seqlens_q`` cumsum); the
+      replay 1; 1 clone of the one output read (tokens; hidden only for EAGLE).  Draft decode
+      has Sd - 1 = 2 backends: 2 + 2 + 12 + 1 + 1 = 18; verify 12; draft extend 13: **43**.
     * round logic (speculative/rounds.py, core/future_batch.py, speculative/overlap.py):
       rows to the device + one future-map gather = 2; the window's positions (arange, add) and
       slots (gather, int64) = 4; per builder a host ``seq_lens_cpu`` and int32 ``seq_lens`` = 6,
@@ -106,7 +106,7 @@ def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch()
       future-map scatter (stack, index_put), ``draft_len`` (gather, + 1), the result ``cat`` and
       its copy = 14: **40**.
 
-    So <= 87 ops per round at B = 1 (before this bound: 127, of which 40 per-field copies and
+    So <= 83 ops per round at B = 1 (before this bound: 134, of which 40 per-field copies and
     fills in the three replays).  B = 3 adds only the two copies of the draft steps' first Sd - 1
     window columns (a strided slice) and, once per batch size the run meets (3, 2, 1 as requests
     finish), the constant "no override" drafts: no op per request.  The commit phase reads one

@@ -13,7 +13,7 @@ and B = 16.  Per B, three runs of :func:`~refspec.cli._bench_profile.profile_con
    per round: draft decode, verify, draft extend, whose host cost grows with the graphs' nodes);
 3. under :func:`refspec.speculative.launch_audit.host_ops`: ``host_ops_per_round``, every torch
    op the host dispatches per round outside the graphs (``tests/test_launch_audit.py`` pins the
-   same count on CPU: <= 87 at B = 1 for Sd = 3).
+   same count on CPU: <= 83 at B = 1 for Sd = 3).
 
 Targets (issue 14): ``gpu_busy_ms <= 4`` at B = 1; ``wall / busy <= 1.2`` at B = 1 and 16.
 The ``pass`` column says which hold.  A second table (``host kernels``) lists, per B, the

@@ -149,7 +149,7 @@ class GraphMetadataMixin:
         (:func:`replay_page_table`), after the CG-008 width check."""
         gs, P = self.graph_state, self.page_size
         delta = mode_delta(fb, self.speculative_step_id)
-        write_cache_seqlens(md, (fb.seq_lens[:bs] + delta).to(torch.int32))
+        write_cache_seqlens(md, fb.seq_lens[:bs], delta)
         max_k = int(fb.seq_lens_cpu[:bs].max()) + delta
         m_pages = -(-max_k // P)
         require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
@@ -186,14 +186,16 @@ def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:
     raise ValueError(f"{m.name} is not a graphed mode")
 
 
-def write_cache_seqlens(md: FlashAttentionMetadata, K: torch.Tensor) -> None:
-    """In place (CG-001): ``cache_seqlens <- K`` and ``cu_seqlens_k[1:] <- cumsum K`` (MD-006).
+def write_cache_seqlens(md: FlashAttentionMetadata, seq_lens: torch.Tensor, delta: int) -> None:
+    """In place (CG-001): ``cache_seqlens <- K = seq_lens + delta`` and ``cu_seqlens_k[1:] <-
+    cumsum K`` (MD-006), one op each, written into the buffers.
 
-    ``K`` int32 ``[bs]`` (tokens).  The captured graph reads these buffers' addresses, so
-    assigning new tensors would leave it reading the capture-time lengths (case B11).
+    ``seq_lens`` int32 ``[bs]`` (tokens), ``delta`` the mode's offset (:func:`mode_delta`).  The
+    captured graph reads these buffers' addresses, so assigning new tensors would leave it
+    reading the capture-time lengths (case B11).
     """
-    md.cache_seqlens_int32.copy_(K)
-    torch.cumsum(K, 0, dtype=torch.int32, out=md.cu_seqlens_k[1:])  # one kernel, into the buffer
+    torch.add(seq_lens, delta, out=md.cache_seqlens_int32)
+    torch.cumsum(md.cache_seqlens_int32, 0, dtype=torch.int32, out=md.cu_seqlens_k[1:])
 
 
 def draft_extend_rows(fb: ForwardBatch, bs: int) -> torch.Tensor:

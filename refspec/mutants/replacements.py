@@ -40,9 +40,10 @@ def rebind_page_table(mdata, fb, req_to_token, strided_indices, max_k, page_size
     mdata.page_table = (rows[:, strided_indices] // page_size).to(torch.int32)
 
 
-def rebind_cache_seqlens(mdata, K):
+def rebind_cache_seqlens(mdata, seq_lens, delta):
     """replay-rebind-cache-seqlens: ``cache_seqlens`` assigned, ``cu_seqlens_k`` still copied."""
-    mdata.cache_seqlens_int32 = K.clone()
+    K = (seq_lens + delta).to(torch.int32)
+    mdata.cache_seqlens_int32 = K
     mdata.cu_seqlens_k[1:].copy_(torch.cumsum(K, 0, dtype=torch.int32))
 
 
