@@ -135,7 +135,6 @@ HOST_SITES = {
     ("fa3/metadata.py", "eager_cache_seqlens"): "max(seq_lens_cpu) (MD-006)",
     ("fa3/metadata.py", "eager_query_layout"): "seq_lens_cpu vs extend_seq_lens_cpu (EXTEND's prefix test)",
     ("fa3/graph_metadata.py", "_update_lengths"): "seq_lens_cpu (MD-006)",
-    ("graphs/runner.py", "<listcomp>"): "the live batch's CPU lists into the static batch's mirrors",
 }
 KERNEL_STAND_IN = "fa3/emulator.py"  # the CPU contract emulator; the real FA3 kernel reads nothing back
 
