@@ -1,20 +1,22 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 # Both create/refresh .venv.  The venv sees system site-packages, so a torch you already
-# have (a GPU build) is kept; only when no torch is importable is the CPU build pinned.
+# have (a GPU build) is kept; only when no torch is importable is the CPU build pinned (in the
+# same pip run as refspec itself: one resolve).  `make demo` installs only what the demo needs
+# (the `real` extra, DEMO_EXTRAS); `make test` adds the test, docs and notebook extras.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
+DEMO_EXTRAS ?= real
 
 .PHONY: venv test demo check mutants conformance docs lab clean
 venv: $(VENV)/.stamp-$(EXTRAS)
 
-$(VENV)/.stamp-$(EXTRAS): pyproject.toml
+$(VENV)/.stamp-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	case ",$(EXTRAS)," in *,real,*) $(PY) -m refspec.real.install ;; esac
+	$(PY) -m pip install -q -e ".[$*]" $$($(PY) -c "import torch" 2>/dev/null || echo "$(TORCH_PIN)")
+	case ",$*," in *,real,*) $(PY) -m refspec.real.install ;; esac
 	touch $@
 
 test: venv
@@ -25,7 +27,7 @@ test: venv
 lint: venv
 	$(PY) -m ruff check refspec tests docs
 
-demo: venv
+demo: $(VENV)/.stamp-$(DEMO_EXTRAS)
 	$(PY) -m refspec demo
 
 check: venv

@@ -159,6 +159,30 @@ def test_columns_past_ceil_k_over_p_are_never_read(P):
     assert t0(emulate(c, page_table=huge), base).ok
 
 
+@pytest.mark.spec("CG-002", "TOL-001")
+@pytest.mark.parametrize("P", [1, 4, 16], ids=lambda P: f"P{P}")
+@pytest.mark.parametrize("reqs", [
+    [(4, 130), (4, 9), (1, 1), (1, 1)],  # verify-like, two tiles for request 0, graph-padded rows (K = 1)
+    [(2, 40), (1, 300), (4, 4), (3, 129)],  # uneven Q and K, a request of three tiles
+    [(1, 1), (5, 77)],  # the long request second
+], ids=["verify-padded", "uneven", "short-first"])
+def test_a_requests_output_does_not_depend_on_the_batch(P, reqs):
+    """Each request's rows (output and LSE) are bitwise those of the request alone: the emulator's
+    side-by-side requests and full-width key tiles never let the other rows of the batch (their
+    count, their Q, their K: graph padding) change a request's arithmetic, which CG-002's T0
+    replay == eager on CPU rests on."""
+    c = paged_case(P, reqs, seed=P)
+    out, lse = emulate(c, return_softmax_lse=True)
+    for b, (Q, K) in enumerate(reqs):
+        lo, hi = c["cu"][b], c["cu"][b + 1]
+        one = dict(cache_seqlens=c["args"]["cache_seqlens"][b:b + 1], page_table=c["args"]["page_table"][b:b + 1],
+                   cu_seqlens_q=torch.tensor([0, Q], dtype=torch.int32), max_seqlen_q=Q)
+        alone, alone_lse = kernel.flash_attn_with_kvcache(c["q"][lo:hi], c["k_cache"], c["v_cache"],
+                                                          provider="emulator", return_softmax_lse=True, **one)
+        assert torch.equal(out[lo:hi], alone), f"request {b} (Q={Q}, K={K}) differs inside the batch"
+        assert torch.equal(lse[:, lo:hi], alone_lse), f"request {b}: LSE differs inside the batch"
+
+
 @pytest.mark.spec("PA-004", "PA-005")
 @pytest.mark.parametrize("P", [1, 3, 16], ids=lambda P: f"P{P}")
 def test_horizon_probe(P):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from refspec.core.invariants import require
+from refspec.core.invariants import InvariantError, require
 
 TILE = 128  #: keys per tile of the online softmax (the kernel's n-block)
 
@@ -63,18 +63,31 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
     return cu, K, P, NP
 
 
-def visible_keys(p: torch.Tensor, row: torch.Tensor, K: int, Q: int, left: int) -> torch.Tensor:
-    """Bool ``[Q, n]``: which keys ``p [n]`` each query row ``row [Q, 1]`` sees (FA3's mask).
+def visible_keys(p: torch.Tensor, row: torch.Tensor, K, Q, left: int) -> torch.Tensor:
+    """Bool ``[..., Q, n]``: which keys ``p [n]`` each query row ``row [..., Q, 1]`` sees (FA3's mask).
 
     Bottom-right causal (PA-004): row i sees key p iff ``p <= i + K - Q``; with a left window
     ``left = w >= 0`` also ``p >= i + K - Q - w``, so a row sees at most w + 1 keys (FA3's
     ``window_size = (w, 0)``, both edges inclusive, ``hopper/flash_attn_interface.py``).
+    ``K`` / ``Q`` (keys, query rows: tokens) are ints, or tensors broadcasting against ``row``
+    (one value per request: ``[B, 1, 1]``).
     """
     last = row + K - Q
     vis = p[None, :] <= last
     if left >= 0:
         vis &= p[None, :] >= last - left
     return vis
+
+
+def _check_requests(cu, K_list, P, page_table, max_seqlen_q) -> None:
+    """PA-010 / PA-003 of every request with query rows, in request order (module doc)."""
+    for b, K in enumerate(K_list):
+        Q, n_pages = cu[b + 1] - cu[b], -(-K // P)
+        if Q == 0:
+            continue
+        require(Q <= max_seqlen_q, "PA-010", f"request {b} has {Q} query rows, max_seqlen_q={max_seqlen_q}")
+        require(n_pages <= page_table.shape[1], "PA-003",
+                f"request {b}: K={K} needs {n_pages} pages of {P}, page_table has {page_table.shape[1]} columns")
 
 
 def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, cu_seqlens_q,
@@ -87,54 +100,84 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     max_seqlen_q a Python int (frozen under CUDA graphs).  Returns ``[T, H, D]`` in q.dtype, and
     the LSE ``[H, T]`` (fp32) if ``return_softmax_lse``.
     Raises: InvariantError PA-003, PA-010, PA-011 (see module doc).
+
+    The requests run side by side, as the kernel's thread blocks do: request b's query rows are
+    padded to the batch's longest query and masked.  Key tile j is ``TILE`` keys wide, keys
+    ``TILE j .. TILE j + TILE - 1`` of every request, like the kernel's n-block: only keys
+    ``p < K_b`` are gathered, through columns ``p // P < ceil(K_b / P)`` of b's page table
+    (PA-007); the rest of the tile is zeros that the mask hides.  The tile width never depends
+    on the other requests, so neither does a request's output (graph padding vs eager is T0;
+    ``tests/test_emulator.py`` checks it).
     """
     cu, K_list, P, NP = _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, max_seqlen_q)
+    _check_requests(cu, K_list, P, page_table, max_seqlen_q)
     T, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     left = window_size[0]
-    out = torch.full((T, H, D), float("nan"), dtype=torch.float32, device=q.device)
-    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device=q.device)
-    for b, K in enumerate(K_list):
-        Q = cu[b + 1] - cu[b]
-        if Q == 0:
-            continue
-        require(Q <= max_seqlen_q, "PA-010", f"request {b} has {Q} query rows, max_seqlen_q={max_seqlen_q}")
-        n_pages = -(-K // P)
-        require(n_pages <= page_table.shape[1], "PA-003",
-                f"request {b}: K={K} needs {n_pages} pages of {P}, page_table has {page_table.shape[1]} columns")
-        pages = page_table[b, :n_pages].long()  # only the columns the kernel dereferences
-        if n_pages:
-            require(bool(((pages >= 0) & (pages < NP)).all()), "PA-011",
-                    f"request {b}: page id outside [0, {NP}) in {pages.tolist()}")
-        qb = q[cu[b]:cu[b + 1]].float().reshape(Q, Hkv, G, D)  # pack GQA: rows x (kv head, group)
-        m = torch.full((Q, Hkv, G), float("-inf"), device=q.device)
-        l = torch.zeros((Q, Hkv, G), device=q.device)
-        acc = torch.zeros((Q, Hkv, G, D), device=q.device)
-        row = torch.arange(Q, device=q.device)[:, None]
-        for start in range(0, K, TILE):
-            stop = min(K, start + TILE)
-            p = torch.arange(start, stop, device=q.device)
-            kt = k_cache[pages[p // P], p % P].float()  # [n, Hkv, D], through the page table
-            vt = v_cache[pages[p // P], p % P].float()
-            s = torch.einsum("qkgd,nkd->qkgn", qb, kt) * scale
-            if softcap > 0:
-                s = softcap * torch.tanh(s / softcap)
-            vis = visible_keys(p, row, K, Q, left) if causal else torch.ones(
-                (Q, stop - start), dtype=torch.bool, device=q.device)
-            s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            w = torch.exp(s - safe[..., None])
-            corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - safe))
-            l = l * corr + w.sum(-1)
-            acc = acc * corr[..., None] + torch.einsum("qkgn,nkd->qkgd", w, vt)
-            m = m_new
-        # l == 0 only for rows with no visible key (PA-005); a NaN read keeps l NaN and shows
-        o = torch.where(l[..., None] == 0, torch.zeros_like(acc), acc / l[..., None])
-        out[cu[b]:cu[b + 1]] = o.reshape(Q, H, D)
-        lse[:, cu[b]:cu[b + 1]] = torch.where(l != 0, m + torch.log(l),
-                                              torch.full_like(l, float("-inf"))).reshape(Q, H).T
+    dev = q.device
+    out = torch.full((T, H, D), float("nan"), dtype=torch.float32, device=dev)
+    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device=dev)
+    live = [b for b in range(len(K_list)) if cu[b + 1] > cu[b]]  # requests with query rows
+    if not live:
+        return (out.to(q.dtype), lse) if return_softmax_lse else out.to(q.dtype)
+    Qs, Ks = [cu[b + 1] - cu[b] for b in live], [K_list[b] for b in live]
+    Bl, Qm, n_tiles = len(live), max(Qs), -(-max(Ks) // TILE)
+    Q_t = torch.tensor(Qs, device=dev)[:, None]  # [Bl, 1]
+    K_t = torch.tensor(Ks, device=dev)[:, None]
+    i = torch.arange(Qm, device=dev)[None, :]
+    q_ok = i < Q_t  # [Bl, Qm]: a real query row
+    qrows = (torch.tensor([cu[b] for b in live], device=dev)[:, None] + i)[q_ok]  # their rows of q / out
+    # pack GQA: per (request, kv head) the query rows x group, [Bl, Hkv, Qm * G, D]
+    q_at = q_ok.flatten().nonzero()[:, 0]  # their places in the padded [Bl * Qm] rows
+    qb = torch.zeros((Bl * Qm, H, D), device=dev).index_copy_(0, q_at, q.index_select(0, qrows).float())
+    qb = qb.view(Bl, Qm, Hkv, G, D).transpose(1, 2).reshape(Bl, Hkv, Qm * G, D)
+    # keys 0 .. n_keys - 1 of every request; only keys p < K_b are read, through the page
+    # table (PA-007); the others stay zero and are masked
+    n_keys = n_tiles * TILE
+    p = torch.arange(n_keys, device=dev)
+    k_ok = p[None, :] < K_t  # [Bl, n_keys]
+    rb, kp = k_ok.nonzero(as_tuple=True)  # (request, key) of every key read
+    pages = page_table[live].long()[rb, kp // P]  # columns < ceil(K_b / P) only
+    bad = (pages < 0) | (pages >= NP)
+    if bool(bad.any()):
+        b = live[int(rb[bad.nonzero()[0, 0]])]
+        raise InvariantError("PA-011", f"request {b}: page id outside [0, {NP}) in "
+                             f"{page_table[b, :-(-K_list[b] // P)].tolist()}")
+    slots = pages * P + kp % P  # slot = page * P + offset
+
+    def gather(cache):  # [Bl, Hkv, n_keys, D]; zeros at p >= K_b
+        flat = torch.zeros((Bl * n_keys, Hkv, D), device=dev)
+        flat.index_copy_(0, rb * n_keys + kp, cache.reshape(-1, Hkv, D).index_select(0, slots).float())
+        return flat.view(Bl, n_keys, Hkv, D).transpose(1, 2)
+
+    keys, vals = gather(k_cache), gather(v_cache)  # reshape: a view of the (contiguous) pool
+    m = torch.full((Bl, Hkv, Qm, G), float("-inf"), device=dev)
+    l = torch.zeros((Bl, Hkv, Qm, G), device=dev)
+    acc = torch.zeros((Bl, Hkv, Qm, G, D), device=dev)
+    row, Kr, Qr = i[..., None], K_t[..., None], Q_t[..., None]  # [1, Qm, 1], [Bl, 1, 1], [Bl, 1, 1]
+    for j in range(n_tiles):  # the online softmax over key tiles
+        t = slice(j * TILE, (j + 1) * TILE)
+        s = torch.matmul(qb, keys[:, :, t].transpose(-1, -2)).view(Bl, Hkv, Qm, G, TILE) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        vis = k_ok[:, None, t]  # [Bl, 1, TILE] -> [Bl, Qm, TILE]
+        if causal:
+            vis = vis & visible_keys(p[t], row, Kr, Qr, left)
+        s = s.masked_fill(~vis[:, None, :, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        w = torch.exp(s - safe[..., None])
+        corr = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - safe))
+        l = l * corr + w.sum(-1)
+        pv = torch.matmul(w.view(Bl, Hkv, Qm * G, TILE), vals[:, :, t]).view(Bl, Hkv, Qm, G, D)
+        acc = acc * corr[..., None] + pv
+        m = m_new
+    # l == 0 only for rows with no visible key (PA-005); a NaN read keeps l NaN and shows
+    o = torch.where(l[..., None] == 0, torch.zeros_like(acc), acc / l[..., None])
+    out.index_copy_(0, qrows, o.transpose(1, 2).reshape(Bl * Qm, H, D).index_select(0, q_at))
+    row_lse = torch.where(l != 0, m + torch.log(l), torch.full_like(l, float("-inf")))
+    lse.index_copy_(1, qrows, row_lse.transpose(1, 2).reshape(Bl * Qm, H).index_select(0, q_at).T)
     out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out
