@@ -118,7 +118,7 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     left = window_size[0]
     dev = q.device
     out = torch.full((T, H, D), float("nan"), dtype=torch.float32, device=dev)
-    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device=dev)
+    lse = torch.full((H, T), float("nan"), dtype=torch.float32, device=dev) if return_softmax_lse else None
     live = [b for b in range(len(K_list)) if cu[b + 1] > cu[b]]  # requests with query rows
     if not live:
         return (out.to(q.dtype), lse) if return_softmax_lse else out.to(q.dtype)
@@ -177,7 +177,9 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     # l == 0 only for rows with no visible key (PA-005); a NaN read keeps l NaN and shows
     o = torch.where(l[..., None] == 0, torch.zeros_like(acc), acc / l[..., None])
     out.index_copy_(0, qrows, o.transpose(1, 2).reshape(Bl * Qm, H, D).index_select(0, q_at))
+    out = out.to(q.dtype)
+    if not return_softmax_lse:
+        return out
     row_lse = torch.where(l != 0, m + torch.log(l), torch.full_like(l, float("-inf")))
     lse.index_copy_(1, qrows, row_lse.transpose(1, 2).reshape(Bl * Qm, H).index_select(0, q_at).T)
-    out = out.to(q.dtype)
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
