@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 # Both create/refresh .venv.  The venv sees system site-packages, so a torch you already
 # have (a GPU build) is kept; only when no torch is importable is the CPU build pinned (in the
-# same pip run as refspec itself: one resolve).  `make demo` installs only what the demo needs
+# same pip run as refspec itself: one resolve; --no-compile: Python compiles what it imports,
+# not all of torch's ~2000 modules up front).  `make demo` installs only what the demo needs
 # (the `real` extra, DEMO_EXTRAS); `make test` adds the test, docs and notebook extras.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,7 +16,7 @@ venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q -e ".[$*]" $$($(PY) -c "import torch" 2>/dev/null || echo "$(TORCH_PIN)")
+	$(PY) -m pip install -q --no-compile -e ".[$*]" $$($(PY) -c "import torch" 2>/dev/null || echo "$(TORCH_PIN)")
 	case ",$*," in *,real,*) $(PY) -m refspec.real.install ;; esac
 	touch $@
 
