@@ -2,7 +2,7 @@
 # Both create/refresh .venv.  The venv sees system site-packages, so a torch you already
 # have (a GPU build) is kept; only when no torch is importable is the CPU build pinned (in the
 # same pip run as refspec itself: one resolve).  --no-compile: pip does not byte-compile all of
-# torch's ~2300 modules up front (~20 s); Python compiles the ~300 it imports on first use
+# torch's ~2300 modules up front (~20 s); Python compiles the ~770 it imports on first use
 # (~2.5 s, cached in __pycache__, or paid per process where PYTHONDONTWRITEBYTECODE is set).
 # `make demo` installs only what the demo needs (the `real` extra, DEMO_EXTRAS); `make test`
 # adds the test, docs and notebook extras.
