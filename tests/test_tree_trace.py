@@ -2,8 +2,8 @@
 rounds re-run through the FA3 tree wing against the oracle, and a tampered recording fails by ID.
 
 A tiny random-init model stands in for SmolLM2 (3 requests, ``max_batch = 2`` so the third joins
-mid-run, k = 2, N = 4, S = 3, P = 4: branch tails are copied); the committed SmolLM2 tree trace
-replays too.
+mid-run, k = 2, N = 4, S = 3, P = 4: branch tails are copied), recorded from the v1 and the v2
+tree round; the committed SmolLM2 tree trace (v1) replays too.
 """
 
 from __future__ import annotations
@@ -38,8 +38,15 @@ def recorded() -> dict:
                   max_batch=2, capture_bs=(1, 2), check=True, topk=K, num_draft_tokens=N)
 
 
-def tampered(fn) -> dict:
-    t = copy.deepcopy(recorded())
+@functools.lru_cache(maxsize=None)
+def recorded_v2() -> dict:
+    m = init_random_(LlamaModel(tiny_config()), seed=4).eval()
+    return record(m, None, PROMPTS, BUDGETS, version="v2", page_size=P, num_steps=S, draft="early-exit:1",
+                  max_batch=2, capture_bs=(1, 2), check=True, topk=K, num_draft_tokens=N)
+
+
+def tampered(fn, v2=False) -> dict:
+    t = copy.deepcopy(recorded_v2() if v2 else recorded())
     fn(t)
     return t
 
@@ -166,10 +173,72 @@ def test_malformed_tree_entries_are_refused():
             check_trace(tampered(fn))
 
 
-def test_record_refuses_v2_trees():
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_record_refuses_tree_with_overlap(version):
     m = init_random_(LlamaModel(tiny_config()), seed=4).eval()
-    with pytest.raises(ValueError, match="v1 tree loop only"):
-        record(m, None, PROMPTS[:1], BUDGETS[:1], version="v2", page_size=P, draft="early-exit:1", topk=2)
+    with pytest.raises(ValueError, match="overlap schedule is not implemented"):
+        record(m, None, PROMPTS[:1], BUDGETS[:1], version=version, page_size=P, draft="early-exit:1", topk=2,
+               overlap=True)
+
+
+# R = alloc_len_per_decode at k = 2, S = 3, P = 4, N = 4, by hand: a branch spans at most
+# ceil((P - 1 + S) / P) = 2 pages, so R = max(2 pages * 4 * k, N) = 16 positions (TR-020)
+R = 16
+
+
+@pytest.mark.spec("TR-020", "TR-021", "TR-008", "TR-012", "TR-019")
+def test_v2_record_then_replay_round_trip(tmp_path):
+    t = recorded_v2()
+    assert t["format"] == TREE_FORMAT and t["config"]["version"] == "v2"
+    check_trace(t)
+    for rd in t["rounds"]:
+        for e, L, a in zip(rd["tree"], rd["seq_lens"], rd["num_accept_tokens"]):
+            slots = from_runs(e["req_to_token"])
+            assert len(slots) >= L + R and len(set(slots)) == len(slots)  # the reserve, distinct slots
+            assert {x for b in e["draft_cache_loc"] for x in b} <= set(slots)  # branch slots inside it
+            assert e["draft_cache_loc"][0] == slots[L:L + S]  # branch 0 continues the row at L
+            assert e["moved_to"] == slots[L:L + a] and e["kept_row"] == a - 1
+    path = save_trace(t, tmp_path / "tree_v2.json")
+    loaded = load_trace(path)
+    assert loaded == json.loads(json.dumps(t))
+    rep = replay_tree_trace(loaded, trace_path=str(path))
+    assert rep.ok, rep.to_markdown()
+    assert len(rep.rounds) == len(t["rounds"]) and rep.graphs
+    assert all(set(r.worst) == {"draft", "verify", "extend"} and max(r.worst.values()) < 100 for r in rep.rounds)
+    assert replay_main([str(path)]) == 0
+
+
+def _kept_row_moved(t):
+    """The kept draft-extend row one past a - 1: the row that saw one window token too many."""
+    e = next(e for rd in t["rounds"] for e, a in zip(rd["tree"], rd["num_accept_tokens"]) if a < N)
+    e["kept_row"] += 1
+
+
+def _moved_to_changed(t):
+    """The path's first node 'moved' into the next verify slot instead of the first."""
+    e, L = next((e, L) for rd in t["rounds"] for e, L, a in zip(rd["tree"], rd["seq_lens"],
+                                                                  rd["num_accept_tokens"]) if a < N)
+    e["moved_to"][0] = from_runs(e["req_to_token"])[L + N - 1]
+
+
+def _branch_outside_reserve(t):
+    """Branch 1's last draft slot replaced by a slot the row does not hold."""
+    e = t["rounds"][0]["tree"][0]
+    e["draft_cache_loc"][1][-1] = max(x for rd in t["rounds"] for e2 in rd["tree"]
+                                      for x in from_runs(e2["req_to_token"])) + 1
+
+
+@pytest.mark.spec("TR-020", "TR-021")
+@pytest.mark.parametrize("tamper,ids", [(_kept_row_moved, ["TR-021"]), (_moved_to_changed, ["TR-020"]),
+                                        (_branch_outside_reserve, ["TR-020"])])
+def test_tampered_v2_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
+    t = tampered(tamper, v2=True)
+    check_trace(t)  # shapes are intact: only the rules are broken
+    rep = replay_tree_trace(t, graphed=False)
+    text = failures(rep)
+    assert not rep.ok and "FAIL" in rep.to_markdown()
+    for inv in ids:
+        assert f"[{inv}]" in text, text
 
 
 @pytest.mark.spec("TR-019")
@@ -181,8 +250,7 @@ def test_committed_smollm2_tree_trace_replays_on_cpu():
     assert rep.ok, rep.to_markdown()
 
 
-@pytest.mark.parametrize("argv,msg", [(["--topk", "2", "--version", "v2"], "v1 tree loop only"),
-                                      (["--num-draft-tokens", "4"], "needs --topk"),
+@pytest.mark.parametrize("argv,msg", [(["--num-draft-tokens", "4"], "needs --topk"),
                                       (["--topk", "2", "--num-steps", "1", "--num-draft-tokens", "5"], "TR-002")])
 def test_record_cli_refuses_bad_tree_flags_before_loading_the_model(tmp_path, capsys, argv, msg):
     from refspec.cli.record import main as record_main

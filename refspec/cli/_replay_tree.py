@@ -14,9 +14,12 @@ with random K/V written at every slot the round reads (NaN everywhere else) and 
    prefix page table must equal the recorded one (T0, TR-010), its output the slot oracle's
    over the prefix + each node's ancestors and itself *from the recorded parents* (TR-004,
    TR-012: a mask that lets a node see a sibling fails here and in step 1);
-4. **compaction + draft extend**: the production compaction (TR-017) moves the accepted path's
-   KV to the first a verify slots (checked against the pre-compaction KV, T0), then the v1
-   DRAFT_EXTEND over the a accepted tokens, FA3 vs the oracle backend (SD-004).
+4. **compaction + draft extend**: v1: the production compaction (TR-017) moves the accepted
+   path's KV to the first a verify slots (checked against the pre-compaction KV, T0), then the
+   v1 DRAFT_EXTEND over the a accepted tokens, FA3 vs the oracle backend (SD-004).  v2: the v2
+   move into the recorded ``moved_to`` slots (TR-020), then DRAFT_EXTEND_V2 over all N window
+   rows and the recorded ``kept_row`` (TR-021), :mod:`refspec.cli._replay_tree_v2`; step 1 also
+   checks the v2 recording (reserve, branch slots inside it: TR-020).
 
 5. **graphs**: the same verify and draft decode replayed through the production tree graph
    runner, captured once for the trace's ``capture_bs`` and rewritten in place every round
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refspec.cli._replay_tree_v2 import move_and_extend_v2
 from refspec.core.batch import draft_extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
@@ -45,7 +49,7 @@ from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, 
 from refspec.oracle.backend import OracleBackend
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative import tree_kv
-from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures
+from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
 
 
 @dataclass
@@ -266,6 +270,7 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     t0 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     cfg = trace["config"]
+    v2 = cfg["version"] == "v2"
     provider = select_provider(torch.device(device))
     rounds = trace["rounds"]
     pages = [x // cfg["page_size"] for rd in rounds for e in rd["tree"]
@@ -285,14 +290,16 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
         check = TreeRoundCheck(i, rd["rids"], rd["seq_lens"], rd["num_accept_tokens"])
         entries = rd["tree"]
         for b, (e, L, a) in enumerate(zip(entries, rd["seq_lens"], rd["num_accept_tokens"])):
-            check.failures += [f"request {rd['rids'][b]}: {f}" for f in tree_round_failures(e, L, a, cfg)]
+            rules = tree_round_failures(e, L, a, cfg) + (tree_v2_round_failures(e, L, a, cfg) if v2 else [])
+            check.failures += [f"request {rd['rids'][b]}: {f}" for f in rules]
         rnd.load(entries, rd["seq_lens"], torch.Generator().manual_seed(seed * 100003 + i))
         try:
             draft = _draft_decode(rnd, entries, check, provider) if cfg["num_steps"] > 1 else None
             verify = _verify(rnd, entries, check, provider)
             if graphs is not None:
                 graphs.check_round(check, verify, draft)
-            _compact_and_extend(rnd, entries, rd["num_accept_tokens"], verify[0].out_cache_loc, check, provider)
+            step4 = move_and_extend_v2 if v2 else _compact_and_extend
+            step4(rnd, entries, rd["num_accept_tokens"], verify[0].out_cache_loc, check, provider)
         except Exception as e:  # noqa: BLE001 - an InvariantError (validation) or a crash is a failure of this round
             check.failures.append(f"the FA3 wing raised {type(e).__name__}: {e}")
         checks.append(check)

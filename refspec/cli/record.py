@@ -8,8 +8,10 @@ has joins as well as finishes.  ``--check`` also runs plain greedy decoding and 
 a trace whose run was not lossless (SD-002).
 
 ``--topk K`` (K >= 2) with ``--num-draft-tokens N`` (default 2K, as ``demo --topk``) records the
-EAGLE tree loop instead (:class:`~refspec.speculative.tree.TreeEngine`, v1): a tree trace, whose
-rounds also carry what each round fed the FA3 wing (:mod:`refspec.speculative.tree_trace`).
+EAGLE tree loop instead (:class:`~refspec.speculative.tree.TreeEngine`, ``--version`` v2 by
+default, as for the chain: upstream's only EAGLE worker from v0.5.14 on; v1 records the v1 tree
+round): a tree trace, whose rounds also carry what each round fed the FA3 wing
+(:mod:`refspec.speculative.tree_trace`; its config stores the version).
 """
 
 from __future__ import annotations
@@ -38,16 +40,17 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
     Shapes: ``prompts`` B lists of token ids, ``max_new`` B budgets (tokens).  ``check``: also
     decode greedily and raise RuntimeError if any request differs (SD-002).  ``overlap``: run
     the overlap loop (v2; stored in the config: its schedule lags finishes by one round, so a
-    replay must use it too).  ``topk`` > 1: the tree loop (v1 only, no overlap) with N =
-    ``num_draft_tokens`` (default 2k); the result is a tree trace.
-    Raises: ValueError for a tree run with version v2 or overlap.
+    replay must use it too).  ``topk`` > 1: the tree loop of ``version`` (v1 or v2, no overlap)
+    with N = ``num_draft_tokens`` (default 2k); the result is a tree trace.
+    Raises: ValueError for a tree run with overlap (tree + overlap is not implemented).
     """
     from refspec.real import CONFIG_KEYS
 
     observer, tree_kw = bar.observer if bar else None, {}
     if topk > 1:
-        if version != "v1" or overlap:
-            raise ValueError(f"top-k > 1 records the v1 tree loop only, got version={version!r}, overlap={overlap}")
+        if overlap:
+            raise ValueError("top-k > 1 with the overlap schedule is not implemented (the tree rounds run "
+                             "non-overlapped, docs/spec/tree.md); record with overlap=False")
         num_draft_tokens = num_draft_tokens or 2 * topk
         observer = recorder = TreeRecorder(observer)
         tree_kw = dict(topk=topk, num_draft_tokens=num_draft_tokens)
@@ -97,14 +100,16 @@ def _main(argv) -> int:
     ap.add_argument("--max-batch", type=positive_int(), metavar="N", default=4,
                     help="running requests at most; later ones join as others finish (default 4)")
     ap.add_argument("--version", choices=["v1", "v2"],
-                    help="speculative-decoding version (default v2; v1, the only one, with --topk > 1)")
+                    help="speculative-decoding version, chain or tree (default v2, upstream's only EAGLE "
+                         "worker from v0.5.14; with --topk > 1 the v2 tree round, v1 the v1 one)")
     ap.add_argument("--page-size", type=positive_int(), metavar="P", default=4, help="tokens per KV page (default 4)")
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
     ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
                     help="the draft: early-exit:K (first K of 30 layers; default K = 25) or eagle")
     ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
-                    help="k > 1 records the EAGLE tree loop (v1) as a tree trace (default 1: the chain)")
+                    help="k > 1 records the EAGLE tree loop (of --version, default v2) as a tree trace "
+                         "(default 1: the chain)")
     ap.add_argument("--num-draft-tokens", type=positive_int(2), metavar="N",
                     help="tree nodes verified per round with --topk, root included (default 2k)")
     ap.add_argument("--no-eos", action="store_true", help="ignore <|im_end|> (budgets end every request)")
@@ -120,12 +125,9 @@ def _main(argv) -> int:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"--out {ns.out}: cannot create its folder ({e.strerror or e})") from e
-    if ns.topk > 1 and ns.version == "v2":
-        raise CLIError("--topk > 1 records the v1 tree loop only (refspec has no v2 production tree round); "
-                       "drop --version v2")
     if ns.topk == 1 and ns.num_draft_tokens is not None:
         raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
-    version = ns.version or ("v1" if ns.topk > 1 else "v2")
+    version = ns.version or "v2"
     if ns.topk > 1:
         from refspec.oracle.tree import max_drafts
 

@@ -17,7 +17,7 @@ its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
 6. **draft extend** (v1 DRAFT_EXTEND, SD-004): the a emitted tokens at draft KV L..L+a-1 with
    the target hidden of the path nodes; the last row's softmax top-k seed the next round.
 
-Observer events (``Engine.observe``): ``draft_decode`` (``fb``: the TreeDraftBatch), ``verify``
+Observer events (``Engine.observe``, v1 and v2 rounds): ``draft_decode`` (``fb``: the TreeDraftBatch), ``verify``
 (the TreeVerifyBatch), ``tree_accept`` (``parents``: per request the N parent node ids;
 ``accept_index`` [B, S+1]: the accepted path) and ``draft_extend``; a trace recorder
 (:mod:`refspec.speculative.tree_trace`) reads them.

@@ -20,20 +20,34 @@ re-runs the three tree phases of every round at the recorded layout on random K/
 * ``accept_path``: the accepted nodes from the root, a entries (TR-006);
 * ``draft_cache_loc``: k lists of S slots, branch t's draft step slots (TR-015; empty at S = 1).
 
+The config's ``version`` says which tree round was recorded.  A **v1** trace is as above.  A
+**v2** trace (:mod:`refspec.speculative.tree_v2`) differs where the v2 round does:
+
+* ``req_to_token`` covers the row's whole per-round reserve, positions ``0 .. L+R-1``
+  (R = ``alloc_len_per_decode``, TR-020), since the branch slots live in it: branch t's step j
+  is the slot at row position ``prefix_base + t*npp*P + lp + j``;
+* ``moved_to``: the a slots the accepted path's target KV was moved to, in path order (TR-020:
+  the first a verify slots, ``req_to_token[L .. L+a-1]``; nothing is freed);
+* ``kept_row``: the row of the request's N-row ``DRAFT_EXTEND_V2`` block that seeded the next
+  round (TR-021: ``a - 1``).
+
 Recording: :class:`TreeRecorder` is an engine observer (``draft_decode``, ``verify``,
-``tree_accept``, ``round_end`` events of :class:`~refspec.speculative.tree.TreeEngine`).
+``tree_accept``, ``draft_extend``, ``round_end`` events of
+:class:`~refspec.speculative.tree.TreeEngine`, v1 or v2).
 :func:`check_tree_rounds` checks shapes (ValueError); :func:`tree_round_failures` checks the
 rules above and returns one line per violation, each naming its invariant ID.
 """
 
 from __future__ import annotations
 
+from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 
 TREE_FORMAT = "refspec-tree-trace/1"
 TREE_CONFIG_KEYS = ("topk", "num_draft_tokens")
 TREE_KEYS = ("req_pool_index", "req_to_token", "page_table", "parents", "positions", "mask", "accept_path",
              "draft_cache_loc")
+TREE_V2_KEYS = ("moved_to", "kept_row")  #: a v2 trace's entries also hold these
 
 
 def to_runs(slots: list[int]) -> list[list[int]]:
@@ -88,28 +102,40 @@ class TreeRecorder:
             loc = fb.draft_cache_loc.view(-1, k, S).tolist()
             self._cur["draft_cache_loc"] = loc
         elif event == "verify" and isinstance(fb, TreeVerifyBatch):
-            self._verify(eng, fb)
+            self._verify(eng, fb, info["reqs"])
         elif event == "tree_accept":
             acc = info["accept_index"].tolist()
             N = eng.N
             self._cur["parents"] = [list(p) for p in info["parents"]]
             self._cur["accept_path"] = [[x - b * N for x in row if x >= 0] for b, row in enumerate(acc)]
+            if eng.version == "v2":  # move_accept_tokens_to_target_kvcache: node slot -> window slot j
+                win = self._cur["window"]
+                self._cur["moved_to"] = [win[b * N:b * N + len(p)] for b, p in enumerate(self._cur["accept_path"])]
+        elif event == "draft_extend" and getattr(fb, "forward_mode", None) == ForwardMode.DRAFT_EXTEND_V2:
+            self._cur["kept_row"] = [a - 1 for a in fb.num_accept_tokens.tolist()]  # select_index - b*N
         elif event == "round_end" and "rows" in self._cur:
             c, self._cur = self._cur, {}
             loc = c.get("draft_cache_loc") or [[] for _ in c["rows"]]
-            self.rounds.append([dict(req_pool_index=r, req_to_token=to_runs(slots), page_table=pt, parents=par,
-                                     positions=pos, mask=m, accept_path=path, draft_cache_loc=d)
-                                for r, slots, pt, par, pos, m, path, d in zip(
-                                    c["rows"], c["slots"], c["page_table"], c["parents"], c["positions"],
-                                    c["mask"], c["accept_path"], loc)])
+            rnd = [dict(req_pool_index=r, req_to_token=to_runs(slots), page_table=pt, parents=par,
+                        positions=pos, mask=m, accept_path=path, draft_cache_loc=d)
+                   for r, slots, pt, par, pos, m, path, d in zip(
+                       c["rows"], c["slots"], c["page_table"], c["parents"], c["positions"],
+                       c["mask"], c["accept_path"], loc)]
+            if eng.version == "v2":
+                for e, moved, kept in zip(rnd, c["moved_to"], c["kept_row"]):
+                    e.update(moved_to=moved, kept_row=kept)
+            self.rounds.append(rnd)
 
-    def _verify(self, eng, fb: TreeVerifyBatch) -> None:
+    def _verify(self, eng, fb: TreeVerifyBatch, reqs) -> None:
         N, P = fb.num_draft_tokens, eng.P
         Ls, rows = fb.seq_lens_cpu.tolist(), fb.req_pool_indices.tolist()
         pt = eng.runners.tree_verify_be.forward_metadata.page_table  # what the prefix call read (graph or eager)
         pos = fb.positions.tolist()
+        # v1: the row at verify time, L + N positions; v2: the whole reserve the round runs in (TR-020)
+        ends = [r.alloc_len for r in reqs] if eng.version == "v2" else [L + N for L in Ls]
         self._cur.update(
-            rows=rows, slots=[eng.kv.req_to_token[r, :L + N].tolist() for r, L in zip(rows, Ls)],
+            rows=rows, slots=[eng.kv.req_to_token[r, :n].tolist() for r, n in zip(rows, ends)],
+            window=fb.out_cache_loc.tolist(),
             page_table=[pt[b, :-(-L // P)].tolist() for b, L in enumerate(Ls)],
             positions=[pos[b * N:(b + 1) * N] for b in range(len(Ls))],
             mask=mask_tree_rows(fb.custom_mask.tolist(), Ls, N))
@@ -121,8 +147,9 @@ def check_tree_rounds(trace: dict, bad) -> None:
     if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2:
         bad(f"a tree trace needs config topk >= 2 and num_draft_tokens >= 2, got "
             f"{ {k: cfg.get(k) for k in TREE_CONFIG_KEYS} }")
-    if cfg["version"] != "v1":
-        bad(f"tree rounds are recorded from the v1 tree engine, config says {cfg['version']!r}")
+    if cfg["version"] not in ("v1", "v2"):
+        bad(f"tree rounds are recorded from the v1 or v2 tree engine, config says {cfg['version']!r}")
+    v2 = cfg["version"] == "v2"
     k, N, S = cfg["topk"], cfg["num_draft_tokens"], cfg["num_steps"]
     for i, rd in enumerate(trace["rounds"]):
         tree = rd.get("tree")
@@ -130,11 +157,15 @@ def check_tree_rounds(trace: dict, bad) -> None:
             bad(f"round {i}: 'tree' must hold one entry per request of rids")
         for b, (e, L, a) in enumerate(zip(tree, rd["seq_lens"], rd["num_accept_tokens"])):
             where = f"round {i} request {rd['rids'][b]}"
-            if any(x not in e for x in TREE_KEYS):
-                bad(f"{where}: tree entry lacks {[x for x in TREE_KEYS if x not in e]}")
-            if sum(c for _, c in e["req_to_token"]) != L + N:
-                bad(f"{where}: req_to_token runs cover {sum(c for _, c in e['req_to_token'])} positions, "
-                    f"expected L + N = {L + N}")
+            keys = TREE_KEYS + (TREE_V2_KEYS if v2 else ())
+            if any(x not in e for x in keys):
+                bad(f"{where}: tree entry lacks {[x for x in keys if x not in e]}")
+            covered = sum(c for _, c in e["req_to_token"])
+            if covered != L + N and not (v2 and covered > L + N):
+                bad(f"{where}: req_to_token runs cover {covered} positions, expected "
+                    f"{'at least ' if v2 else ''}L + N = {L + N}")
+            if v2 and (not isinstance(e["kept_row"], int) or len(e["moved_to"]) != a):
+                bad(f"{where}: a v2 entry needs kept_row (an int) and moved_to (a = {a} slots)")
             if len(e["page_table"]) != -(-L // cfg["page_size"]):
                 bad(f"{where}: page_table has {len(e['page_table'])} pages, ceil(L / P) = "
                     f"{-(-L // cfg['page_size'])}")
@@ -198,4 +229,34 @@ def tree_round_failures(entry: dict, L: int, a: int, cfg: dict) -> list[str]:
                 or len({s0 // P for s0 in firsts}) != len(firsts)):
         out.append(f"[TR-015] branch step-0 slots {firsts}: each at offset L mod P = {lp} of its own page, "
                    f"branch 0 continuing the committed tail (slots {slots[L - lp:L]})")
+    return out
+
+
+def tree_v2_round_failures(entry: dict, L: int, a: int, cfg: dict) -> list[str]:
+    """The v2 rules of one recorded request-round (on top of :func:`tree_round_failures`).
+
+    TR-020: the row holds its reserve ``L + R`` positions (R = ``max(npp*P*k, N)``, ``npp =
+    ceil((P - 1 + S) / P)``; ``max(k*S, N)`` at P = 1) of distinct slots, branch t's step j is the
+    reserve's slot at ``prefix_base + t*npp*P + lp + j``, and the path KV went to the first a
+    verify slots.  TR-021: the kept draft-extend row is ``a - 1``.
+    """
+    P, N, k, S = cfg["page_size"], cfg["num_draft_tokens"], cfg["topk"], cfg["num_steps"]
+    slots, out = from_runs(entry["req_to_token"]), []
+    R = max(k * S, N) if P == 1 else max(-(-(P - 1 + S) // P) * P * k, N)
+    if len(slots) < L + R or len(set(slots)) != len(slots):
+        out.append(f"[TR-020] the row holds {len(slots)} positions ({len(set(slots))} distinct slots); the "
+                   f"reserve is L + R = {L} + {R}")
+    lp = L % P if P > 1 else 0
+    npp = -(-(lp + S) // P) if P > 1 else S
+    for t, branch in enumerate(entry["draft_cache_loc"]):
+        want = [slots[p] if p < len(slots) else None for p in range(L - lp + t * npp * P + lp,
+                                                                     L - lp + t * npp * P + lp + S)]
+        if branch != want:
+            out.append(f"[TR-020] branch {t}: draft slots {branch}, the reserve holds {want} at its step positions")
+    if entry["moved_to"] != slots[L:L + a]:
+        out.append(f"[TR-020] the path's KV was moved to slots {entry['moved_to']}; the first a = {a} verify "
+                   f"slots are {slots[L:L + a]}")
+    if entry["kept_row"] != a - 1:
+        out.append(f"[TR-021] kept draft-extend row {entry['kept_row']} of the N = {N} window rows; "
+                   f"select_index keeps row a - 1 = {a - 1}")
     return out

@@ -168,6 +168,7 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
     # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
     # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
     acc = accept_index[:, :min(S + 1, N)]
+    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=acc)  # for recorders
     move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
     predict = compact_accept_to_front(predict, acc, N)
     hidden = compact_accept_to_front(hidden, acc, N)
