@@ -3,7 +3,7 @@ rounds re-run through the FA3 tree wing against the oracle, and a tampered recor
 
 A tiny random-init model stands in for SmolLM2 (3 requests, ``max_batch = 2`` so the third joins
 mid-run, k = 2, N = 4, S = 3, P = 4: branch tails are copied), recorded from the v1 and the v2
-tree round; the committed SmolLM2 tree trace (v1) replays too.
+tree round; the committed SmolLM2 tree traces (v1 and v2) replay too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from refspec.speculative.trace import check_trace, is_tree_trace, load_trace, sa
 from refspec.speculative.tree_trace import TREE_FORMAT, ancestors_and_self, from_runs, mask_tree_rows, to_runs
 
 COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "mtbench_smollm2_tree.json"
+COMMITTED_V2 = COMMITTED.with_name("mtbench_smollm2_tree_v2.json")
 _rng = random.Random(3)
 PROMPTS = [[_rng.randrange(128) for _ in range(n)] for n in (5, 11, 7)]
 BUDGETS = [14, 9, 12]
@@ -241,12 +242,14 @@ def test_tampered_v2_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
         assert f"[{inv}]" in text, text
 
 
-@pytest.mark.spec("TR-019")
-def test_committed_smollm2_tree_trace_replays_on_cpu():
-    t = load_trace(COMMITTED)
-    assert is_tree_trace(t) and t["source"]["checked_against_greedy"] and COMMITTED.stat().st_size < 200_000
+@pytest.mark.spec("TR-019", "TR-020", "TR-021")
+@pytest.mark.parametrize("path,version", [(COMMITTED, "v1"), (COMMITTED_V2, "v2")])
+def test_committed_smollm2_tree_trace_replays_on_cpu(path, version):
+    t = load_trace(path)
+    assert is_tree_trace(t) and t["source"]["checked_against_greedy"] and path.stat().st_size < 200_000
+    assert t["config"]["version"] == version
     torch.set_num_threads(1)
-    rep = replay_tree_trace(t, trace_path=str(COMMITTED))
+    rep = replay_tree_trace(t, trace_path=str(path))
     assert rep.ok, rep.to_markdown()
 
 
@@ -271,6 +274,20 @@ def test_gpu_replays_the_committed_tree_trace_with_real_fa3():
     bad = copy.deepcopy(t)
     _sibling_visible(bad)
     assert "[TR-004]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.spec("TR-020", "TR-021", "TOL-002")
+def test_gpu_replays_the_committed_v2_tree_trace_with_real_fa3():
+    """On Hopper: the v2 trace in bf16 through the real FA3 kernel (DRAFT_EXTEND_V2 over N rows
+    included), T1 against the fp32 oracle; a moved kept row still fails by ID."""
+    t = load_trace(COMMITTED_V2)
+    rep = replay_tree_trace(t, device="cuda", dtype=torch.bfloat16, trace_path=str(COMMITTED_V2))
+    assert rep.provider != "emulator", "on Hopper the real FA3 kernel must be selected"
+    assert rep.ok, rep.to_markdown()
+    bad = copy.deepcopy(t)
+    _kept_row_moved(bad)
+    assert "[TR-021]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.spec("TR-018")
