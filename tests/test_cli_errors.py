@@ -65,6 +65,9 @@ CASES = [
     (["bench", "--out", "{bad.json}"], ["--out", "is a file", "folder"]),
     # demo (all refused before any model is loaded)
     (["demo", "--versions", "v1,v3"], ["'v3'", "v1", "v2"]),
+    (["demo", "--num-draft-tokens", "4"], ["--num-draft-tokens", "--topk", "SD-010"]),
+    (["demo", "--topk", "2", "--bug", "seed-page-table"], ["--bug", "--topk"]),
+    (["demo", "--topk", "2", "--num-draft-tokens", "99"], ["--num-draft-tokens 99", "TR-002"]),
     (["demo", "--draft", "medusa"], ["'medusa'", "eagle", "early-exit:K"]),
     (["demo", "--draft", "early-exit:0"], ["early-exit:0", "early-exit:K"]),
     (["demo", "--prompts", "0"], ["--prompts", ">= 1"]),

@@ -198,7 +198,7 @@ def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
     assert default.tokens == explicit.tokens and default.accepts == explicit.accepts  # k = 1: the chain loop
 
 
-@pytest.mark.spec("TR-002", "SD-010")
+@pytest.mark.spec("TR-002", "SD-010", "TR-001")
 @pytest.mark.parametrize("kw,match", [
     ({"topk": 2, "num_draft_tokens": 12}, r"TR-002.*N - 1 <= k \+ \(Sd-1\) k\^2 = 2 \+ 2\*2\^2 = 10"),
     ({"topk": 2}, "needs num_draft_tokens"),
@@ -208,6 +208,10 @@ def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
     ({"topk": 2, "num_draft_tokens": 6, "backend": "fa3", "version": "v2", "overlap": True}, "overlap"),
     ({"topk": 2, "num_draft_tokens": 6, "version": "v3"}, "version"),
     ({"topk": 2, "num_draft_tokens": 6, "drafter": "perfect"}, "drafter"),
+    ({"topk": 129, "num_draft_tokens": 6}, r"vocab_size V = 128.*TR-001"),
+    ({"topk": 2, "num_draft_tokens": 4, "backend": "fa3", "graphs": True, "capture_bs": ()},
+     "capture_bs must be a non-empty"),
+    ({"topk": 10**6, "num_draft_tokens": 6, "backend": "fa3"}, r"vocab_size V = 128.*TR-001"),
 ])
 def test_generate_rejects_bad_tree_arguments(kw, match):
     from refspec.speculative import generate

@@ -138,10 +138,16 @@ def _branch_slot_moved(t):
     e["draft_cache_loc"][1][0] += 1
 
 
-@pytest.mark.spec("TR-004", "PA-002", "TR-006", "TR-005", "TR-015")
+def _self_parent(t):
+    """A node made its own parent (a cycle): the ancestor walk must stop and name TR-003, not hang."""
+    e = t["rounds"][0]["tree"][0]
+    e["parents"][N - 1] = N - 1
+
+
+@pytest.mark.spec("TR-004", "PA-002", "TR-006", "TR-005", "TR-015", "TR-003")
 @pytest.mark.parametrize("tamper,ids", [(_sibling_visible, ["TR-004", "TR-012"]), (_page_changed, ["PA-002", "TR-010"]),
                                         (_path_off_tree, ["TR-006"]), (_position_shifted, ["TR-005"]),
-                                        (_branch_slot_moved, ["TR-015"])])
+                                        (_branch_slot_moved, ["TR-015"]), (_self_parent, ["TR-003"])])
 def test_tampered_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
     t = tampered(tamper)
     check_trace(t)  # shapes are intact: only the rules are broken

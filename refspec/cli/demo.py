@@ -181,6 +181,24 @@ def tree_round_lines(outputs: dict) -> list[str]:
     return lines
 
 
+def _check_tree_flags(ns) -> None:
+    """Usage errors (exit 2) before the model loads, as ``record`` has them: N without k > 1,
+    k > 1 with ``--bug`` (the bug demo runs the chain loop), N past TR-002's bound."""
+    from refspec.cli._args import CLIError
+    from refspec.oracle.tree import max_drafts
+
+    if ns.topk == 1 and ns.num_draft_tokens is not None:
+        raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
+    if ns.topk > 1 and ns.bug:
+        raise CLIError("--bug shows a chain variant (top-k = 1); drop --topk")
+    if ns.topk > 1:
+        N = ns.num_draft_tokens or 2 * ns.topk
+        if N - 1 > max_drafts(ns.topk, ns.num_steps):
+            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = "
+                           f"{1 + max_drafts(ns.topk, ns.num_steps)} for --topk {ns.topk}, --num-steps "
+                           f"{ns.num_steps} (TR-002)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; 0 if every check passes, 1 if one fails, 2 on a usage error (one line)."""
     return run(_main, argv, f"{PROG} demo")
@@ -221,6 +239,7 @@ def _main(argv) -> int:
                     help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
+    _check_tree_flags(ns)
     from refspec.real import EOS_ID, decode
 
     t0 = time.perf_counter()

@@ -173,6 +173,9 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
     Raises: ValueError for a bad request or k / Sd / N (TR-002: ``N - 1 <= k + (Sd-1) k^2``).
     """
     check_tree_args(topk, num_steps, num_draft_tokens)
+    if topk > target.config.vocab_size:
+        raise ValueError(f"topk k = {topk} > vocab_size V = {target.config.vocab_size}: a draft step's top-k "
+                         f"is over the V tokens (TR-001)")
     if version not in ("v1", "v2"):
         raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
     _check_request(prompt, max_new_tokens)

@@ -193,6 +193,9 @@ def main(argv=None) -> int:
     ops = round_ops(eng)
     rounds = eng.rounds_launched
     print(f"device {dev}, v2 overlap, B = {ns.batch}, rounds {rounds}")
+    if dev.type == "cpu":
+        print("note: a CPU run counts the ops the host dispatches (the same count as on the GPU); its "
+              "milliseconds say nothing about a GPU's host time (bench --sections host measures that)")
     print("host CPU ms per round outside graph replays: " +
           ", ".join(f"{k} {1e3 * v / max(rounds, 1):.2f}" for k, v in host_s.items()))
     for ph in ("launch", "commit"):

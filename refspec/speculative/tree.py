@@ -146,6 +146,9 @@ class TreeEngine(Engine):
     def __init__(self, target, draft, *, topk: int, num_draft_tokens: int, num_steps: int = 3, version: str = "v1",
                  drafter=None, accept=None, overlap=None, **kw):
         check_tree_args(topk, num_steps, num_draft_tokens)
+        if topk > target.config.vocab_size:
+            raise ValueError(f"topk k = {topk} > vocab_size V = {target.config.vocab_size}: each draft step takes "
+                             f"the top-k of the V draft probabilities (TR-001)")
         if version not in ("v1", "v2"):
             raise ValueError(f"top-k > 1 runs version 'v1' or 'v2', got version={version!r}")
         if overlap:

@@ -66,6 +66,9 @@ class TreeGraphRunner:
 
     def __init__(self, runners, phase: str, capture_bs, dtype):
         self.r, self.phase = runners, phase
+        capture_bs = list(capture_bs)
+        if not capture_bs or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in capture_bs):
+            raise ValueError(f"capture_bs must be a non-empty list of batch sizes >= 1, got {capture_bs}")
         self.capture_bs = sorted(set(capture_bs))
         kv, dev = runners.kv, runners.kv.device
         self.k, self.S, self.N, self.P = runners.topk, runners.Sd, runners.num_draft_tokens, kv.page_size

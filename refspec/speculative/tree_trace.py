@@ -40,6 +40,7 @@ rules above and returns one line per violation, each naming its invariant ID.
 
 from __future__ import annotations
 
+from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 
@@ -180,9 +181,14 @@ def check_tree_rounds(trace: dict, bad) -> None:
 
 
 def ancestors_and_self(parents: list[int], i: int) -> list[int]:
-    """Node i, its ancestors and the root (an orphan: itself and the root), ascending (TR-004)."""
+    """Node i, its ancestors and the root (an orphan: itself and the root), ascending (TR-004).
+
+    Raises: InvariantError TR-003 if a parent does not precede its child (a cycle in a
+    hand-edited trace would otherwise never end the walk).
+    """
     out = {0, i}
     while parents[i] > 0:
+        require(parents[i] < i, "TR-003", lambda: f"node {i}'s parent {parents[i]} does not precede it")
         i = parents[i]
         out.add(i)
     return sorted(out)
