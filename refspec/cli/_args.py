@@ -125,6 +125,20 @@ def check_draft(spec: str, model) -> None:
         raise CLIError(f"--draft {spec}: K must lie in 1..{layers} (the target has {layers} layers)")
 
 
+def check_tree_flags(ns) -> None:
+    """``--topk`` / ``--num-draft-tokens`` usage errors (CLIError, exit 2) before a model loads:
+    N without k > 1 (SD-010), N past 1 + k + (Sd-1) k^2 (TR-002; N defaults to 2k)."""
+    from refspec.oracle.tree import max_drafts
+
+    if ns.topk == 1 and ns.num_draft_tokens is not None:
+        raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
+    if ns.topk > 1:
+        N, most = ns.num_draft_tokens or 2 * ns.topk, 1 + max_drafts(ns.topk, ns.num_steps)
+        if N > most:
+            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = {most} for --topk {ns.topk}, "
+                           f"--num-steps {ns.num_steps} (TR-002)")
+
+
 def device_name(text: str) -> str:
     """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here)."""
     if text not in ("cpu", "cuda"):

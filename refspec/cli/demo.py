@@ -182,21 +182,13 @@ def tree_round_lines(outputs: dict) -> list[str]:
 
 
 def _check_tree_flags(ns) -> None:
-    """Usage errors (exit 2) before the model loads, as ``record`` has them: N without k > 1,
-    k > 1 with ``--bug`` (the bug demo runs the chain loop), N past TR-002's bound."""
-    from refspec.cli._args import CLIError
-    from refspec.oracle.tree import max_drafts
+    """Usage errors (exit 2) before the model loads, as ``record`` has them, plus ``--bug`` with
+    k > 1 (the bug demo runs the chain loop)."""
+    from refspec.cli._args import CLIError, check_tree_flags
 
-    if ns.topk == 1 and ns.num_draft_tokens is not None:
-        raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
+    check_tree_flags(ns)
     if ns.topk > 1 and ns.bug:
         raise CLIError("--bug shows a chain variant (top-k = 1); drop --topk")
-    if ns.topk > 1:
-        N = ns.num_draft_tokens or 2 * ns.topk
-        if N - 1 > max_drafts(ns.topk, ns.num_steps):
-            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = "
-                           f"{1 + max_drafts(ns.topk, ns.num_steps)} for --topk {ns.topk}, --num-steps "
-                           f"{ns.num_steps} (TR-002)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, draft_spec, positive_int, real_workload,
-                               run)
+from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, check_tree_flags, draft_spec, positive_int,
+                               real_workload, run)
 from refspec.fa3.kernel import select_provider
 from refspec.oracle.loop import greedy
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, set_threads)
@@ -125,17 +125,8 @@ def _main(argv) -> int:
         ns.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"--out {ns.out}: cannot create its folder ({e.strerror or e})") from e
-    if ns.topk == 1 and ns.num_draft_tokens is not None:
-        raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
+    check_tree_flags(ns)
     version = ns.version or "v2"
-    if ns.topk > 1:
-        from refspec.oracle.tree import max_drafts
-
-        N = ns.num_draft_tokens or 2 * ns.topk
-        if N - 1 > max_drafts(ns.topk, ns.num_steps):
-            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = "
-                           f"{1 + max_drafts(ns.topk, ns.num_steps)} for --topk {ns.topk}, --num-steps "
-                           f"{ns.num_steps} (TR-002)")
     set_threads(ns.threads)
     qs, max_new, model, load_s, prompts = real_workload(ns)
     bar = TokenBar(sum(max_new), desc="record", disable=ns.no_progress)
