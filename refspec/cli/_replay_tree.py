@@ -31,22 +31,19 @@ budget); metadata and moved KV bitwise.  Exit status 1 on any failure.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from refspec.cli._replay_tree_v2 import move_and_extend_v2
+from refspec.cli._replay_tree_v2 import extend_vs_oracle, move_and_extend_v2
 from refspec.core.batch import draft_extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
 from refspec.core.modes import ForwardMode
 from refspec.core.tolerance import t1
-from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.kernel import select_provider
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, TreeVerifyBatch, draft_step_batch
-from refspec.oracle.backend import OracleBackend
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative import tree_kv
 from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
@@ -237,25 +234,8 @@ def _compact_and_extend(rd: _Round, entries, accepts, node_slots, check, provide
         if not torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)):
             check.failures.append(f"[TR-017] request {b}: positions L..L+a-1 do not hold the accepted path "
                                   f"{e['accept_path']}'s KV after compaction")
-    T, H, Hkv, D = sum(accepts), rd.layer.num_heads, rd.layer.num_kv_heads, rd.layer.head_dim
     fb = draft_extend_batch(rd.kv, rd.rows, [L + a for L, a in zip(rd.Ls, accepts)], accepts, num_draft_tokens=S + 1)
-    q, k, v = rd.randn(T, H, D), rd.randn(T, Hkv, D), rd.randn(T, Hkv, D)
-    pool_oracle = copy.deepcopy(rd.draft)
-    be = FlashAttentionBackend(rd.draft, rd.kv, provider=provider)
-    be.init_forward_metadata(fb)
-    out = be.forward(q, k, v, rd.layer, fb)
-    ora = OracleBackend(pool_oracle, rd.kv, out_dtype=torch.float32)
-    ora.init_forward_metadata(fb)
-    ref = ora.forward(q, k, v, rd.layer, fb)
-    low = None
-    if q.dtype != torch.float32:
-        lo = OracleBackend(copy.deepcopy(pool_oracle), rd.kv, upcast=False)
-        lo.init_forward_metadata(fb)
-        low = lo.forward(q, k, v, rd.layer, fb)
-    verdict = t1(out, ref, low)
-    check.worst["extend"] = verdict.pct
-    if not verdict.ok:
-        check.failures.append(f"[SD-004] draft extend over the a accepted tokens: FA3 vs oracle {verdict}")
+    extend_vs_oracle(rd, fb, sum(accepts), check, provider, "[SD-004] draft extend over the a accepted tokens")
 
 
 def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0, trace_path="",

@@ -35,6 +35,31 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
+def extend_vs_oracle(rd, fb, T: int, check, provider, what: str):
+    """One draft extend ``fb`` over T token rows on random q / k / v: the FA3 wing vs the oracle
+    backend (fp32, and in q's dtype for the T1 budget, TOL-002), each on its own copy of the draft
+    pool; a failure is recorded as ``"{what}: FA3 vs oracle ..."``.  Returns (out, ref, low)."""
+    H, Hkv, D = rd.layer.num_heads, rd.layer.num_kv_heads, rd.layer.head_dim
+    q, k, v = rd.randn(T, H, D), rd.randn(T, Hkv, D), rd.randn(T, Hkv, D)
+    pool_oracle = copy.deepcopy(rd.draft)
+    be = FlashAttentionBackend(rd.draft, rd.kv, provider=provider)
+    be.init_forward_metadata(fb)
+    out = be.forward(q, k, v, rd.layer, fb)
+    ora = OracleBackend(pool_oracle, rd.kv, out_dtype=torch.float32)
+    ora.init_forward_metadata(fb)
+    ref = ora.forward(q, k, v, rd.layer, fb)
+    low = None
+    if q.dtype != torch.float32:
+        lo = OracleBackend(copy.deepcopy(pool_oracle), rd.kv, upcast=False)
+        lo.init_forward_metadata(fb)
+        low = lo.forward(q, k, v, rd.layer, fb)
+    verdict = t1(out, ref, low)
+    check.worst["extend"] = verdict.pct
+    if not verdict.ok:
+        check.failures.append(f"{what}: FA3 vs oracle {verdict}")
+    return out, ref, low
+
+
 def move_and_extend_v2(rd, entries, accepts, node_slots, check, provider) -> None:
     """Module doc, steps 1 and 2.  ``rd``: the loaded round; ``entries``: its ``tree`` list;
     ``accepts``: a per request; ``node_slots`` int64 [B*N]: the verify window; ``check``: the
@@ -54,25 +79,9 @@ def move_and_extend_v2(rd, entries, accepts, node_slots, check, provider) -> Non
         rest = s[L + a:L + N]
         if not _bitwise(flat_k[rest], before[rest]):
             check.failures.append(f"[TR-020] request {b}: the move changed window slots past the first a = {a}")
-    T, H, Hkv, D = B * N, rd.layer.num_heads, rd.layer.num_kv_heads, rd.layer.head_dim
     fb = draft_extend_v2_batch(rd.kv, rd.rows, [L + N for L in rd.Ls], N, num_accept_tokens=accepts)
-    q, k, v = rd.randn(T, H, D), rd.randn(T, Hkv, D), rd.randn(T, Hkv, D)
-    pool_oracle = copy.deepcopy(rd.draft)
-    be = FlashAttentionBackend(rd.draft, rd.kv, provider=provider)
-    be.init_forward_metadata(fb)
-    out = be.forward(q, k, v, rd.layer, fb)
-    ora = OracleBackend(pool_oracle, rd.kv, out_dtype=torch.float32)
-    ora.init_forward_metadata(fb)
-    ref = ora.forward(q, k, v, rd.layer, fb)
-    low = None
-    if q.dtype != torch.float32:
-        lo = OracleBackend(copy.deepcopy(pool_oracle), rd.kv, upcast=False)
-        lo.init_forward_metadata(fb)
-        low = lo.forward(q, k, v, rd.layer, fb)
-    verdict = t1(out, ref, low)
-    check.worst["extend"] = verdict.pct
-    if not verdict.ok:
-        check.failures.append(f"[TR-021] DRAFT_EXTEND_V2 over the N = {N} window rows: FA3 vs oracle {verdict}")
+    out, ref, low = extend_vs_oracle(rd, fb, B * N, check, provider,
+                                     f"[TR-021] DRAFT_EXTEND_V2 over the N = {N} window rows")
     for b, (e, a) in enumerate(zip(entries, accepts)):
         kept = e["kept_row"]
         if not 0 <= kept < N:
