@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refspec.graphs import capture
-from refspec.speculative.sync_audit import phases
+from refspec.speculative.sync_audit import audit_workload, phases
 
 #: ops that never reach a device (metadata only: views, shape queries); not counted
 _FREE = ("aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::t", "aten::expand",
@@ -163,18 +163,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=40)
     ns = ap.parse_args(argv)
     from refspec.model.drafts import make_draft
-    from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
     from refspec.speculative.engine import Engine
 
     dev = torch.device(ns.device)
-    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                          tie_word_embeddings=True, max_position_embeddings=8192)
-    cfg = tiny_config() if ns.tiny else smollm2
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = init_random_(LlamaModel(cfg), seed=0).to(dev, dtype).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (24 + 8 * i,), generator=g).tolist() for i in range(ns.batch)]
+    model, prompts = audit_workload(dev, ns.tiny, ns.batch)
+    cfg = model.config
     def engine():
         eng = Engine(model, make_draft("early-exit:" + str(max(1, cfg.num_hidden_layers * 5 // 6)), model),
                      version="v2", num_steps=3, page_size=ns.page_size, max_context=max(map(len, prompts)) +

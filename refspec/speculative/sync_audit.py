@@ -144,6 +144,22 @@ def _per_phase(seen: Counter) -> Counter:
     return kinds
 
 
+def audit_workload(dev: torch.device, tiny: bool, batch: int):
+    """(model, prompts) of the audits: a random-init model of SmolLM2-135M's shapes (or the tiny
+    test config), bf16 on CUDA and fp32 elsewhere, and ``batch`` seeded random prompts of
+    24, 32, 40, ... tokens."""
+    from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                          tie_word_embeddings=True, max_position_embeddings=8192)
+    cfg = tiny_config() if tiny else smollm2
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = init_random_(LlamaModel(cfg), seed=0).to(dev, dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    return model, [torch.randint(0, cfg.vocab_size, (24 + 8 * i,), generator=g).tolist() for i in range(batch)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m refspec.speculative.sync_audit", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -160,18 +176,11 @@ def main(argv=None) -> int:
                     help="count blocking CUDA runtime calls with torch.profiler instead of sync debug warnings")
     ns = ap.parse_args(argv)
     from refspec.model.drafts import make_draft
-    from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
     from refspec.speculative.engine import Engine
 
     dev = torch.device(ns.device)
-    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                          tie_word_embeddings=True, max_position_embeddings=8192)
-    cfg = tiny_config() if ns.tiny else smollm2
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = init_random_(LlamaModel(cfg), seed=0).to(dev, dtype).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, cfg.vocab_size, (24 + 8 * i,), generator=g).tolist() for i in range(ns.batch)]
+    model, prompts = audit_workload(dev, ns.tiny, ns.batch)
+    cfg = model.config
     ctx = max(map(len, prompts)) + ns.max_new_tokens
     eng = Engine(model, make_draft("early-exit:" + str(cfg.num_hidden_layers * 5 // 6), model), version=ns.version,
                  num_steps=ns.num_steps, page_size=ns.page_size, max_context=ctx, max_batch=ns.batch, graphs=True,
