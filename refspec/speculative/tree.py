@@ -39,17 +39,8 @@ from refspec.core.batch import draft_extend_batch
 from refspec.speculative import tree_kv, tree_v2
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
-from refspec.speculative.tree_build import (
-    build_tree,
-    draft_topk,
-    organize_draft_results,
-    verify_tree_greedy,
-)
-from refspec.speculative.tree_runners import (
-    TreeRunners,
-    tree_draft_batch,
-    tree_verify_batch,
-)
+from refspec.speculative.tree_build import draft_topk
+from refspec.speculative.tree_runners import TreeRunners, branch_inputs, draft_in_branches, tree_verify_accept
 
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -64,20 +55,15 @@ def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
 
 
 def _draft(eng, reqs, rows, L):
-    """Step 1: the branch regions, the tail copies, the S - 1 steps -> scores, tokens, parents."""
+    """Step 1: the branch regions (allocated for the round, given back after it), the tail
+    copies, the S - 1 steps -> scores, tokens, parents."""
     kv, k, S = eng.kv, eng.topk, eng.Sd
-    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
-    hidden = torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None
+    x, hidden = branch_inputs(eng, reqs)
     if S == 1:
         return eng.runners._tree_draft_fn(None, x)
     state = kv.allocator.backup_state()
     kv.alloc_extend(rows, L, [tree_kv.draft_alloc_len(l, k, S, eng.P) for l in L])
-    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
-    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
-    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
-    fb = tree_draft_batch(kv, rows, L, k, S, loc)
-    out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
-    eng.observe("draft_decode", reqs=reqs, fb=fb)
+    out = draft_in_branches(eng, reqs, rows, L, x, hidden)
     kv.allocator.restore_state(state)
     return out
 
@@ -86,24 +72,13 @@ def round_tree_v1(eng, reqs) -> list[list[int]]:
     """One v1 top-k round (module doc); returns the host rows."""
     kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
-    B = len(reqs)
     scores, tokens, parents = _draft(eng, reqs, rows, L)
-    # 2. the tree
-    # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
-    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
-    roots = torch.stack([r.root for r in reqs])
-    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
-    # 3. verify at L..L+N-1
+    # 2.-4. the tree, verify at L..L+N-1 (its slots allocated first), accept
     kv.alloc_extend(rows, L, [l + N for l in L])
     for r, l in zip(reqs, L):
         r.alloc_len = l + N
-    fb = tree_verify_batch(kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
-    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
-    eng.observe("verify", reqs=reqs, fb=fb)
-    # 4. accept
-    predicts, accept_index, n = verify_tree_greedy(
-        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
-        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
+    tree, fb, logits, hidden, predicts, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores, tokens,
+                                                                             parents)
     host = eng.host("in_round", torch.cat([(n + 1)[:, None], accept_index], dim=1))
     eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=accept_index)  # for recorders
     a = [h[0] for h in host]

@@ -24,11 +24,15 @@ from refspec.fa3.tree_backend import (
     TreeVerifyBatch,
     draft_step_batch,
 )
+from refspec.speculative import tree_kv
 from refspec.speculative.runners import SpecRunners
 from refspec.speculative.tree_build import (
+    build_tree,
     draft_topk,
+    organize_draft_results,
     select_top_k_tokens_first,
     select_top_k_tokens_later,
+    verify_tree_greedy,
 )
 
 
@@ -123,3 +127,43 @@ class TreeRunners(SpecRunners):
             for be in self.tree_step_bes:
                 be.init_forward_metadata(fb)
         return self._run("tree_draft", fb, x, self._tree_draft_fn, eager_init)
+
+
+# ------------------------------------------------- the steps the v1 and v2 tree rounds share
+def branch_inputs(eng, reqs) -> tuple[dict, torch.Tensor | None]:
+    """The draft's inputs for the round: each request's root children ``topk_p`` / ``topk_index``
+    stacked ``[B, k]``, and its draft hidden ``[B, E]`` when the draft reads it (else None)."""
+    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
+    return x, (torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None)
+
+
+def draft_in_branches(eng, reqs, rows, L, x, hidden):
+    """Draft decode over the k branches once their slots exist (v1: allocated for the round; v2:
+    inside the reserve): branch slots (TR-013), the partial tail page copied into branches t >= 1
+    (TR-015), the S - 1 steps.  Returns the runner's (scores, tokens, parents)."""
+    kv, k, S = eng.kv, eng.topk, eng.Sd
+    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
+    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
+    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
+    fb = tree_draft_batch(kv, rows, L, k, S, loc)
+    out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
+    eng.observe("draft_decode", reqs=reqs, fb=fb)
+    return out
+
+
+def tree_verify_accept(eng, reqs, rows, L, scores, tokens, parents):
+    """The tree (TR-001/002, TR-016), TARGET_VERIFY at L..L+N-1 (whose slots must exist) and
+    greedy tree acceptance.  Returns (tree, fb, logits, hidden, predict, accept_index, n), all on
+    the device."""
+    k, S, N, B = eng.topk, eng.Sd, eng.N, len(reqs)
+    # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
+    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
+    roots = torch.stack([r.root for r in reqs])
+    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
+    fb = tree_verify_batch(eng.kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
+    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    eng.observe("verify", reqs=reqs, fb=fb)
+    predict, accept_index, n = verify_tree_greedy(
+        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
+        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
+    return tree, fb, logits, hidden, predict, accept_index, n

@@ -60,8 +60,8 @@ from refspec.core.batch import draft_extend_v2_batch
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVPool
 from refspec.speculative import tree_kv
-from refspec.speculative.tree_build import build_tree, draft_topk, organize_draft_results, verify_tree_greedy
-from refspec.speculative.tree_runners import tree_draft_batch, tree_verify_batch
+from refspec.speculative.tree_build import draft_topk
+from refspec.speculative.tree_runners import branch_inputs, draft_in_branches, tree_verify_accept
 
 
 # ------------------------------------------------------------------ KV rules (TR-020)
@@ -119,22 +119,15 @@ def compact_accept_to_front(x: torch.Tensor, accept_index: torch.Tensor, num_dra
 # ------------------------------------------------------------------ the round
 def _draft(eng, reqs, rows, L):
     """Step 1: the branch slots (inside the reserve), the tail copies, the S - 1 steps."""
-    kv, k, S, P = eng.kv, eng.topk, eng.Sd, eng.P
-    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
-    hidden = torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None
+    k, S, P = eng.topk, eng.Sd, eng.P
+    x, hidden = branch_inputs(eng, reqs)
     if S == 1:
         return eng.runners._tree_draft_fn(None, x)
     for r, l in zip(reqs, L):
         need = tree_kv.draft_alloc_len(l, k, S, P)
         require(r.alloc_len >= need, "TR-020", f"request {r.rid}: the draft branches need {need} positions "
                                                f"with slots, the row holds {r.alloc_len} (L = {l})")
-    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
-    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
-    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
-    fb = tree_draft_batch(kv, rows, L, k, S, loc)
-    out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
-    eng.observe("draft_decode", reqs=reqs, fb=fb)
-    return out
+    return draft_in_branches(eng, reqs, rows, L, x, hidden)
 
 
 def round_tree_v2(eng, reqs) -> torch.Tensor:
@@ -153,17 +146,9 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
         require(r.alloc_len >= l + N, "TR-020", f"request {r.rid}: verify writes L..L+N-1 = {l}..{l + N - 1}, "
                                                 f"the row holds {r.alloc_len} positions")
     scores, tokens, parents = _draft(eng, reqs, rows, L)
-    # 2. the tree, then verify at L..L+N-1 (the slots exist)
-    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
-    roots = torch.stack([r.root for r in reqs])
-    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
-    fb = tree_verify_batch(kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
-    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
-    eng.observe("verify", reqs=reqs, fb=fb)
-    # 3. accept: a = n + 1 stays on the device
-    predict, accept_index, n = verify_tree_greedy(
-        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
-        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
+    # 2.-3. the tree, verify at L..L+N-1 (the slots exist), accept: a = n + 1 stays on the device
+    tree, fb, logits, hidden, predict, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores, tokens,
+                                                                            parents)
     a = n + 1
     # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
     # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
