@@ -50,6 +50,17 @@ from torch.nn import functional as F
 from refspec.model.llama import LlamaModel
 
 
+#: inductor options of the compiled regions.  ``pattern_matcher`` off: inductor's post-grad
+#: pattern ``add(inp, mm(a, b)) -> addmm(inp, a, b)`` (``addmm`` in
+#: ``torch/_inductor/fx_passes/post_grad.py``) would turn both residual adds of a layer into a
+#: cuBLAS addmm, and ATen's addmm first *copies* ``inp`` into its output (``beta != 0``): two
+#: device copies per layer forward, ~200 extra nodes per round in the CUDA graphs (measured on
+#: the H200, benchmarks/results/h200_round4.md).  Unfused, each matmul writes its bf16 output
+#: and the residual add runs inside the next RMSNorm kernel, which is also the readable model's
+#: rounding (matmul rounded to bf16, then the add).
+COMPILE_OPTIONS = {"pattern_matcher": False}
+
+
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF ``LlamaRMSNorm``: normalise in fp32, cast back, then scale (as :class:`~refspec.model.llama.RMSNorm`)."""
     x32 = x.float()
@@ -122,7 +133,7 @@ class FusedLlama(LlamaModel):
         self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, device=dev, dtype=torch.float32) / D))
         if compile is None:
             compile = dev.type == "cuda"
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compile else (lambda f: f)
+        wrap = (lambda f: torch.compile(f, dynamic=True, options=COMPILE_OPTIONS)) if compile else (lambda f: f)
         self._pre, self._post, self._post_pre, self._head = wrap(pre), wrap(post), wrap(post_pre), wrap(head)
         self._rope_table = wrap(rope_table)
         self.compiled = bool(compile)
