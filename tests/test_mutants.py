@@ -350,5 +350,9 @@ def test_engine_probes_say_why_they_do_not_run_in_bf16():
 def test_every_variant_is_caught_on_cuda_with_real_fa3_and_cuda_graphs():
     rep = mutants.run("cuda")
     text = mutants.format_report(rep, verbose=True)
-    assert all(r.baseline_ok for r in rep.results), text
+    ran = [r for r in rep.results if not r.skipped]
+    assert ran and all(r.baseline_ok for r in ran), text
+    # the only probes that do not run on CUDA are the fp32 tree-loop ones, and they say why
+    skipped = [r for r in rep.results if r.skipped]
+    assert all(r.probe.label.startswith("TREE_LOOP") and "fp32" in r.skipped for r in skipped), text
     assert sorted(rep.caught) == sorted(variants.VARIANTS), text
