@@ -36,3 +36,44 @@ def test_plot_of_real_kernel_rows_draws_both_panels(tmp_path):
     rows = [dict(section="kernel", P=P, B=8, ctx=4096, Q=Q, us=5.0, pct_bw=90.0, provider="fa3")
             for P in (1, 16) for Q in (1, 4)]
     assert bench.plot(rows, tmp_path / "bench.png") and (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_host_timers_time_the_result_wait_and_restore_the_methods():
+    """HostTimers (the host section's profiler-free host timing) wraps ResultCopy.wait and
+    CUDAGraph.replay for its duration only, and adds the seconds spent inside them."""
+    import time
+
+    import torch
+
+    from refspec.cli._bench_profile import HostTimers
+    from refspec.core.transfer import ResultCopy
+
+    before = (ResultCopy.wait, torch.cuda.CUDAGraph.replay)
+    orig_wait = ResultCopy.wait
+
+    def slow_wait(self):
+        time.sleep(0.02)
+        return orig_wait(self)
+
+    ResultCopy.wait = slow_wait
+    try:
+        with HostTimers() as t:
+            assert ResultCopy(torch.arange(3)).wait() == [0, 1, 2]
+            assert ResultCopy.wait is not slow_wait
+        assert ResultCopy.wait is slow_wait
+    finally:
+        ResultCopy.wait = orig_wait
+    assert t.wait >= 0.02 and t.replay == 0.0
+    assert (ResultCopy.wait, torch.cuda.CUDAGraph.replay) == before
+
+
+def test_host_section_on_cpu_is_a_skip_row_naming_the_gpu():
+    from refspec.cli._bench_host import bench_host
+
+    rows = bench_host(torch_device("cpu"), quick=False)
+    assert len(rows) == 1 and rows[0]["section"] == "host" and "needs a CUDA GPU" in rows[0]["what"]
+
+
+def torch_device(name):
+    import torch
+    return torch.device(name)

@@ -31,6 +31,7 @@ Per configuration (draft, version, B):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -111,19 +112,57 @@ def _launches(prof) -> dict:
     return out
 
 
+class HostTimers:
+    """Host seconds inside ``torch.cuda.CUDAGraph.replay`` (``replay``: the ``cudaGraphLaunch``
+    calls, whose cost grows with the graphs' nodes) and inside
+    :meth:`~refspec.core.transfer.ResultCopy.wait` (``wait``: the host blocked on a round's
+    results, i.e. idle because the GPU is behind), measured with ``time.perf_counter`` and no
+    profiler (CUPTI inflates the host cost of a graph launch).  A context manager that wraps the
+    two methods for its duration."""
+
+    def __init__(self):
+        self.replay = self.wait = 0.0
+
+    def __enter__(self):
+        from refspec.core.transfer import ResultCopy
+        self._orig = [(torch.cuda.CUDAGraph, "replay"), (ResultCopy, "wait")]
+        self._orig = [(cls, name, getattr(cls, name)) for cls, name in self._orig]
+        for cls, name, fn in self._orig:
+            setattr(cls, name, self._timed(fn, name))
+        return self
+
+    def _timed(self, fn, name):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                setattr(self, name, getattr(self, name) + time.perf_counter() - t)
+        return timed
+
+    def __exit__(self, *exc):
+        for cls, name, fn in self._orig:
+            setattr(cls, name, fn)
+
+
 def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
                    **kw) -> dict:
     """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler
-    (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.speculative.launch_audit.host_ops`."""
+    (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.speculative.launch_audit.host_ops`.
+    An unprofiled run also reports :class:`HostTimers` per round: ``replay_host_ms`` and
+    ``wait_ms`` (``host_ms`` = ``wall_ms - wait_ms``: the host's own time per round)."""
     from refspec.speculative.launch_audit import host_ops
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
-    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None, ops=None)
+    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None, ops=None, timers=None, h0=(0.0, 0.0))
+    timers = HostTimers() if cuda and not profiled and not count_ops else None
 
     def observer(event, eng, **info):
         if event == "round_end" and st["t0"] is None and not info["trace"].joined and not eng.waiting:
             _sync(dev)
             st["t0"], st["r0"] = time.perf_counter(), len(eng.trace)
+            if timers is not None:
+                st["h0"] = (timers.replay, timers.wait)
             if profiled and cuda:
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 st["prof"] = torch.profiler.profile(activities=acts)
@@ -138,16 +177,21 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
         if event == "round_end":
             st["r1"] = len(eng.trace)
 
-    res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
-                   drafter=drafter, num_steps=3, max_new_tokens=MAX_NEW, validate=False, observer=observer,
-                   capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
-    if st["ops"] is not None:
-        st["ops"].__exit__(None, None, None)
-    _sync(dev)
-    t1 = time.perf_counter()
+    with timers or contextlib.nullcontext():
+        res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
+                       drafter=drafter, num_steps=3, max_new_tokens=MAX_NEW, validate=False, observer=observer,
+                       capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
+        if st["ops"] is not None:
+            st["ops"].__exit__(None, None, None)
+        _sync(dev)
+        t1 = time.perf_counter()
     rounds = max(st["r1"] - st["r0"], 1)
     row = dict(rounds=rounds, wall_ms=1e3 * (t1 - st["t0"]) / rounds if st["t0"] else float("nan"),
                accept_length=res.accept_length)
+    if timers is not None and st["t0"]:
+        row["replay_host_ms"] = 1e3 * (timers.replay - st["h0"][0]) / rounds
+        row["wait_ms"] = 1e3 * (timers.wait - st["h0"][1]) / rounds
+        row["host_ms"] = row["wall_ms"] - row["wait_ms"]
     steady_tokens = sum(sum(r.emitted[-rounds:]) for r in res.requests if r.emitted)
     row["tok_per_s"] = steady_tokens / (t1 - st["t0"]) if st["t0"] else float("nan")
     if st["prof"] is not None:
