@@ -144,9 +144,9 @@ def _self_parent(t):
     e["parents"][N - 1] = N - 1
 
 
-@pytest.mark.spec("TR-004", "PA-002", "TR-006", "TR-005", "TR-015", "TR-003")
+@pytest.mark.spec("TR-004", "PA-002", "TR-005", "TR-015", "TR-003")
 @pytest.mark.parametrize("tamper,ids", [(_sibling_visible, ["TR-004", "TR-012"]), (_page_changed, ["PA-002", "TR-010"]),
-                                        (_path_off_tree, ["TR-006"]), (_position_shifted, ["TR-005"]),
+                                        (_position_shifted, ["TR-005"]),
                                         (_branch_slot_moved, ["TR-015"]), (_self_parent, ["TR-003"])])
 def test_tampered_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
     t = tampered(tamper)
@@ -174,6 +174,8 @@ def test_replay_cli_detects_a_tree_trace(tmp_path, capsys):
 def test_malformed_tree_entries_are_refused():
     for fn, msg in [(lambda t: t["rounds"][0]["tree"].pop(), "one entry per request"),
                     (lambda t: t["rounds"][0]["tree"][0]["mask"].pop(), "mask"),
+                    (lambda t: t["rounds"][0]["tree"][0]["draft_tokens"].pop(), "draft_tokens and target_predict"),
+                    (lambda t: t["rounds"][0]["tree"][0]["req_to_token"][0].__setitem__(1, 0), "count >= 1"),
                     (lambda t: t["rounds"][0]["tree"][0]["accept_path"].append(1), "accept_path"),
                     (lambda t: t["config"].pop("topk"), "topk")]:
         with pytest.raises(ValueError, match=msg):
@@ -229,10 +231,11 @@ def _moved_to_changed(t):
 
 
 def _branch_outside_reserve(t):
-    """Branch 1's last draft slot replaced by a slot the row does not hold."""
+    """Branch 1's last draft slot replaced by a slot of the pool (past page 0) the row does not hold
+    (a slot outside the pool is PA-011, refused on load: tests/test_tree_trace_checks.py)."""
     e = t["rounds"][0]["tree"][0]
-    e["draft_cache_loc"][1][-1] = max(x for rd in t["rounds"] for e2 in rd["tree"]
-                                      for x in from_runs(e2["req_to_token"])) + 1
+    held = set(from_runs(e["req_to_token"]))
+    e["draft_cache_loc"][1][-1] = next(s for s in range(P, t["config"]["num_pages"] * P) if s not in held)
 
 
 @pytest.mark.spec("TR-020", "TR-021")
@@ -248,9 +251,10 @@ def test_tampered_v2_tree_trace_fails_replay_naming_the_invariant(tamper, ids):
         assert f"[{inv}]" in text, text
 
 
-@pytest.mark.spec("TR-019", "TR-020", "TR-021")
+@pytest.mark.spec("TR-019", "TR-020", "TR-021", "TR-006", "PA-011")
 @pytest.mark.parametrize("path,version", [(COMMITTED, "v1"), (COMMITTED_V2, "v2")])
 def test_committed_smollm2_tree_trace_replays_on_cpu(path, version):
+    """Loads (page ids in the recorded pool, every path the target's greedy walk) and replays."""
     t = load_trace(path)
     assert is_tree_trace(t) and t["source"]["checked_against_greedy"] and path.stat().st_size < 200_000
     assert t["config"]["version"] == version

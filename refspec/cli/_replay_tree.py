@@ -6,7 +6,11 @@ with random K/V written at every slot the round reads (NaN everywhere else) and 
 
 1. **the recording** satisfies the tree rules it claims (TR-003 / TR-004 / TR-005 / TR-006,
    PA-002 for its page table, TR-015 for its branch slots), one line per violation
-   (:func:`~refspec.speculative.tree_trace.tree_round_failures`);
+   (:func:`~refspec.speculative.tree_trace.tree_round_failures`); every page id it names lies in
+   the recorded pool of ``num_pages`` pages, outside page 0 (PA-011 / PA-008; a round that breaks
+   this is not run), and its accepted path is the greedy walk over its recorded ``draft_tokens``
+   / ``target_predict``, emitting the request's output tokens (TR-003 / TR-006,
+   :mod:`refspec.speculative.tree_trace_checks`);
 2. **draft decode** (S > 1): the committed tail copied into branches t >= 1 (TR-015), then for
    every step s the FA3 tree backend (prefix + expand cascade, LSE merge) on the recorded
    ``draft_cache_loc`` vs the slot oracle: row t sees the prefix and its own steps 0..s (TR-008);
@@ -47,6 +51,7 @@ from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, 
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative import tree_kv
 from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
+from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, round_tokens
 
 
 @dataclass
@@ -242,8 +247,9 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
                       progress=None, graphed: bool = True) -> TreeReplayReport:
     """Replay every round of a tree trace (module doc); returns the report.
 
-    Shapes: one layer of ``model_config``'s heads; ``dtype`` is the production wing's (the oracle
-    is fp32, plus its own ``dtype`` run for the T1 budget).  ``progress(label)`` is called per round.
+    Shapes: one layer of ``model_config``'s heads, a KV pool of the recorded ``num_pages`` pages
+    (P = ``page_size`` tokens each), ``max_batch + 1`` rows; ``dtype`` is the production wing's (the
+    oracle is fp32, plus its own ``dtype`` run for the T1 budget).  ``progress(label)`` is called per round.
     ``graphed``: also replay each round's verify and draft decode through the production tree
     graphs (:mod:`refspec.cli._replay_tree_graphs`; not with the emulator on CUDA, which syncs).
     """
@@ -253,24 +259,29 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     v2 = cfg["version"] == "v2"
     provider = select_provider(torch.device(device))
     rounds = trace["rounds"]
-    pages = [x // cfg["page_size"] for rd in rounds for e in rd["tree"]
-             for x in from_runs(e["req_to_token"]) + [s for b in e["draft_cache_loc"] for s in b] + e["page_table"]]
-    width = max((sum(c for _, c in e["req_to_token"]) for rd in rounds for e in rd["tree"]), default=1)
-    num_rows = max((e["req_pool_index"] for rd in rounds for e in rd["tree"]), default=0) + 1
-    rnd = _Round(cfg, num_rows, width, max(pages, default=0) + 2, device, dtype)
+    page_rules = [[page_id_failures(e, cfg) for e in rd["tree"]] for rd in rounds]  # PA-008 / PA-011
+    width = max((sum(c for _, c in e["req_to_token"]) for rd, bad in zip(rounds, page_rules)
+                 for e, b in zip(rd["tree"], bad) if not b), default=1)
+    rnd = _Round(cfg, cfg["max_batch"] + 1, width, cfg["num_pages"], device, dtype)  # the recording's pool
     graphs = None
     if graphed and not (torch.device(device).type == "cuda" and provider == "emulator"):  # the emulator syncs
         from refspec.cli._replay_tree_graphs import TreeGraphs
 
         graphs = TreeGraphs(rnd, provider, cfg["capture_bs"])
     checks = []
-    for i, rd in enumerate(rounds):
+    for i, (rd, toks) in enumerate(zip(rounds, round_tokens(trace))):
         if progress:
             progress(f"round {i}")
         check = TreeRoundCheck(i, rd["rids"], rd["seq_lens"], rd["num_accept_tokens"])
         entries = rd["tree"]
+        for rid, pages in zip(rd["rids"], page_rules[i]):
+            check.failures += [f"request {rid}: {f}" for f in pages]
+        if any(page_rules[i]):
+            checks.append(check)  # slots outside the pool: nothing of this round can be loaded
+            continue
         for b, (e, L, a) in enumerate(zip(entries, rd["seq_lens"], rd["num_accept_tokens"])):
             rules = tree_round_failures(e, L, a, cfg) + (tree_v2_round_failures(e, L, a, cfg) if v2 else [])
+            rules += acceptance_failures(e, *toks[b])
             check.failures += [f"request {rd['rids'][b]}: {f}" for f in rules]
         rnd.load(entries, rd["seq_lens"], torch.Generator().manual_seed(seed * 100003 + i))
         try:

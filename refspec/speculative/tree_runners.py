@@ -153,8 +153,9 @@ def draft_in_branches(eng, reqs, rows, L, x, hidden):
 
 def tree_verify_accept(eng, reqs, rows, L, scores, tokens, parents):
     """The tree (TR-001/002, TR-016), TARGET_VERIFY at L..L+N-1 (whose slots must exist) and
-    greedy tree acceptance.  Returns (tree, fb, logits, hidden, predict, accept_index, n), all on
-    the device."""
+    greedy tree acceptance.  Returns (tree, fb, target_predict, hidden, predict, accept_index, n),
+    all on the device; ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
+    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016)."""
     k, S, N, B = eng.topk, eng.Sd, eng.N, len(reqs)
     # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
     parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
@@ -163,7 +164,8 @@ def tree_verify_accept(eng, reqs, rows, L, scores, tokens, parents):
     fb = tree_verify_batch(eng.kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
     logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
+    target_predict = logits.argmax(-1)
     predict, accept_index, n = verify_tree_greedy(
         tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
-        tree["retrive_next_sibling"], logits.argmax(-1), S + 1)
-    return tree, fb, logits, hidden, predict, accept_index, n
+        tree["retrive_next_sibling"], target_predict, S + 1)
+    return tree, fb, target_predict, hidden, predict, accept_index, n

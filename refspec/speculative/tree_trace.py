@@ -3,7 +3,8 @@
 A chain trace (:mod:`refspec.speculative.trace`) is replayed by forcing the accept counts through
 the whole engine.  A tree round cannot be forced that way: its tree comes from the draft model's
 probabilities, which a random-init model on another device does not reproduce.  So a tree trace
-(``"format": "refspec-tree-trace/1"``, config ``topk`` k >= 2 and ``num_draft_tokens`` N) carries,
+(``"format": "refspec-tree-trace/1"``, config ``topk`` k >= 2, ``num_draft_tokens`` N and
+``num_pages``, the recording engine's KV pool in pages, page 0 included) carries,
 besides the chain schedule, each round's *kernel inputs*, and ``python -m refspec replay``
 re-runs the three tree phases of every round at the recorded layout on random K/V
 (:mod:`refspec.cli._replay_tree`).  Per round, ``tree`` holds one entry per request of ``rids``:
@@ -18,7 +19,15 @@ re-runs the three tree phases of every round at the recorded layout on random K/
 * ``mask``: N strings of N ``0``/``1``, the tree columns of the FULL_MASK rows (TR-004; the
   ``L`` prefix columns of every row are all true by construction and not stored);
 * ``accept_path``: the accepted nodes from the root, a entries (TR-006);
-* ``draft_cache_loc``: k lists of S slots, branch t's draft step slots (TR-015; empty at S = 1).
+* ``draft_cache_loc``: k lists of S slots, branch t's draft step slots (TR-015; empty at S = 1);
+* ``draft_tokens``: the N node tokens, the root (the committed last token, TR-003) first
+  (upstream ``build_tree_kernel_efficient``'s ``draft_tokens``, ``EagleVerifyInput.draft_token``);
+* ``target_predict``: the N target argmaxes, one per node (``EagleVerifyInput.verify``'s
+  ``target_predict``): ``accept_path`` must be their greedy walk and the round's output tokens
+  its draft tokens + the bonus (TR-006, :mod:`refspec.speculative.tree_trace_checks`).
+
+Every slot and page id above lies in the recorded pool and outside the reserved page 0
+(PA-011 / PA-008), so a replay allocates exactly ``num_pages`` pages.
 
 The config's ``version`` says which tree round was recorded.  A **v1** trace is as above.  A
 **v2** trace (:mod:`refspec.speculative.tree_v2`) differs where the v2 round does:
@@ -34,8 +43,9 @@ The config's ``version`` says which tree round was recorded.  A **v1** trace is 
 Recording: :class:`TreeRecorder` is an engine observer (``draft_decode``, ``verify``,
 ``tree_accept``, ``draft_extend``, ``round_end`` events of
 :class:`~refspec.speculative.tree.TreeEngine`, v1 or v2).
-:func:`check_tree_rounds` checks shapes (ValueError); :func:`tree_round_failures` checks the
-rules above and returns one line per violation, each naming its invariant ID.
+:func:`check_tree_rounds` checks shapes, page ids and acceptance (ValueError naming the ID);
+:func:`tree_round_failures` checks the remaining rules above and returns one line per violation,
+each naming its invariant ID.
 """
 
 from __future__ import annotations
@@ -43,11 +53,12 @@ from __future__ import annotations
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
+from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, round_tokens
 
 TREE_FORMAT = "refspec-tree-trace/1"
-TREE_CONFIG_KEYS = ("topk", "num_draft_tokens")
+TREE_CONFIG_KEYS = ("topk", "num_draft_tokens", "num_pages")
 TREE_KEYS = ("req_pool_index", "req_to_token", "page_table", "parents", "positions", "mask", "accept_path",
-             "draft_cache_loc")
+             "draft_cache_loc", "draft_tokens", "target_predict")
 TREE_V2_KEYS = ("moved_to", "kept_row")  #: a v2 trace's entries also hold these
 
 
@@ -88,11 +99,12 @@ class TreeRecorder:
     """Engine observer that keeps each committed tree round's kernel inputs (module doc).
 
     ``rounds``: one list per finished round (aligned with that round's ``rids``) of
-    :data:`TREE_KEYS` dicts.  ``chain``: another observer called first (e.g. a progress bar).
+    :data:`TREE_KEYS` dicts; ``num_pages``: the engine's KV pool (pages, page 0 included), for
+    the config.  ``chain``: another observer called first (e.g. a progress bar).
     """
 
     def __init__(self, chain=None):
-        self.chain, self.rounds, self._cur = chain, [], {}
+        self.chain, self.rounds, self._cur, self.num_pages = chain, [], {}, None
 
     def __call__(self, event, eng, **info):
         if self.chain is not None:
@@ -109,6 +121,8 @@ class TreeRecorder:
             N = eng.N
             self._cur["parents"] = [list(p) for p in info["parents"]]
             self._cur["accept_path"] = [[x - b * N for x in row if x >= 0] for b, row in enumerate(acc)]
+            self._cur["draft_tokens"] = info["draft_tokens"].view(-1, N).tolist()
+            self._cur["target_predict"] = info["target_predict"].view(-1, N).tolist()
             if eng.version == "v2":  # move_accept_tokens_to_target_kvcache: node slot -> window slot j
                 win = self._cur["window"]
                 self._cur["moved_to"] = [win[b * N:b * N + len(p)] for b, p in enumerate(self._cur["accept_path"])]
@@ -118,10 +132,11 @@ class TreeRecorder:
             c, self._cur = self._cur, {}
             loc = c.get("draft_cache_loc") or [[] for _ in c["rows"]]
             rnd = [dict(req_pool_index=r, req_to_token=to_runs(slots), page_table=pt, parents=par,
-                        positions=pos, mask=m, accept_path=path, draft_cache_loc=d)
-                   for r, slots, pt, par, pos, m, path, d in zip(
+                        positions=pos, mask=m, accept_path=path, draft_cache_loc=d, draft_tokens=tok,
+                        target_predict=pred)
+                   for r, slots, pt, par, pos, m, path, d, tok, pred in zip(
                        c["rows"], c["slots"], c["page_table"], c["parents"], c["positions"],
-                       c["mask"], c["accept_path"], loc)]
+                       c["mask"], c["accept_path"], loc, c["draft_tokens"], c["target_predict"])]
             if eng.version == "v2":
                 for e, moved, kept in zip(rnd, c["moved_to"], c["kept_row"]):
                     e.update(moved_to=moved, kept_row=kept)
@@ -129,6 +144,7 @@ class TreeRecorder:
 
     def _verify(self, eng, fb: TreeVerifyBatch, reqs) -> None:
         N, P = fb.num_draft_tokens, eng.P
+        self.num_pages = eng.kv.allocator.num_pages
         Ls, rows = fb.seq_lens_cpu.tolist(), fb.req_pool_indices.tolist()
         pt = eng.runners.tree_verify_be.forward_metadata.page_table  # what the prefix call read (graph or eager)
         pos = fb.positions.tolist()
@@ -143,11 +159,19 @@ class TreeRecorder:
 
 
 def check_tree_rounds(trace: dict, bad) -> None:
-    """Shapes of a tree trace's config and ``tree`` entries; ``bad(msg)`` raises (ValueError)."""
+    """A tree trace's config and ``tree`` entries; ``bad(msg)`` raises (ValueError).
+
+    Shapes first, then per request-round the page ids (PA-008 / PA-011,
+    :func:`~refspec.speculative.tree_trace_checks.page_id_failures`) and the acceptance against
+    the recorded tokens (TR-003 / TR-006, :func:`~refspec.speculative.tree_trace_checks.acceptance_failures`):
+    the first violation is raised as ``round i request rid: [ID] field ...``.  Needs the schedule
+    checks of :func:`~refspec.speculative.trace.check_trace` to have passed.
+    """
     cfg = trace["config"]
-    if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2:
-        bad(f"a tree trace needs config topk >= 2 and num_draft_tokens >= 2, got "
-            f"{ {k: cfg.get(k) for k in TREE_CONFIG_KEYS} }")
+    if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2 \
+            or not (isinstance(cfg["num_pages"], int) and cfg["num_pages"] >= 2):
+        bad(f"a tree trace needs config topk >= 2, num_draft_tokens >= 2 and num_pages >= 2 (the recording "
+            f"engine's KV pool, page 0 included), got { {k: cfg.get(k) for k in TREE_CONFIG_KEYS} }")
     if cfg["version"] not in ("v1", "v2"):
         bad(f"tree rounds are recorded from the v1 or v2 tree engine, config says {cfg['version']!r}")
     v2 = cfg["version"] == "v2"
@@ -161,6 +185,8 @@ def check_tree_rounds(trace: dict, bad) -> None:
             keys = TREE_KEYS + (TREE_V2_KEYS if v2 else ())
             if any(x not in e for x in keys):
                 bad(f"{where}: tree entry lacks {[x for x in keys if x not in e]}")
+            if any(not (isinstance(c, int) and c >= 1) for _, c in e["req_to_token"]):
+                bad(f"{where}: req_to_token runs are [first_slot, count] with count >= 1")
             covered = sum(c for _, c in e["req_to_token"])
             if covered != L + N and not (v2 and covered > L + N):
                 bad(f"{where}: req_to_token runs cover {covered} positions, expected "
@@ -178,6 +204,13 @@ def check_tree_rounds(trace: dict, bad) -> None:
             want = k if S > 1 else 0
             if len(e["draft_cache_loc"]) != want or any(len(x) != S for x in e["draft_cache_loc"]):
                 bad(f"{where}: draft_cache_loc needs {want} branches of S = {S} slots")
+            if len(e["draft_tokens"]) != N or len(e["target_predict"]) != N:
+                bad(f"{where}: draft_tokens and target_predict need N = {N} tokens (one per node)")
+    for i, (rd, toks) in enumerate(zip(trace["rounds"], round_tokens(trace))):
+        for rid, e, (root, emitted, at) in zip(rd["rids"], rd["tree"], toks):
+            rules = page_id_failures(e, cfg) + acceptance_failures(e, root, emitted, at)
+            if rules:
+                bad(f"round {i} request {rid}: {rules[0]}")
 
 
 def ancestors_and_self(parents: list[int], i: int) -> list[int]:

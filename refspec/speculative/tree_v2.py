@@ -147,13 +147,14 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
                                                 f"the row holds {r.alloc_len} positions")
     scores, tokens, parents = _draft(eng, reqs, rows, L)
     # 2.-3. the tree, verify at L..L+N-1 (the slots exist), accept: a = n + 1 stays on the device
-    tree, fb, logits, hidden, predict, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores, tokens,
-                                                                            parents)
+    tree, fb, target_predict, hidden, predict, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores,
+                                                                                    tokens, parents)
     a = n + 1
     # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
     # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
     acc = accept_index[:, :min(S + 1, N)]
-    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=acc)  # for recorders
+    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=acc,
+                draft_tokens=tree["draft_tokens"], target_predict=target_predict)  # for recorders
     move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
     predict = compact_accept_to_front(predict, acc, N)
     hidden = compact_accept_to_front(hidden, acc, N)
