@@ -186,6 +186,8 @@ def test_a_valid_but_wrong_accepted_path_fails_on_load_and_in_replay(source, tam
     assert says in str(err.value) and "\n" not in str(err.value)
     text = failures(replay_tree_trace(t, graphed=False))  # the replay names it too (its kernels still pass)
     assert f"[{inv}]" in text and says in text and "[TR-012]" not in text, text
+    if tamper is _path_and_outputs:  # the outputs agree with the edited path: only the walk tells
+        assert "gives its draft tokens + the bonus" not in text, text
 
 
 @pytest.mark.spec("TR-006", "PA-011")
