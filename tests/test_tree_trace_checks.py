@@ -14,7 +14,8 @@ import json
 import re
 
 import pytest
-from test_tree_trace import COMMITTED, COMMITTED_V2, P, _path_off_tree, failures, recorded, recorded_v2
+from test_tree_trace import (BUDGETS, COMMITTED, COMMITTED_V2, PROMPTS, P, _path_off_tree, failures, recorded,
+                             recorded_v2)
 
 from refspec.cli._replay_tree import replay_tree_trace
 from refspec.cli.replay import main as replay_main
@@ -126,10 +127,26 @@ def test_replay_cli_refuses_a_huge_page_id_in_the_committed_trace(tmp_path, caps
     assert "round 0 request 0" in err and "num_pages = " in err and "cannot allocate" not in err
 
 
+def test_a_pool_larger_than_the_recording_engines_is_refused_before_anything_is_allocated(tmp_path):
+    """A hand-edited num_pages = 10**9 would make the replay's allocator list 10**9 free pages."""
+    t = copy.deepcopy(recorded())
+    most = t["config"]["num_pages"]  # record's pool: 1 + max_batch * (ceil(width / P) + 1), width by hand:
+    ctx = max(len(p) for p in PROMPTS) + max(BUDGETS)  # generate's max_context
+    assert most == 1 + 2 * (-(-(ctx + 4 + 16) // P) + 1)  # + 4 + R, R = 16 at k = 2, S = 3, N = 4, P = 4 (TR-020)
+    t["config"]["num_pages"] = 10**9
+    with pytest.raises(ValueError, match=f"num_pages = 1000000000: not the pool .* 2 .. {most} pages"):
+        check_trace(t)
+    with pytest.raises(ValueError, match="num_pages = 1000000000"):
+        replay_tree_trace(t)
+    bad = tmp_path / "pool.json"
+    bad.write_text(json.dumps(t))
+    assert replay_main([str(bad)]) == 2
+
+
 def test_a_tree_trace_without_num_pages_is_refused():
     t = copy.deepcopy(recorded())
     del t["config"]["num_pages"]
-    with pytest.raises(ValueError, match="num_pages >= 2"):
+    with pytest.raises(ValueError, match="and num_pages"):
         check_trace(t)
     t = copy.deepcopy(recorded())
     del t["rounds"][0]["tree"][0]["target_predict"]

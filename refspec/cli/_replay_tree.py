@@ -51,7 +51,7 @@ from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, 
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative import tree_kv
 from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
-from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, round_tokens
+from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
 
 
 @dataclass
@@ -248,8 +248,9 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     """Replay every round of a tree trace (module doc); returns the report.
 
     Shapes: one layer of ``model_config``'s heads, a KV pool of the recorded ``num_pages`` pages
-    (P = ``page_size`` tokens each), ``max_batch + 1`` rows; ``dtype`` is the production wing's (the
-    oracle is fp32, plus its own ``dtype`` run for the T1 budget).  ``progress(label)`` is called per round.
+    (P = ``page_size`` tokens each; ValueError past the recording engine's pool), ``max_batch + 1``
+    rows; ``dtype`` is the production wing's (the oracle is fp32, plus its own ``dtype`` run for
+    the T1 budget).  ``progress(label)`` is called per round.
     ``graphed``: also replay each round's verify and draft decode through the production tree
     graphs (:mod:`refspec.cli._replay_tree_graphs`; not with the emulator on CUDA, which syncs).
     """
@@ -259,6 +260,8 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     v2 = cfg["version"] == "v2"
     provider = select_provider(torch.device(device))
     rounds = trace["rounds"]
+    if (why := pool_size_problem(trace)) is not None:  # load_trace refuses it too
+        raise ValueError(why)
     page_rules = [[page_id_failures(e, cfg) for e in rd["tree"]] for rd in rounds]  # PA-008 / PA-011
     width = max((sum(c for _, c in e["req_to_token"]) for rd, bad in zip(rounds, page_rules)
                  for e, b in zip(rd["tree"], bad) if not b), default=1)

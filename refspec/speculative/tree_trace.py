@@ -53,7 +53,7 @@ from __future__ import annotations
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
-from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, round_tokens
+from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
 
 TREE_FORMAT = "refspec-tree-trace/1"
 TREE_CONFIG_KEYS = ("topk", "num_draft_tokens", "num_pages")
@@ -168,12 +168,13 @@ def check_tree_rounds(trace: dict, bad) -> None:
     checks of :func:`~refspec.speculative.trace.check_trace` to have passed.
     """
     cfg = trace["config"]
-    if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2 \
-            or not (isinstance(cfg["num_pages"], int) and cfg["num_pages"] >= 2):
-        bad(f"a tree trace needs config topk >= 2, num_draft_tokens >= 2 and num_pages >= 2 (the recording "
-            f"engine's KV pool, page 0 included), got { {k: cfg.get(k) for k in TREE_CONFIG_KEYS} }")
+    if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2:
+        bad(f"a tree trace needs config topk >= 2, num_draft_tokens >= 2 and num_pages (the recording "
+            f"engine's KV pool), got { {k: cfg.get(k) for k in TREE_CONFIG_KEYS} }")
     if cfg["version"] not in ("v1", "v2"):
         bad(f"tree rounds are recorded from the v1 or v2 tree engine, config says {cfg['version']!r}")
+    if (why := pool_size_problem(trace)) is not None:
+        bad(why)
     v2 = cfg["version"] == "v2"
     k, N, S = cfg["topk"], cfg["num_draft_tokens"], cfg["num_steps"]
     for i, rd in enumerate(trace["rounds"]):

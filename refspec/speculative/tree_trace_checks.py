@@ -10,7 +10,9 @@ that pool.  Every slot (token index, ``slot // P`` its page) and page id an entr
 page the allocator never gives to a request (PA-008); ``req_pool_index`` likewise names a row
 ``1 .. max_batch`` of ``req_to_token`` (row 0 reserved, PA-008; the engine has ``max_batch + 1``
 rows, PA-011).  Runs are checked at their ends, never expanded, so a hand-edited ``10**9`` fails
-here with its field instead of sizing a giant pool.
+here with its field instead of sizing a giant pool.  ``num_pages`` itself is at most the pool the
+recording engine sizes for the trace's requests (:func:`recording_pool_pages`), so a hand-edited
+pool size cannot make a replay allocate past it either.
 
 **Acceptance** (:func:`acceptance_failures`).  A tree round's attention replays on random K/V,
 so it cannot tell which root-to-node path the target chose; the tokens can.  Each entry stores
@@ -39,6 +41,32 @@ the rules: docs/spec/paging-attention.md (PA-008, PA-011), docs/spec/tree.md (TR
 """
 
 from __future__ import annotations
+
+from refspec.speculative.tree_kv import alloc_len_per_decode
+
+
+def recording_pool_pages(trace: dict) -> int:
+    """The KV pool (pages, page 0 included) ``record`` gives a tree trace's requests: the engine's
+    default ``1 + max_batch * (ceil(width / P) + 1)`` for rows of ``width = max_context + 4 + R``
+    tokens, ``max_context`` = the longest prompt + the largest budget (``generate``), ``R`` =
+    ``alloc_len_per_decode(k, S, N, P)`` (TR-020: the most positions past L one round gives
+    slots).  Upstream has no such bound (its pool is sized from free GPU memory); here it caps a
+    replay's allocation."""
+    cfg, reqs = trace["config"], trace["requests"]
+    P = cfg["page_size"]
+    ctx = max((len(r["prompt_ids"]) for r in reqs), default=0) + max((r["max_new_tokens"] for r in reqs), default=0)
+    width = ctx + 4 + alloc_len_per_decode(cfg["topk"], cfg["num_steps"], cfg["num_draft_tokens"], P)
+    return 1 + cfg["max_batch"] * (-(-width // P) + 1)
+
+
+def pool_size_problem(trace: dict) -> str | None:
+    """Why the config's ``num_pages`` is no pool to allocate (not an int in ``2 ..``
+    :func:`recording_pool_pages`), or None."""
+    n, most = trace["config"].get("num_pages"), recording_pool_pages(trace)
+    if not (isinstance(n, int) and 2 <= n <= most):
+        return (f"config num_pages = {n}: not the pool the recording engine gives these requests (an int, 2 .. "
+                f"{most} pages, page 0 included); a replay allocates num_pages")
+    return None
 
 
 def _page_problem(field: str, what, page: int, num_pages: int) -> str | None:
