@@ -248,7 +248,7 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     """Replay every round of a tree trace (module doc); returns the report.
 
     Shapes: one layer of ``model_config``'s heads, a KV pool of the recorded ``num_pages`` pages
-    (P = ``page_size`` tokens each; ValueError past the recording engine's pool), ``max_batch + 1``
+    (P = ``page_size`` tokens each; ValueError past the recording engine's pool), the recorded
     rows; ``dtype`` is the production wing's (the oracle is fp32, plus its own ``dtype`` run for
     the T1 budget).  ``progress(label)`` is called per round.
     ``graphed``: also replay each round's verify and draft decode through the production tree
@@ -263,9 +263,10 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     if (why := pool_size_problem(trace)) is not None:  # load_trace refuses it too
         raise ValueError(why)
     page_rules = [[page_id_failures(e, cfg) for e in rd["tree"]] for rd in rounds]  # PA-008 / PA-011
-    width = max((sum(c for _, c in e["req_to_token"]) for rd, bad in zip(rounds, page_rules)
-                 for e, b in zip(rd["tree"], bad) if not b), default=1)
-    rnd = _Round(cfg, cfg["max_batch"] + 1, width, cfg["num_pages"], device, dtype)  # the recording's pool
+    ok = [e for rd, bad in zip(rounds, page_rules) for e, b in zip(rd["tree"], bad) if not b]
+    width = max((sum(c for _, c in e["req_to_token"]) for e in ok), default=1)
+    num_rows = max((e["req_pool_index"] for e in ok), default=1) + 1  # rows 1 .. max_batch (PA-011)
+    rnd = _Round(cfg, num_rows, width, cfg["num_pages"], device, dtype)  # the recording's pool
     graphs = None
     if graphed and not (torch.device(device).type == "cuda" and provider == "emulator"):  # the emulator syncs
         from refspec.cli._replay_tree_graphs import TreeGraphs
