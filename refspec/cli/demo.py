@@ -18,23 +18,27 @@ length, tokens/s, spec == greedy?, production == oracle?), one answer in full.  
 speculation buys no speed (see the README); the table shows acceptance and exactness.  Exit
 status 1 if any check fails.
 
+The runs are independent (:mod:`refspec.cli._demo_runs`); on a CPU they run in ``--jobs``
+worker processes (default min(2, cores), :mod:`refspec.cli._demo_pool`), two at a time with one
+core each on a 2-core machine, and are compared once all are back.  A row's tokens/s is that
+run's own tokens over its own wall time, as in a serial run (``--jobs 1``): running beside
+another single-threaded run on the other core does not slow it down.
+
 ``--bug NAME`` (e.g. ``seed-page-table``) runs :mod:`refspec.cli._demo_bug` instead.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 from refspec.cli._args import (PROG, ArgumentParser, budget_spec, choice_list, device_name, real_workload,
                                draft_spec, int_list, positive_int, run)
+from refspec.cli._demo_runs import RunOutcome, execute_run, longest_first, plan_runs
 from refspec.fa3.kernel import select_provider
 from refspec.core.invariants import InvariantError
-from refspec.oracle.loop import greedy
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, capture_sizes, set_threads)
-from refspec.speculative import generate
-from refspec.speculative.audit import audit_kv
-from refspec.speculative.metrics import GenerateResult
 
 HEADER = ("path", "page size", "batch", "version", "accept length", "tokens/s", "spec == greedy?",
           "production == oracle?")
@@ -84,87 +88,51 @@ def format_table(rows: list[Row]) -> str:
 
 def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v2"), draft=DEFAULT_DRAFT,
                num_steps=DEFAULT_NUM_STEPS, eos=None, bar: TokenBar | None = None, topk: int = 1,
-               num_draft_tokens: int | None = None) -> DemoResult:
+               num_draft_tokens: int | None = None, jobs: int = 1, threads: int = 1) -> DemoResult:
     """Greedy, the oracle loop per version, the production loop per (page size, version).
 
     Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s counts
     completion tokens over each run's wall time (prefill and graph capture included, as
     ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (N = ``num_draft_tokens``), per
     version: the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).
+    The runs are independent (:mod:`refspec.cli._demo_runs`): ``jobs`` = 1 runs them here, one
+    after the other; ``jobs`` > 1 in that many worker processes of ``threads`` torch threads each
+    (:mod:`refspec.cli._demo_pool`; the model's tensors move to shared memory).  Either way the
+    comparisons are made here once all are back, and the rows come in the same order.
     Raises :class:`~refspec.core.invariants.InvariantError` if the FA3 validation or the
-    per-round KV audit trips.
+    per-round KV audit trips (in a worker too: same ID, same message).
     """
-    B, rows, audited = len(prompts), [], [0]
-    bar = bar or TokenBar(0, disable=True)
+    runs = plan_runs(page_sizes, versions, topk, num_draft_tokens)
+    kw = dict(prompts=prompts, max_new=max_new, draft=draft, num_steps=num_steps, eos=eos)
+    if jobs > 1:
+        from refspec.cli._demo_pool import run_in_processes
 
-    def start(label):
-        bar.start_run(label)
-        return time.perf_counter()
+        done = run_in_processes(execute_run, model, [dict(kw, run=r) for r in runs], longest_first(runs),
+                                jobs=jobs, threads=threads, bar=bar)
+    else:
+        done = [execute_run(model, r, bar=bar, **kw) for r in runs]
+    return compare_runs(done)
 
-    t = start("greedy")
-    base = []
-    for p, m in zip(prompts, max_new):
-        base.append(greedy(model, p, m, eos).tokens)
-        bar.add(len(base[-1]))
-    bar.finish_run(sum(max_new))
-    rows.append(Row("greedy", None, B, None, 1.0, sum(map(len, base)), time.perf_counter() - t))
-    kw = dict(draft=draft, num_steps=num_steps, max_new_tokens=max_new, eos=eos)
-    oracle = {}
-    for v in versions:
-        t = start(f"oracle {v}")
-        reqs = []
-        for i, (p, m) in enumerate(zip(prompts, max_new)):  # one request at a time anyway: a smooth bar
-            r = generate(model, [p], backend="oracle", version=v, **{**kw, "max_new_tokens": [m]}).requests[0]
-            r.rid = i
-            reqs.append(r)
-            bar.add(len(r.tokens))
-        oracle[v] = GenerateResult(reqs, "oracle", v)
-        bar.finish_run(sum(max_new))
-        rows.append(Row("oracle loop", None, B, v, oracle[v].accept_length, sum(map(len, oracle[v].tokens)),
-                        time.perf_counter() - t, oracle[v].tokens == base))
 
-    def observer(event, eng, **info):
-        bar.observer(event, eng, **info)
-        if event == "round_end":
-            audit_kv(eng)
-            audited[0] += 1
-
-    outputs = {}
-    for P in page_sizes:
-        for v in versions:
-            t = start(f"production {v} P={P}")
-            res = generate(model, prompts, backend="fa3", version=v, page_size=P, graphs=True, observer=observer,
-                           capture_bs=capture_sizes(B), **kw)
-            bar.finish_run(sum(max_new))
-            outputs[(v, P)] = res
-            same = res.tokens == oracle[v].tokens and res.accepts == oracle[v].accepts
-            rows.append(Row("production", P, B, v, res.accept_length, sum(map(len, res.tokens)),
-                            time.perf_counter() - t, res.tokens == base, same))
-    for v in versions if topk > 1 else ():
-        _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, page_sizes=page_sizes,
-                   kw=dict(kw, topk=topk, num_draft_tokens=num_draft_tokens or 2 * topk, version=v))
+def compare_runs(done: list[RunOutcome]) -> DemoResult:
+    """The table from the runs' outcomes (table order, greedy first): spec == greedy for every
+    speculative row; production == oracle (same tokens, same accept count every round) against
+    the oracle run of the same version and tree shape; KV-006 for every production run."""
+    base = done[0].tokens
+    oracle = {o.run.table_version: o.result for o in done if o.run.path.startswith("oracle")}
+    rows, outputs = [], {}
+    for o in done:
+        r, B = o.run, len(o.tokens)
+        row = Row(r.path, r.page_size, B, r.table_version, o.accept_length, sum(map(len, o.tokens)), o.seconds)
+        if r.path != "greedy":
+            row.spec_eq_greedy = o.tokens == base
+        if r.path.startswith("production"):
+            ora = oracle[r.table_version]
+            row.prod_eq_oracle = o.tokens == ora.tokens and o.result.accepts == ora.accepts
+            outputs[r.key] = o.result
+        rows.append(row)
     kv_ok = all(r.free_pages[0] == r.free_pages[1] for r in outputs.values() if r.free_pages)  # KV-006
-    return DemoResult(rows, base, outputs, audited[0], kv_ok)
-
-
-def _tree_rows(model, prompts, max_new, rows, outputs, base, start, bar, observer, *, page_sizes, kw):
-    """The top-k rows: the oracle tree loop (one request at a time), then production per page size."""
-    B, label = len(prompts), f"{kw['version']} k={kw['topk']} N={kw['num_draft_tokens']}"
-    t = start(f"oracle tree {label}")
-    ora = generate(model, prompts, backend="oracle", **kw)
-    bar.add(sum(map(len, ora.tokens)))
-    bar.finish_run(sum(max_new))
-    rows.append(Row("oracle tree", None, B, label, ora.accept_length, sum(map(len, ora.tokens)),
-                    time.perf_counter() - t, ora.tokens == base))
-    for P in page_sizes:
-        t = start(f"production tree {kw['version']} P={P}")
-        res = generate(model, prompts, backend="fa3", page_size=P, graphs=True, observer=observer,
-                       capture_bs=capture_sizes(B), **kw)
-        bar.finish_run(sum(max_new))
-        outputs[(label, P)] = res
-        rows.append(Row("production tree", P, B, label, res.accept_length, sum(map(len, res.tokens)),
-                        time.perf_counter() - t, res.tokens == base,
-                        res.tokens == ora.tokens and res.accepts == ora.accepts))
+    return DemoResult(rows, base, outputs, sum(o.rounds_audited for o in done), kv_ok)
 
 
 def tree_round_lines(outputs: dict) -> list[str]:
@@ -226,7 +194,10 @@ def _main(argv) -> int:
                     help="show one bug-zoo variant live instead, e.g. seed-page-table (names: "
                          "python -m refspec mutants, or docs/bug-zoo.md)")
     ap.add_argument("--threads", type=positive_int(), metavar="N",
-                    help="torch CPU threads (default 1: faster on a shared machine)")
+                    help="torch CPU threads per process (default 1: faster on a shared machine)")
+    ap.add_argument("--jobs", type=positive_int(), metavar="N", default=default_jobs(),
+                    help=f"CPU: worker processes the independent runs share (default {default_jobs()}: "
+                         "min(2, CPU cores)); 1 runs them one after the other in this process")
     ap.add_argument("--device", type=lambda t: t if t == "auto" else device_name(t), default="auto",
                     help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
@@ -246,18 +217,19 @@ def _main(argv) -> int:
         return run_bug_demo(model, qs, prompts, max_new, ns.bug, page_size=max(page_sizes), draft=ns.draft,
                             num_steps=ns.num_steps, eos=EOS_ID, progress=not ns.no_progress)
     dev = next(model.parameters()).device
-    print(f"SmolLM2-135M-Instruct (fp32, loaded in {load_s:.1f} s), {threads} thread(s); draft {ns.draft}, "
-          f"Sd = {ns.num_steps}; FA3 provider: {select_provider(dev)}, graphs: "
-          f"{'CUDA' if dev.type == 'cuda' else 'emulated'}")
+    runs = plan_runs(page_sizes, versions, ns.topk, ns.num_draft_tokens)
+    jobs = min(ns.jobs, len(runs))
+    print(f"SmolLM2-135M-Instruct (fp32, loaded in {load_s:.1f} s); {len(runs)} runs in {jobs} process(es) x "
+          f"{threads} thread(s); draft {ns.draft}, Sd = {ns.num_steps}; FA3 provider: {select_provider(dev)}, "
+          f"graphs: {'CUDA' if dev.type == 'cuda' else 'emulated'}")
     for q, p, m in zip(qs, prompts, max_new):
         print(f"  q{q['question_id']} [{q['category']}] {len(p)} prompt tokens, max_new_tokens {m}: "
               f"{q['prompt'][:70]!r}{'...' if len(q['prompt']) > 70 else ''}")
-    runs = 1 + len(versions) * (1 + len(page_sizes)) * (2 if ns.topk > 1 else 1)
-    bar = TokenBar(runs * sum(max_new), desc="demo", disable=ns.no_progress)
+    bar = TokenBar(len(runs) * sum(max_new), desc="demo", disable=ns.no_progress)
     try:
         res = run_matrix(model, prompts, max_new, page_sizes=page_sizes, versions=versions, draft=ns.draft,
                          num_steps=ns.num_steps, eos=EOS_ID, bar=bar, topk=ns.topk,
-                         num_draft_tokens=ns.num_draft_tokens)
+                         num_draft_tokens=ns.num_draft_tokens, jobs=jobs, threads=threads)
     except InvariantError as e:  # a validation / audit check stopped a production run
         bar.close()
         print(f"\nCHECK FAILED: {e}")
@@ -280,6 +252,12 @@ def _main(argv) -> int:
     print(decode(r.tokens, skip_special=True))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s; {'all checks pass' if res.ok else 'SOME CHECKS FAILED'}")
     return 0 if res.ok else 1
+
+
+def default_jobs() -> int:
+    """The CPU demo's worker processes: min(2, CPU cores).  Two single-threaded processes take
+    the same wall time per run as one alone on this 2-core machine, so 7 runs take ~half."""
+    return max(1, min(2, os.cpu_count() or 1))
 
 
 def _pick_device(asked: str) -> str:

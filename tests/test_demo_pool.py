@@ -1,0 +1,86 @@
+"""The demo's runs in worker processes (``demo --jobs 2``, :mod:`refspec.cli._demo_pool`) give the
+same table as one after the other in one process (``--jobs 1``), and a worker's failure reaches
+the parent.
+
+A random-init tiny model (fp32, CPU, the FA3 emulator), the eagle draft, chain and tree rows.  The
+reference for the parallel table is the serial table (same rows, tokens, accept counts, pages,
+audited rounds); the serial one is itself checked against plain greedy by its own columns and by
+tests/test_tree_fa3_loop.py::test_demo_matrix_topk_rows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from refspec.cli.demo import run_matrix
+from refspec.cli._demo_runs import longest_first, plan_runs
+from refspec.core.invariants import InvariantError
+from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.real.run import TokenBar
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]]
+BUDGETS = [18, 12, 15]
+MATRIX = dict(page_sizes=(1, 16), versions=("v1", "v2"), draft="eagle", num_steps=3, topk=2, num_draft_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_random_(LlamaModel(tiny_config()), seed=0).eval()
+
+
+class CountingBar(TokenBar):
+    """The demo's bar, not drawn, summing what it is given."""
+
+    def __init__(self):
+        super().__init__(0, disable=True)
+        self.total = 0
+
+    def add(self, n):
+        super().add(n)
+        self.total += n
+
+
+def _table(res):
+    """Everything of a DemoResult but the wall times."""
+    rows = [(r.path, r.page_size, r.batch, r.version, r.accept_length, r.tokens, r.spec_eq_greedy, r.prod_eq_oracle)
+            for r in res.rows]
+    outs = {k: (o.tokens, o.accepts, o.free_pages, o.round_accept_lengths, [q.finish_reason for q in o.requests])
+            for k, o in res.outputs.items()}
+    return rows, res.greedy_tokens, outs, res.rounds_audited, res.kv_ok
+
+
+def test_two_processes_give_the_serial_table(model):
+    bars = CountingBar(), CountingBar()
+    serial = run_matrix(model, PROMPTS, BUDGETS, jobs=1, bar=bars[0], **MATRIX)
+    parallel = run_matrix(model, PROMPTS, BUDGETS, jobs=2, bar=bars[1], **MATRIX)
+    assert _table(parallel) == _table(serial)
+    n_runs = 1 + 2 + 2 * 2 + 2 * (1 + 2)  # greedy, oracle per version, production per (v, P), tree rows
+    assert [r.path for r in parallel.rows].count("production tree") == 4 and len(parallel.rows) == n_runs
+    assert serial.ok and parallel.rounds_audited > 0
+    # the bar: each run tops up to the batch's budget, whichever process ran it
+    assert bars[0].total == bars[1].total == n_runs * sum(BUDGETS)
+    assert bars[1].bar.postfix.startswith(f"runs {n_runs}/{n_runs}")
+    assert multiprocessing.active_children() == []  # every worker joined
+
+
+@pytest.mark.spec("TR-002")
+def test_a_workers_invariant_error_reaches_the_parent_with_its_id(model):
+    """N = 99 breaks TR-002 (N - 1 <= k + (Sd-1) k^2 = 2 + 2*4 = 10) in the tree runs, inside a worker."""
+    kw = dict(MATRIX, versions=("v1",), page_sizes=(1,), num_draft_tokens=99)
+    with pytest.raises(InvariantError) as serial:
+        run_matrix(model, PROMPTS, BUDGETS, jobs=1, **kw)
+    with pytest.raises(InvariantError) as parallel:
+        run_matrix(model, PROMPTS, BUDGETS, jobs=2, **kw)
+    assert parallel.value.inv_id == "TR-002"
+    assert str(parallel.value) == str(serial.value)
+    assert "N = 99" in str(parallel.value)
+    assert multiprocessing.active_children() == []  # the other worker was stopped and joined
+
+
+def test_longest_runs_go_first():
+    runs = plan_runs((1, 4), ("v1", "v2"))
+    order = [runs[i].path for i in longest_first(runs)]
+    assert order == ["oracle loop"] * 2 + ["production"] * 4 + ["greedy"]
+    assert [runs[i].label for i in longest_first(runs)][:3] == ["oracle loop v1", "oracle loop v2", "production v1 P=1"]
