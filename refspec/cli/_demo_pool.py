@@ -14,15 +14,17 @@ runs to ``jobs`` spawned processes:
   ``("done", i, outcome)``, ``("invariant", i, (ID, detail))`` or ``("error", i, traceback)``.
 
 Errors: an :class:`~refspec.core.invariants.InvariantError` in a worker is raised again in the
-parent with the same ID and detail (so the same message); any other failure, or a worker that
-dies, raises RuntimeError.  On an error or Ctrl-C the parent terminates its workers and joins
-them before it returns; the workers ignore SIGINT (the parent owns Ctrl-C) and exit by
-themselves if the parent is gone.
+parent with the same ID and detail (so the same message); any other exception is raised again
+as is (a RuntimeError with its type and message if it does not pickle), the worker's traceback
+as its ``__cause__``; a worker that dies raises RuntimeError.  On an error or Ctrl-C the parent
+terminates its workers and joins them before it returns; the workers ignore SIGINT (the parent
+owns Ctrl-C) and exit by themselves if the parent is gone.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import traceback
@@ -38,13 +40,13 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
     ``fn`` must be a module-level function (workers import it by name) whose result pickles;
     ``order``: the indices in the order to start them; ``threads``: torch threads per worker.
     ``bar``: the parent's :class:`~refspec.real.run.TokenBar` (or None): each worker's token
-    counts go to its :meth:`add`, and its postfix shows ``runs done / total``.  Raises
-    InvariantError (a worker's, same ID and detail) or RuntimeError (any other worker failure).
+    counts go to its :meth:`add`, and its postfix shows ``runs done / total``.  Raises what a
+    worker raised (InvariantError: same ID and detail), or RuntimeError if a worker died.
     """
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")
-    if model is not None: model.share_memory()
+    model.share_memory()  # the workers map these pages: one copy of the weights
     tasks, events = ctx.Queue(), ctx.Queue()
     jobs = max(1, min(jobs, len(calls)))
     for i in order:
@@ -59,7 +61,7 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
         for p in procs:
             p.start()
         if bar is not None:
-            bar.bar.set_postfix_str(f"runs 0/{len(calls)} ({jobs} processes)")
+            bar.note(f"runs 0/{len(calls)} ({jobs} processes)")
         while len(results) < len(calls):
             try:
                 kind, i, payload = events.get(timeout=1.0)
@@ -76,11 +78,11 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
             elif kind == "done":
                 results[i] = payload
                 if bar is not None:
-                    bar.bar.set_postfix_str(f"runs {len(results)}/{len(calls)} ({jobs} processes)")
-            elif kind == "invariant":
-                raise InvariantError(*payload)
+                    bar.note(f"runs {len(results)}/{len(calls)} ({jobs} processes)")
+            elif kind == "invariant":  # rebuilt from (ID, detail): the same message as in one process
+                raise InvariantError(*payload[0]) from WorkerTraceback(payload[1])
             else:
-                raise RuntimeError(f"demo worker failed on run {i}:\n{payload}")
+                raise payload[0] from WorkerTraceback(payload[1])
     finally:
         for p in procs:
             if p.is_alive():
@@ -88,6 +90,23 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
         for p in procs:
             p.join()
     return [results[i] for i in range(len(calls))]
+
+
+class WorkerTraceback(Exception):
+    """The ``__cause__`` of an error raised again in the parent: the worker's traceback, as text."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+def _picklable(e: Exception) -> Exception:
+    """``e`` if it survives pickling (so the parent raises the same type), else a RuntimeError
+    with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _gone(procs) -> str | None:
@@ -133,9 +152,9 @@ def _worker(fn, model, threads: int, tasks, events, parent: int) -> None:
         try:
             out = fn(model, bar=bar, **kwargs)
         except InvariantError as e:  # its __init__ takes (ID, detail): send those, not the object
-            events.put(("invariant", i, (e.inv_id, e.detail)))
+            events.put(("invariant", i, ((e.inv_id, e.detail), traceback.format_exc())))
             return
-        except Exception:  # noqa: BLE001 - the parent raises it, with this traceback
-            events.put(("error", i, traceback.format_exc()))
+        except Exception as e:  # noqa: BLE001 - the parent raises it, this traceback as its cause
+            events.put(("error", i, (_picklable(e), traceback.format_exc())))
             return
         events.put(("done", i, out))

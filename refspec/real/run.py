@@ -115,8 +115,12 @@ class TokenBar:
         self._run_done = 0
 
     def start_run(self, label: str) -> None:
-        self.bar.set_postfix_str(label)
+        self.note(label)
         self._run_done = 0
+
+    def note(self, text: str) -> None:
+        """Show ``text`` after the bar (the run going on, or runs done / total)."""
+        self.bar.set_postfix_str(text)
 
     def add(self, n: int) -> None:
         self.bar.update(n)
