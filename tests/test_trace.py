@@ -168,6 +168,11 @@ def test_replay_flags_the_round_of_a_wrong_token(monkeypatch):
     ("late-finish", lambda t: t["rounds"][-1]["finished"].clear(), "finished"),
     ("output-length", lambda t: t["requests"][1]["output_ids"].append(0), "output tokens"),
     ("batch", lambda t: t["config"].update(max_batch=1), "max_batch"),
+    ("batch-type", lambda t: t["config"].update(max_batch="2"), "max_batch"),
+    ("capture-huge", lambda t: t["config"].update(capture_bs=[1, 10**9]), "capture_bs"),
+    ("capture-zero", lambda t: t["config"].update(capture_bs=[0, 2]), "capture_bs"),
+    ("capture-empty", lambda t: t["config"].update(capture_bs=[]), "capture_bs"),
+    ("capture-type", lambda t: t["config"].update(capture_bs="1,2"), "capture_bs"),
 ])
 def test_check_trace_rejects_inconsistent_files(what, fn, msg):
     with pytest.raises(ValueError, match=msg):
@@ -205,3 +210,27 @@ def test_committed_mtbench_trace_replays_on_cpu(tmp_path):
     md = out.read_text()
     assert rc == 0, md
     assert "**PASS**" in md and md.count("| yes |") >= len(trace["rounds"])
+
+
+def test_a_huge_max_batch_replays_with_the_engine_the_requests_need():
+    """``max_batch`` above the number of requests admits the same requests: replay sizes its
+    engine by ``min(max_batch, requests)`` (``largest_batch``), so a hand-edited 10**9 replays
+    the same schedule instead of allocating a pool for 10**9 rows; its graphs stay bounded by
+    the capture_bs check (1 .. 2 x that batch)."""
+    t = record(model(), None, PROMPTS, BUDGETS, version="v1", page_size=2, draft="early-exit:1",
+               max_batch=len(PROMPTS), eos=eos_token(), capture_bs=(1, 2, 4))
+    t["config"]["max_batch"] = 10**9
+    check_trace(t)
+    rep = replay_trace(t)
+    assert rep.runs and all(r.ok for r in rep.runs)
+    # on the recorded() trace (max_batch 2 < 3 requests) the same edit is a different schedule claim
+    rep = replay_trace(tampered(lambda t: t["config"].update(max_batch=10**9)))
+    assert not rep.runs[0].ok and rep.runs[0].schedule
+
+
+def test_record_keeps_only_graphs_a_round_can_use():
+    """One prompt: capture_bs (1, 2, 4) is cut to the sizes up to 2 x min(max_batch, prompts)."""
+    t = record(model(), None, PROMPTS[:1], BUDGETS[:1], version="v1", page_size=2, draft="early-exit:1",
+               max_batch=2, capture_bs=(1, 2, 4))
+    assert t["config"]["capture_bs"] == [1, 2]
+    check_trace(t)

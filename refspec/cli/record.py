@@ -55,6 +55,8 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
         num_draft_tokens = num_draft_tokens or 2 * topk
         observer = recorder = TreeRecorder(observer)
         tree_kw = dict(topk=topk, num_draft_tokens=num_draft_tokens)
+    # graphs up to twice the largest batch a round can hold (the trace check's bound, check_trace)
+    capture_bs = tuple(c for c in capture_bs if c <= 2 * min(max_batch, len(prompts))) or (1,)
     t = time.perf_counter()
     res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True, draft=draft,
                    num_steps=num_steps, max_new_tokens=max_new, eos=eos, max_batch=max_batch, capture_bs=capture_bs,

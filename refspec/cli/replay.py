@@ -50,8 +50,8 @@ from refspec.oracle.loop import greedy
 from refspec.real.run import set_threads
 from refspec.speculative import generate
 from refspec.core.tolerance import T2_DELTA, t2
-from refspec.speculative.trace import (accept_table, committed_rounds, is_tree_trace, load_trace, replay_budgets,
-                                      schedule_mismatches)
+from refspec.speculative.trace import (accept_table, committed_rounds, is_tree_trace, largest_batch, load_trace,
+                                      replay_budgets, schedule_mismatches)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -194,7 +194,7 @@ def replay_trace(trace: dict, *, device="cpu", dtype=torch.float32, versions=Non
             t = time.perf_counter()
             try:
                 prod = generate(low, prompts, backend="fa3", version=v, page_size=P, graphs=True,
-                                max_batch=cfg["max_batch"], capture_bs=tuple(cfg["capture_bs"]),
+                                max_batch=largest_batch(trace), capture_bs=tuple(cfg["capture_bs"]),
                                 overlap=v == "v2" and cfg.get("overlap", False), **kw)  # the recorded loop
             except Exception as e:  # a check (InvariantError) or a crash inside the production path
                 runs.append(RunCheck(v, P, 0, [f"production raised {type(e).__name__}: {e}"], ora.accepts == accepts,

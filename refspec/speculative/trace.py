@@ -44,6 +44,12 @@ ROUND_KEYS = ("rids", "seq_lens", "num_accept_tokens", "joined", "finished")
 CONFIG_KEYS = ("version", "page_size", "num_steps", "draft", "max_batch", "eos", "capture_bs", "model_config")
 
 
+def largest_batch(trace: dict) -> int:
+    """The most requests one round of ``trace`` can hold: ``min(max_batch, number of requests)``
+    (a replay sizes its engine by it: a larger ``max_batch`` admits the same requests)."""
+    return min(trace["config"]["max_batch"], len(trace["requests"]))
+
+
 def is_tree_trace(trace: dict) -> bool:
     """Whether ``trace`` holds top-k > 1 rounds (:data:`~refspec.speculative.tree_trace.TREE_FORMAT`)."""
     return trace.get("format") == TREE_FORMAT
@@ -95,9 +101,10 @@ def check_trace(trace: dict) -> None:
     equal the request's ``num_accept_tokens``, each a is in [1, Sd + 1] (SD-003); it finishes
     exactly at its last round; its output length lies in ``(1 + sum(a[:-1]), 1 + sum(a)]`` and
     within its budget (so a budget of that length ends the same round); no round holds more
-    than ``max_batch`` requests.  A tree trace (:data:`TREE_FORMAT`): also the shapes of its
-    ``tree`` entries, every page id inside the recorded ``num_pages`` pool and outside page 0
-    (PA-011 / PA-008) and every accepted path the greedy walk over the recorded tokens (TR-006)
+    than ``max_batch`` requests; ``capture_bs`` are sizes ``1 .. 2 *`` :func:`largest_batch`.  A
+    tree trace (:data:`TREE_FORMAT`): also the shapes of its ``tree`` entries, every page id inside
+    the recorded ``num_pages`` pool and outside page 0 (PA-011 / PA-008) and every accepted path the
+    greedy walk over the recorded tokens (TR-006)
     (:func:`~refspec.speculative.tree_trace.check_tree_rounds`); the message names the ID.
     """
     def bad(msg):
@@ -110,6 +117,12 @@ def check_trace(trace: dict) -> None:
         bad(f"config lacks {[k for k in CONFIG_KEYS if k not in cfg]}")
     if cfg["version"] not in ("v1", "v2") or cfg["num_steps"] < 1 or cfg["page_size"] < 1:
         bad(f"config version / num_steps / page_size out of range: {cfg}")
+    if not (isinstance(cfg["max_batch"], int) and cfg["max_batch"] >= 1):
+        bad(f"config max_batch = {cfg['max_batch']!r}: an int >= 1")
+    most, cbs = 2 * largest_batch(trace), cfg["capture_bs"]
+    if not (isinstance(cbs, list) and cbs and all(isinstance(c, int) and 1 <= c <= most for c in cbs)):
+        bad(f"config capture_bs = {cbs!r}: a non-empty list of graph batch sizes 1 .. {most} (twice the "
+            f"largest batch a round of this trace holds, min(max_batch, requests): a bigger graph only pads)")
     N, reqs, rounds = cfg["num_steps"] + 1, trace["requests"], trace["rounds"]
     if [r["rid"] for r in reqs] != list(range(len(reqs))):
         bad("request ids must be 0..B-1 in order")
