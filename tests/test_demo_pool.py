@@ -98,3 +98,54 @@ def test_longest_runs_go_first():
     order = [runs[i].path for i in longest_first(runs)]
     assert order == ["oracle loop"] * 2 + ["production"] * 4 + ["greedy"]
     assert [runs[i].label for i in longest_first(runs)][:3] == ["oracle loop v1", "oracle loop v2", "production v1 P=1"]
+
+
+def _children(pid: int) -> list[int]:
+    """Linux: the pids whose parent is ``pid`` (from /proc)."""
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_sigterm_to_the_parent_alone_stops_its_workers():
+    """``kill -TERM <demo pid>`` (not the process group): the parent terminates and joins its
+    workers before it exits with 143, as it does on Ctrl-C; no worker outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from refspec.real import missing_reason
+
+    if not sys.platform.startswith("linux") or missing_reason() is not None:
+        pytest.skip(missing_reason() or "reads /proc")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.Popen([sys.executable, "-m", "refspec", "demo", "--no-progress", "--jobs", "2"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, workers = time.monotonic() + 120, []
+        while time.monotonic() < deadline and p.poll() is None:
+            workers = [c for c in _children(p.pid) if "refspec-demo" in open(f"/proc/{c}/cmdline").read()
+                       or "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+            if len(workers) >= 2:
+                break
+            time.sleep(0.5)
+        assert len(workers) >= 2, "the demo's two workers never started"
+        time.sleep(2)  # inside the runs
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert all(not os.path.exists(f"/proc/{w}") or "Z" in open(f"/proc/{w}/stat").read().split()[2]
+                   for w in workers), "a worker outlived the parent"
+    finally:
+        if p.poll() is None:
+            p.kill()

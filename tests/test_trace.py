@@ -173,6 +173,14 @@ def test_replay_flags_the_round_of_a_wrong_token(monkeypatch):
     ("capture-zero", lambda t: t["config"].update(capture_bs=[0, 2]), "capture_bs"),
     ("capture-empty", lambda t: t["config"].update(capture_bs=[]), "capture_bs"),
     ("capture-type", lambda t: t["config"].update(capture_bs="1,2"), "capture_bs"),
+    ("layers-huge", lambda t: t["config"]["model_config"].update(num_hidden_layers=10**9), "parameter model"),
+    ("vocab-huge", lambda t: t["config"]["model_config"].update(vocab_size=10**12), "parameter model"),
+    ("hidden-type", lambda t: t["config"]["model_config"].update(hidden_size="64"), "hidden_size"),
+    ("heads-ungrouped", lambda t: t["config"]["model_config"].update(
+        num_key_value_heads=t["config"]["model_config"]["num_attention_heads"] + 1), "GQA"),
+    ("steps-huge", lambda t: t["config"].update(num_steps=10**9), "num_steps"),
+    ("prompt-token", lambda t: t["requests"][0]["prompt_ids"].__setitem__(0, 10**12), "vocabulary"),
+    ("output-token", lambda t: t["requests"][1]["output_ids"].__setitem__(0, -1), "vocabulary"),
 ])
 def test_check_trace_rejects_inconsistent_files(what, fn, msg):
     with pytest.raises(ValueError, match=msg):

@@ -92,6 +92,8 @@ PAGE_TAMPERS = [  # (tamper, v2 recording?, the ID and field the load error must
     (_set(_E + ("req_pool_index",), 10**9), False, "[PA-011] req_pool_index"),
     (_set(_E + ("moved_to", 0), 1), True, "[PA-008] moved_to[0]"),
     (_set(_E + ("moved_to", 0), 10**9), True, "[PA-011] moved_to[0]"),
+    (_set(_E + ("page_table", 0), 13.0), False, "[PA-011] page_table[0]"),  # a float is no page id
+    (_set(_E + ("req_to_token", 0, 0), "52"), False, "[PA-011] req_to_token[0]"),
 ]
 
 

@@ -17,8 +17,8 @@ Errors: an :class:`~refspec.core.invariants.InvariantError` in a worker is raise
 parent with the same ID and detail (so the same message); any other exception is raised again
 as is (a RuntimeError with its type and message if it does not pickle), the worker's traceback
 as its ``__cause__``; a worker that dies raises RuntimeError.  On an error or Ctrl-C the parent
-terminates its workers and joins them before it returns; the workers ignore SIGINT (the parent
-owns Ctrl-C) and exit by themselves if the parent is gone.
+terminates its workers and joins them before it returns, and so on SIGTERM (exit status 143);
+the workers ignore SIGINT (the parent owns Ctrl-C) and exit by themselves if the parent is gone.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
                          name=f"refspec-demo-{w}", daemon=True) for w in range(jobs)]
     results: dict[int, object] = {}
     quiet = False  # the previous wait found a worker gone and no message
+    old_term = _exit_on_sigterm()
     try:
         for p in procs:
             p.start()
@@ -89,7 +90,22 @@ def run_in_processes(fn, model, calls: list[dict], order: list[int], *, jobs: in
                 p.terminate()
         for p in procs:
             p.join()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     return [results[i] for i in range(len(calls))]
+
+
+def _exit_on_sigterm():
+    """In the main thread: SIGTERM raises SystemExit(143) (so the ``finally`` above terminates the
+    workers, as for Ctrl-C) and the previous handler is returned; elsewhere None (no change)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def term(signum, frame):
+        raise SystemExit(128 + signum)
+    return signal.signal(signal.SIGTERM, term)
 
 
 class WorkerTraceback(Exception):

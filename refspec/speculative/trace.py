@@ -44,6 +44,30 @@ ROUND_KEYS = ("rids", "seq_lens", "num_accept_tokens", "joined", "finished")
 CONFIG_KEYS = ("version", "page_size", "num_steps", "draft", "max_batch", "eos", "capture_bs", "model_config")
 
 
+#: the largest model a replay builds (random init, fp32: 4 GB); SmolLM2-135M is 1.35e8 parameters
+MAX_REPLAY_PARAMS = 10**9
+_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "vocab_size")
+
+
+def model_config_problem(mc) -> str | None:
+    """Why ``model_config`` is no model a replay can build (a size not an int >= 1, heads not
+    grouped, or more than :data:`MAX_REPLAY_PARAMS` parameters), or None."""
+    if not isinstance(mc, dict):
+        return f"config model_config = {mc!r}: a dict of the model's sizes"
+    for k in _SIZES:
+        if type(mc.get(k)) is not int or mc[k] < 1:
+            return f"config model_config.{k} = {mc.get(k)!r}: an int >= 1"
+    E, I, L, H, Hkv, D, V = (mc[k] for k in _SIZES)
+    if H % Hkv:
+        return f"config model_config: num_attention_heads {H} is not a multiple of num_key_value_heads {Hkv} (GQA)"
+    params = V * E + L * (E * (H + 2 * Hkv) * D + H * D * E + 3 * E * I)
+    if params > MAX_REPLAY_PARAMS:
+        return (f"config model_config describes a {params:.3g}-parameter model; a replay builds it at random in fp32 "
+                f"and refuses more than {MAX_REPLAY_PARAMS:.0e} (SmolLM2-135M: 1.35e+08)")
+    return None
+
+
 def largest_batch(trace: dict) -> int:
     """The most requests one round of ``trace`` can hold: ``min(max_batch, number of requests)``
     (a replay sizes its engine by it: a larger ``max_batch`` admits the same requests)."""
@@ -101,7 +125,9 @@ def check_trace(trace: dict) -> None:
     equal the request's ``num_accept_tokens``, each a is in [1, Sd + 1] (SD-003); it finishes
     exactly at its last round; its output length lies in ``(1 + sum(a[:-1]), 1 + sum(a)]`` and
     within its budget (so a budget of that length ends the same round); no round holds more
-    than ``max_batch`` requests; ``capture_bs`` are sizes ``1 .. 2 *`` :func:`largest_batch`.  A
+    than ``max_batch`` requests; ``capture_bs`` are sizes ``1 .. 2 *`` :func:`largest_batch`;
+    ``model_config`` is a model a replay can build (:func:`model_config_problem`), ``num_steps``
+    at most the largest budget, every prompt and output token inside its vocabulary.  A
     tree trace (:data:`TREE_FORMAT`): also the shapes of its ``tree`` entries, every page id inside
     the recorded ``num_pages`` pool and outside page 0 (PA-011 / PA-008) and every accepted path the
     greedy walk over the recorded tokens (TR-006)
@@ -117,6 +143,17 @@ def check_trace(trace: dict) -> None:
         bad(f"config lacks {[k for k in CONFIG_KEYS if k not in cfg]}")
     if cfg["version"] not in ("v1", "v2") or cfg["num_steps"] < 1 or cfg["page_size"] < 1:
         bad(f"config version / num_steps / page_size out of range: {cfg}")
+    if (why := model_config_problem(cfg["model_config"])) is not None:
+        bad(why)
+    most_new = max((r["max_new_tokens"] for r in trace["requests"]), default=1)
+    if not (type(cfg["num_steps"]) is int and cfg["num_steps"] <= most_new):
+        bad(f"config num_steps = {cfg['num_steps']!r}: an int 1 .. {most_new} (the largest budget: a longer "
+            f"draft could never be accepted in full)")
+    V = cfg["model_config"]["vocab_size"]
+    for r in trace["requests"]:
+        for name in ("prompt_ids", "output_ids"):
+            if not all(type(x) is int and 0 <= x < V for x in r[name]):
+                bad(f"request {r['rid']}: {name} holds a token outside the vocabulary 0 .. {V - 1}")
     if not (isinstance(cfg["max_batch"], int) and cfg["max_batch"] >= 1):
         bad(f"config max_batch = {cfg['max_batch']!r}: an int >= 1")
     most, cbs = 2 * largest_batch(trace), cfg["capture_bs"]

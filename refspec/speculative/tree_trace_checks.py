@@ -87,6 +87,14 @@ def page_id_failures(entry: dict, cfg: dict) -> list[str]:
     holds page ids.
     """
     P, NP = cfg["page_size"], cfg["num_pages"]
+    raw = [("req_pool_index", entry["req_pool_index"])]
+    raw += [(f"req_to_token[{j}]", x) for j, run in enumerate(entry["req_to_token"]) for x in run]
+    raw += [(f"page_table[{j}]", x) for j, x in enumerate(entry["page_table"])]
+    raw += [(f"draft_cache_loc[{t}][{j}]", x) for t, b in enumerate(entry["draft_cache_loc"]) for j, x in enumerate(b)]
+    raw += [(f"moved_to[{j}]", x) for j, x in enumerate(entry.get("moved_to", []))]
+    for field, x in raw:
+        if type(x) is not int:  # a float or a string would index the pool wrongly or not at all
+            return [f"[PA-011] {field} = {x!r}: slot, page and row ids are ints"]
     out = []
     r = entry["req_pool_index"]
     if r == 0:
