@@ -65,13 +65,20 @@ def test_two_processes_give_the_serial_table(model):
     assert multiprocessing.active_children() == []  # every worker joined
 
 
+def _raised_serial_and_parallel(model, exc_type, **kw):
+    """The exceptions ``run_matrix`` raises with ``jobs=1`` and ``jobs=2`` on the same matrix."""
+    got = []
+    for jobs in (1, 2):
+        with pytest.raises(exc_type) as e:
+            run_matrix(model, PROMPTS, BUDGETS, jobs=jobs, **kw)
+        got.append(e)
+    return got
+
+
 def test_a_workers_invariant_error_reaches_the_parent_with_its_id(model):
     """N = 99 breaks TR-002's bound (N - 1 <= k + (Sd-1) k^2 = 2 + 2*4 = 10): the tree runs raise, in a worker."""
-    kw = dict(MATRIX, versions=("v1",), page_sizes=(1,), num_draft_tokens=99)
-    with pytest.raises(InvariantError) as serial:
-        run_matrix(model, PROMPTS, BUDGETS, jobs=1, **kw)
-    with pytest.raises(InvariantError) as parallel:
-        run_matrix(model, PROMPTS, BUDGETS, jobs=2, **kw)
+    serial, parallel = _raised_serial_and_parallel(model, InvariantError, **dict(
+        MATRIX, versions=("v1",), page_sizes=(1,), num_draft_tokens=99))
     assert parallel.value.inv_id == "TR-002"
     assert str(parallel.value) == str(serial.value)
     assert "N = 99" in str(parallel.value)
@@ -82,11 +89,8 @@ def test_a_workers_other_error_is_raised_again_with_its_traceback(model):
     """page_size 0 is a ValueError of ``generate``: the same type and message as in one process."""
     from refspec.cli._demo_pool import WorkerTraceback
 
-    kw = dict(MATRIX, versions=("v1",), page_sizes=(0,), topk=1)
-    with pytest.raises(ValueError) as serial:
-        run_matrix(model, PROMPTS, BUDGETS, jobs=1, **kw)
-    with pytest.raises(ValueError) as parallel:
-        run_matrix(model, PROMPTS, BUDGETS, jobs=2, **kw)
+    serial, parallel = _raised_serial_and_parallel(model, ValueError, **dict(
+        MATRIX, versions=("v1",), page_sizes=(0,), topk=1))
     assert str(parallel.value) == str(serial.value) == "page_size must be an int >= 1, got 0"
     cause = parallel.value.__cause__
     assert isinstance(cause, WorkerTraceback) and "Traceback" in str(cause) and "_check_args" in str(cause)
