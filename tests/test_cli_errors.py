@@ -29,10 +29,11 @@ no_real = pytest.mark.skipif(bool(assets.missing_reason()), reason=str(assets.mi
 def _files(tmp: Path) -> dict:
     (tmp / "bad.json").write_text('{"format": "refspec-trace/1", "config": ')
     (tmp / "list.json").write_text("[1, 2, 3]")
+    (tmp / "bigint.json").write_text('{"format": "refspec-trace/1", "x": ' + "9" * 5001 + "}")
     (tmp / "other.json").write_text(json.dumps({"format": "something-else/2"}))
     (tmp / "norows.json").write_text(json.dumps({"env": "x"}))
     (tmp / "folder").mkdir()
-    return {k: str(tmp / k) for k in ("bad.json", "list.json", "other.json", "norows.json", "folder")}
+    return {k: str(tmp / k) for k in ("bad.json", "bigint.json", "list.json", "other.json", "norows.json", "folder")}
 
 
 # (argv, words the one line must contain); {name} is a file made by _files
@@ -41,6 +42,7 @@ CASES = [
     (["demo", "--bug", "nope"], ["--bug", "'nope'", "seed-page-table", "verify-as-decode"]),
     (["replay", "missing.json"], ["missing.json", "not found", "refspec record"]),
     (["replay", "{bad.json}"], ["bad.json", "not JSON"]),
+    (["replay", "{bigint.json}"], ["trace", "bigint.json", "not JSON"]),
     (["demo", "--page-sizes", "0"], ["--page-sizes", "0", ">= 1"]),
     # top level
     ([], ["required", "COMMAND"]),
@@ -75,6 +77,8 @@ CASES = [
     (["demo", "--category", "poetry"], ["'poetry'", "writing", "math", "humanities"]),
     (["demo", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
     (["demo", "--max-new-tokens", "8,-1"], ["--max-new-tokens", "-1"]),
+    (["demo", "--prompts", "2", "--max-new-tokens", "5,4,3"], ["--max-new-tokens 5,4,3", "3 max_new_tokens values",
+                                                                "2 requests"]),
     (["demo", "--num-steps", "0"], ["--num-steps", ">= 1"]),
     (["demo", "--threads", "x"], ["--threads", "'x'"]),
     # record

@@ -202,7 +202,8 @@ def real_workload(ns):
         qs = pick_questions(ns.prompts, ns.category)
         max_new = budgets(ns.prompts, ns.max_new_tokens)
     except ValueError as e:
-        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''}: {e}") from e
+        raise CLIError(f"--prompts {ns.prompts}{f' --category {ns.category}' if ns.category else ''} "
+                       f"--max-new-tokens {ns.max_new_tokens}: {e}") from e
     try:
         model, load_s = load_target()
     except RealAssetsMissing as e:

@@ -76,10 +76,14 @@ def budgets(n: int, spec: str | int) -> list[int]:
 
     Shapes: returns n ints.  ``spec``: ``"40,32,24"`` (cycled over the n requests) or one int M,
     staggered as ``M, M - s, M - 2s, ...`` with ``s = M // (2n)`` (the last gets about M / 2).
-    ValueError if a budget would be < 1.
+    ValueError if a budget would be < 1, or if a list has more values than there are requests
+    (the extra ones would be silently unused).
     """
     if isinstance(spec, str) and "," in spec:
         vals = [int(x) for x in spec.split(",") if x.strip()]
+        if len(vals) > n:
+            raise ValueError(f"{len(vals)} max_new_tokens values for {n} requests: give at most {n} "
+                             f"(a shorter list is cycled)")
         out = [vals[i % len(vals)] for i in range(n)]
     else:
         m = int(spec)

@@ -254,8 +254,8 @@ def load_trace(path: str | Path) -> dict:
     text = Path(path).read_text(encoding="utf-8")
     try:
         trace = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"trace {path}: not JSON ({e})") from e
+    except ValueError as e:  # JSONDecodeError, or an integer literal beyond Python's digit limit
+        raise ValueError(f"trace {path}: not JSON refspec can read ({e})") from e
     if not isinstance(trace, dict):
         raise ValueError(f"trace {path}: expected a JSON object with format {FORMAT!r}, got {type(trace).__name__}")
     try:
