@@ -81,6 +81,7 @@ CASES = [
                                                                 "2 requests"]),
     (["demo", "--num-steps", "0"], ["--num-steps", ">= 1"]),
     (["demo", "--threads", "x"], ["--threads", "'x'"]),
+    (["demo", "--device", "tpu"], ["'tpu'", "auto, cpu or cuda"]),
     # record
     (["record"], ["required", "--out"]),
     (["record", "--out", "{folder}"], ["--out", "is a folder"]),

@@ -139,10 +139,13 @@ def check_tree_flags(ns) -> None:
                            f"--num-steps {ns.num_steps} (TR-002)")
 
 
-def device_name(text: str) -> str:
-    """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here)."""
+def device_name(text: str, auto: bool = False) -> str:
+    """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here), and
+    ``auto`` where the command picks one (``functools.partial(device_name, auto=True)``)."""
+    if auto and text == "auto":
+        return text
     if text not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose cpu or cuda")
+        raise argparse.ArgumentTypeError(f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda")
     if text == "cuda":
         import torch
 

@@ -30,6 +30,7 @@ another single-threaded run on the other core does not slow it down.
 from __future__ import annotations
 
 import os
+import functools
 import time
 from dataclasses import dataclass
 
@@ -198,7 +199,7 @@ def _main(argv) -> int:
     ap.add_argument("--jobs", type=positive_int(), metavar="N", default=default_jobs(),
                     help=f"CPU: worker processes the independent runs share (default {default_jobs()}: "
                          "min(2, CPU cores)); 1 runs them one after the other in this process")
-    ap.add_argument("--device", type=lambda t: t if t == "auto" else device_name(t), default="auto",
+    ap.add_argument("--device", type=functools.partial(device_name, auto=True), default="auto",
                     help="auto (default): the GPU when it is a Hopper GPU with the real FA3 kernel, else the CPU")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
     ns = ap.parse_args(argv)
