@@ -29,8 +29,8 @@ another single-threaded run on the other core does not slow it down.
 
 from __future__ import annotations
 
-import os
 import functools
+import os
 import time
 from dataclasses import dataclass
 
