@@ -85,9 +85,9 @@ class CudaGraph:
     free its pool), a CUDA call that is forbidden while a stream captures and that invalidates
     the capture ("operation failed due to a previous error during capture"; seen on the H200
     before this rule, intermittently).  It is not *run* before each capture: once
-    ``torch.compile`` has run, the process holds ~10^6 objects and a full collection took
-    0.21-0.29 s on the H200 host, per graph (12 graphs per engine in the demo).  SGLang instead
-    collects once and ``gc.freeze()``-s around its whole capture loop (``freeze_gc`` in
+    ``torch.compile`` has run, a full collection took 0.21-0.29 s on the H200 host, per graph
+    (9 per engine in the demo: 3 phases x 3 batch sizes).  SGLang instead collects once and
+    ``gc.freeze()``-s around its whole capture loop (``freeze_gc`` in
     ``python/sglang/srt/model_executor/runner/base_cuda_graph_runner.py``, v0.5.23); pausing
     is enough for the rule above.
     """
