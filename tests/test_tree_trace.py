@@ -273,31 +273,22 @@ def test_record_cli_refuses_bad_tree_flags_before_loading_the_model(tmp_path, ca
 
 
 @pytest.mark.gpu
-@pytest.mark.spec("TR-012", "TOL-002")
-def test_gpu_replays_the_committed_tree_trace_with_real_fa3():
-    """On Hopper: bf16 through the real FA3 kernel, T1 against the fp32 slot oracle, every round;
-    the tampered mask still fails by ID."""
-    t = load_trace(COMMITTED)
-    rep = replay_tree_trace(t, device="cuda", dtype=torch.bfloat16, trace_path=str(COMMITTED))
+@pytest.mark.parametrize("path,tamper,inv", [
+    pytest.param(COMMITTED, _sibling_visible, "TR-004", id="v1", marks=pytest.mark.spec("TR-012", "TOL-002")),
+    pytest.param(COMMITTED_V2, _kept_row_moved, "TR-021", id="v2",
+                 marks=pytest.mark.spec("TR-020", "TR-021", "TOL-002")),
+])
+def test_gpu_replays_the_committed_tree_trace_with_real_fa3(path, tamper, inv):
+    """On Hopper: bf16 through the real FA3 kernel, T1 against the fp32 slot oracle, every round
+    (v2: DRAFT_EXTEND_V2 over N rows included); a tampered trace (v1: a sibling visible in the
+    mask; v2: the kept row moved) still fails by ID."""
+    t = load_trace(path)
+    rep = replay_tree_trace(t, device="cuda", dtype=torch.bfloat16, trace_path=str(path))
     assert rep.provider != "emulator", "on Hopper the real FA3 kernel must be selected"
     assert rep.ok, rep.to_markdown()
     bad = copy.deepcopy(t)
-    _sibling_visible(bad)
-    assert "[TR-004]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
-
-
-@pytest.mark.gpu
-@pytest.mark.spec("TR-020", "TR-021", "TOL-002")
-def test_gpu_replays_the_committed_v2_tree_trace_with_real_fa3():
-    """On Hopper: the v2 trace in bf16 through the real FA3 kernel (DRAFT_EXTEND_V2 over N rows
-    included), T1 against the fp32 oracle; a moved kept row still fails by ID."""
-    t = load_trace(COMMITTED_V2)
-    rep = replay_tree_trace(t, device="cuda", dtype=torch.bfloat16, trace_path=str(COMMITTED_V2))
-    assert rep.provider != "emulator", "on Hopper the real FA3 kernel must be selected"
-    assert rep.ok, rep.to_markdown()
-    bad = copy.deepcopy(t)
-    _kept_row_moved(bad)
-    assert "[TR-021]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
+    tamper(bad)
+    assert f"[{inv}]" in failures(replay_tree_trace(bad, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.spec("TR-018")
