@@ -125,8 +125,8 @@ class HostTimers:
 
     def __enter__(self):
         from refspec.core.transfer import ResultCopy
-        self._orig = [(torch.cuda.CUDAGraph, "replay"), (ResultCopy, "wait")]
-        self._orig = [(cls, name, getattr(cls, name)) for cls, name in self._orig]
+        self._orig = [(cls, name, getattr(cls, name)) for cls, name in ((torch.cuda.CUDAGraph, "replay"),
+                                                                        (ResultCopy, "wait"))]
         for cls, name, fn in self._orig:
             setattr(cls, name, self._timed(fn, name))
         return self
