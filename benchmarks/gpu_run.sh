@@ -53,7 +53,7 @@ for what in "$@"; do
     host)
       timeout 420 python3 -m refspec bench --device cuda --sections host --out "$OUT/host" > "$OUT/host.log" 2>&1
       echo "host rc=$?"; sed -n '/^### host/,$p' "$OUT/host.log" | head -45
-      timeout 150 python3 -m refspec.speculative.launch_audit --device cuda --batch 1 --top 30 \
+      timeout 150 python3 -m refspec.audits.launch --device cuda --batch 1 --top 30 \
         > "$OUT/launch_audit_b1.txt" 2>&1
       echo "launch_audit rc=$?"; head -4 "$OUT/launch_audit_b1.txt" ;;
     sanitizer)

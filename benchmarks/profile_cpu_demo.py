@@ -32,7 +32,7 @@ def main() -> None:
     from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, budgets, capture_sizes, load_target,
                                   pick_questions, set_threads)
     from refspec.speculative import generate
-    from refspec.speculative.audit import audit_kv
+    from refspec.audits.kv import audit_kv
 
     set_threads(None)
     qs, max_new = pick_questions(4), budgets(4, "40,32,24,16")

@@ -18,10 +18,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "docs"))  # spec_index.py
 
 from refspec.core.invariants import RULES  # noqa: E402  (after the sys.path line: run from a checkout)
 from refspec.core.sources import Level  # noqa: E402
-from refspec.harness import spec_index  # noqa: E402
+import spec_index  # noqa: E402  (docs/spec_index.py)
 
 SPEC = ROOT / "docs" / "spec"
 VERSIONS = ROOT / "docs" / "versions.md"

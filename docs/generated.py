@@ -10,7 +10,7 @@ A generated part is an opening marker, the generated text, and a closing marker:
     <!-- /refspec:tests -->
 
 Kinds: ``tests ID`` (the test node ids citing ``ID`` via ``@pytest.mark.spec``, from the ast scan
-of ``tests/`` in :mod:`refspec.harness.spec_index`), ``id-index`` (the ID | rule | tests table),
+of ``tests/`` in ``docs/spec_index.py``), ``id-index`` (the ID | rule | tests table),
 ``bug-zoo`` (the table of :data:`refspec.variants.VARIANTS`), ``t1-floors``
 (:data:`refspec.core.tolerance.T1_FLOOR`, ``T2_DELTA``) and ``tutorial-list``.
 
@@ -36,11 +36,13 @@ DOCS = ROOT / "docs"
 TUTORIALS = ROOT / "tutorials"
 if str(ROOT) not in sys.path:  # `python docs/generated.py` from a checkout
     sys.path.insert(0, str(ROOT))
+if str(DOCS) not in sys.path:  # spec_index.py, also when a test loads this file by path
+    sys.path.insert(0, str(DOCS))
 
 from refspec.core import tolerance  # noqa: E402
 from refspec.core.invariants import INVARIANTS, RULES  # noqa: E402
-from refspec.harness import spec_index  # noqa: E402
 from refspec.mutants import variants  # noqa: E402
+import spec_index  # noqa: E402  (docs/spec_index.py)
 
 COMMAND = "python docs/generated.py --write"
 OPEN = re.compile(r"<!--\s*refspec:([\w-]+)[ \t]*([^>]*?)\s*-->")

@@ -39,9 +39,9 @@ if str(ROOT / "docs") not in sys.path:
     sys.path.insert(0, str(ROOT / "docs"))
 
 import generated  # noqa: E402  (docs/generated.py)
+import spec_index  # noqa: E402  (docs/spec_index.py)
 
 from refspec.core.invariants import INVARIANTS  # noqa: E402
-from refspec.harness import spec_index  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.refspec")
 _index: spec_index.Index | None = None

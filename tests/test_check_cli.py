@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from refspec.mutants import variants
-from refspec.cli.check import GRAPHED, MODES, main
+from refspec.cli.check import GRAPHED, main
+from refspec.harness.modes import MODES
 
 
 def _table(capsys, argv):

@@ -155,7 +155,7 @@ def test_sibling_blind_greedy_acceptance_fails_on_the_accepted_path_only(clean_t
     """Acceptance that follows only each node's first child (the sibling lists ignored), applied in
     this test only: the accepted path differs from upstream's Triton ``verify_tree_greedy``."""
     from refspec.mutants.replace import replaced
-    from refspec.speculative import tree_build
+    from refspec.speculative.tree import build as tree_build
 
     original = tree_build.verify_tree_greedy
 

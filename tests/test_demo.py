@@ -114,7 +114,7 @@ def test_record_then_replay_round_trip(tmp_path):
     path = tmp_path / "trace.json"
     assert record.main(["--out", str(path), "--prompts", "2", "--max-new-tokens", "6,4", "--max-batch", "1",
                         "--version", "v1", "--page-size", "2", "--check"]) == 0
-    from refspec.speculative.trace import load_trace
+    from refspec.traces.chain import load_trace
 
     t = load_trace(path)
     assert [len(r["prompt_ids"]) for r in t["requests"]] == [len(p) for p in setup()[2]]
@@ -143,7 +143,7 @@ def test_record_topk_then_replay_round_trip(tmp_path):
     path = tmp_path / "tree.json"
     assert record.main(["--out", str(path), "--prompts", "2", "--max-new-tokens", "6,4", "--max-batch", "1",
                         "--topk", "2", "--page-size", "2", "--check", "--no-progress"]) == 0
-    from refspec.speculative.trace import is_tree_trace, load_trace
+    from refspec.traces.chain import is_tree_trace, load_trace
 
     t = load_trace(path)
     assert is_tree_trace(t) and t["config"]["topk"] == 2 and t["config"]["num_draft_tokens"] == 4

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refspec.cli.check import MODES, mode_scenarios
+from refspec.harness.modes import MODES, mode_scenarios
 from refspec.fa3 import kernel
 from refspec.core.modes import ForwardMode
 from refspec.harness.scenario import Scenario

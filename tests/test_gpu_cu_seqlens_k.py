@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from refspec.cli.check import MODES, mode_scenarios
+from refspec.harness.modes import MODES, mode_scenarios
 from refspec.core.tolerance import assert_t1, t0
 
 pytestmark = pytest.mark.gpu

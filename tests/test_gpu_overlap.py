@@ -12,7 +12,7 @@ import torch
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaConfig, LlamaModel, init_random_
 from refspec.speculative.engine import Engine
-from refspec.speculative.sync_audit import cuda_syncs
+from refspec.audits.sync import cuda_syncs
 
 pytestmark = pytest.mark.gpu
 

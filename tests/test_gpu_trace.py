@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from refspec.cli.replay import main as replay_main
-from refspec.cli.replay import replay_trace
-from refspec.speculative.trace import load_trace
+from refspec.traces.replay import replay_trace
+from refspec.traces.chain import load_trace
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Host work per round of the production loop, counted on CPU (refspec.speculative.launch_audit).
+"""Host work per round of the production loop, counted on CPU (refspec.audits.launch).
 
 On a GPU every torch op the host dispatches outside a CUDA graph is a launch (or a host tensor
 built for one), and the round is host-bound when they add up to more than the GPU's work
@@ -19,7 +19,7 @@ from refspec.graphs.capture import EmulatedGraph
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.speculative.engine import Engine
-from refspec.speculative.launch_audit import host_ops, round_ops
+from refspec.audits.launch import host_ops, round_ops
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 

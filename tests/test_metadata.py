@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from refspec.core import batch as B
 from refspec.mutants import variants
-from refspec.cli.check import MODES, mode_scenarios
+from refspec.harness.modes import MODES, mode_scenarios
 from refspec.fa3 import kernel
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.metadata import init_forward_metadata

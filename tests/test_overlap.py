@@ -21,11 +21,11 @@ from refspec.fa3.validate import validate_batch
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.speculative import generate, greedy_reference
-from refspec.speculative.audit import audit_kv
+from refspec.audits.kv import audit_kv
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
 from refspec.speculative.overlap import reserve_len
-from refspec.speculative.sync_audit import host_reads
+from refspec.audits.sync import host_reads
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.speculative import generate, greedy_reference
-from refspec.speculative.audit import audit_kv
+from refspec.audits.kv import audit_kv
 
 torch.set_num_threads(1)  # tiny ops: threads only contend (2 shared cores)
 

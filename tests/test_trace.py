@@ -1,4 +1,4 @@
-"""Traces (refspec.speculative.trace, record, replay): a recorded schedule replays exactly on another model.
+"""Traces (refspec.traces.chain, record, replay): a recorded schedule replays exactly on another model.
 
 A tiny random-init model stands in for SmolLM2 here (the real-model round trip is in
 test_demo.py): 3 requests with different budgets and an EOS that ends one request inside a
@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from refspec.mutants import variants
-from refspec.cli import replay as replay_mod
+from refspec.traces import replay as replay_mod
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
 from refspec.cli.record import record
 from refspec.cli.replay import main as replay_main
-from refspec.cli.replay import replay_trace
+from refspec.traces.replay import replay_trace
 from refspec.speculative.metrics import RoundTrace
-from refspec.speculative.trace import check_trace, dumps, load_trace, save_trace, schedule_mismatches
+from refspec.traces.chain import check_trace, dumps, load_trace, save_trace, schedule_mismatches
 
 COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "mtbench_smollm2.json"
 _rng = random.Random(3)

@@ -18,7 +18,7 @@ from refspec.fa3.tree_attention import merge_state, page1_view
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 from refspec.oracle.slots import attention_over_slots
-from refspec.speculative import tree_kv
+from refspec.speculative.tree import kv as tree_kv
 
 PAGE_SIZES = (1, 4, 16, 64)
 TOPKS = (2, 4, 8)

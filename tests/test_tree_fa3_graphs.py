@@ -15,8 +15,8 @@ from refspec.fa3 import tree_metadata as tm
 from refspec.harness.tree_scenario import draft_setup
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
-from refspec.speculative.tree import TreeEngine
-from refspec.speculative.tree_graphs import replay_draft_expand_table
+from refspec.speculative.tree.engine import TreeEngine
+from refspec.speculative.tree.graphs import replay_draft_expand_table
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]]
 

@@ -14,10 +14,10 @@ from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
 from refspec.oracle.tree_loop import speculative_tree_greedy
-from refspec.speculative import tree_build, tree_kv
+from refspec.speculative.tree import build as tree_build, kv as tree_kv
 from refspec.speculative.api import generate
-from refspec.speculative.audit import audit_kv
-from refspec.speculative.tree import TreeEngine
+from refspec.audits.kv import audit_kv
+from refspec.speculative.tree.engine import TreeEngine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 3, 3]]
 BUDGETS = [18, 12, 15]

@@ -1,4 +1,4 @@
-"""Tree traces (refspec.speculative.tree_trace, record --topk, replay): a recorded top-k > 1 run's
+"""Tree traces (refspec.traces.tree, record --topk, replay): a recorded top-k > 1 run's
 rounds re-run through the FA3 tree wing against the oracle, and a tampered recording fails by ID.
 
 A tiny random-init model stands in for SmolLM2 (3 requests, ``max_batch = 2`` so the third joins
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from refspec.cli._replay_tree import replay_tree_trace
+from refspec.traces.replay_tree import replay_tree_trace
 from refspec.cli.record import record
 from refspec.cli.replay import main as replay_main
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
-from refspec.speculative.trace import check_trace, is_tree_trace, load_trace, save_trace
-from refspec.speculative.tree_trace import TREE_FORMAT, ancestors_and_self, from_runs, mask_tree_rows, to_runs
+from refspec.traces.chain import check_trace, is_tree_trace, load_trace, save_trace
+from refspec.traces.tree import TREE_FORMAT, ancestors_and_self, from_runs, mask_tree_rows, to_runs
 
 COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "mtbench_smollm2_tree.json"
 COMMITTED_V2 = COMMITTED.with_name("mtbench_smollm2_tree_v2.json")
@@ -297,7 +297,7 @@ def test_graph_replay_that_does_not_write_metadata_in_place_fails(monkeypatch):
     replay whose metadata copy into the captured buffers is lost reads the capture-time batch."""
     rep = replay_tree_trace(recorded())
     assert rep.graphs and all(r.graphs == ["verify", "draft"] for r in rep.rounds), rep.to_markdown()
-    from refspec.speculative import tree_graphs
+    from refspec.speculative.tree import graphs as tree_graphs
     monkeypatch.setattr(tree_graphs, "_copy", lambda dst, src: None)
     rep = replay_tree_trace(recorded())
     assert not rep.ok and "[TR-018] tree verify: graph replay" in failures(rep)

@@ -1,4 +1,4 @@
-"""Tree traces are checked on load and in replay (refspec.speculative.tree_trace_checks): every
+"""Tree traces are checked on load and in replay (refspec.traces.tree_checks): every
 page id lies in the recorded pool and outside page 0 (PA-011 / PA-008), and every accepted path is
 the greedy walk over the recorded node tokens and target predictions, emitting the request's
 output tokens (TR-006; the root is the committed last token, TR-003).
@@ -17,11 +17,11 @@ import pytest
 from test_tree_trace import (BUDGETS, COMMITTED, COMMITTED_V2, PROMPTS, P, _path_off_tree, failures, recorded,
                              recorded_v2)
 
-from refspec.cli._replay_tree import replay_tree_trace
+from refspec.traces.replay_tree import replay_tree_trace
 from refspec.cli.replay import main as replay_main
-from refspec.speculative.trace import check_trace, load_trace, save_trace
-from refspec.speculative.tree_trace import from_runs
-from refspec.speculative.tree_trace_checks import greedy_path
+from refspec.traces.chain import check_trace, load_trace, save_trace
+from refspec.traces.tree import from_runs
+from refspec.traces.tree_checks import greedy_path
 
 
 def entries(t):

@@ -19,8 +19,8 @@ from refspec.mutants.tree_variants import TREE_VARIANTS, apply_variant
 from refspec.oracle.loop import greedy
 from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree_loop import speculative_tree_greedy
-from refspec.speculative import tree_graphs
-from refspec.speculative.tree import TreeEngine
+from refspec.speculative.tree import graphs as tree_graphs
+from refspec.speculative.tree.engine import TreeEngine
 
 CAUGHT = (AssertionError, InvariantError, RuntimeError)
 

@@ -211,7 +211,7 @@ show(fig)
 #    (emulated) for draft decode, verify and draft extend;
 # 4. the production loop v2.
 #
-# An observer audits the KV accounting after every round (`refspec.speculative.audit.audit_kv`: no
+# An observer audits the KV accounting after every round (`refspec.audits.kv.audit_kv`: no
 # leak, no early free, rows page-contiguous, target KV = draft KV = committed length) and
 # records what each phase ran on.
 
@@ -221,7 +221,7 @@ import time
 from refspec.real import chat_ids, decode, mtbench_questions
 from refspec.real.run import load_target
 from refspec.speculative.api import generate, greedy_reference
-from refspec.speculative.audit import audit_kv
+from refspec.audits.kv import audit_kv
 
 model, load_s = load_target()  # the GGUF weights in refspec.model.llama.LlamaModel, fp32, eval mode
 print(f"SmolLM2 loaded in {load_s:.1f} s")

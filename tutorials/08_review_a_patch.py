@@ -51,7 +51,10 @@ from refspec.mutants import variants
 from refspec.core import tolerance
 from refspec.core.invariants import INVARIANTS, InvariantError
 from refspec.core.modes import ForwardMode as M
-from refspec.harness import exercises, spec_index
+from refspec.cli.cite import load_spec_index
+from refspec.harness import exercises
+
+spec_index = load_spec_index()  # docs/spec_index.py: the ID -> tests index beside the spec pages
 from refspec.harness.scenario import Scenario
 
 # the docs' running example: committed lengths L, accepted a, N = Sd + 1 draft rows, page size P

@@ -19,7 +19,7 @@ runs of :func:`~refspec.cli._bench_profile.profile_config`:
    (``launches_per_round`` / ``launch_us_per_round``: kernel launches and async copies outside
    graphs; ``graph_launches_per_round`` / ``graph_launch_us_per_round``: ``cudaGraphLaunch``, 3
    per round; CUPTI inflates these host times, compare ``replay_host_ms``);
-3. under :func:`refspec.speculative.launch_audit.host_ops`: ``host_ops_per_round``, every torch
+3. under :func:`refspec.audits.launch.host_ops`: ``host_ops_per_round``, every torch
    op the host dispatches per round outside the graphs (``tests/test_launch_audit.py`` pins the
    same count on CPU: <= 83 at B = 1 for Sd = 3).
 

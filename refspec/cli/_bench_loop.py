@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from refspec.cli.replay import TINY, random_target
+from refspec.traces.replay import TINY, random_target
 from refspec.speculative import generate
-from refspec.speculative.trace import accept_table, load_trace, replay_budgets
+from refspec.traces.chain import accept_table, load_trace, replay_budgets
 
 TRACE = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "mtbench_smollm2.json"
 

@@ -21,7 +21,7 @@ Per configuration (draft, version, B):
   ``graph_launches_per_round`` (``cudaGraphLaunch``), with their host microseconds
   (``launch_us_per_round``, ``graph_launch_us_per_round``);
 * ``host_ops_per_round`` (``count_ops=True``): torch ops the host dispatches per round outside
-  the graphs, :func:`refspec.speculative.launch_audit.host_ops` (a third run);
+  the graphs, :func:`refspec.audits.launch.host_ops` (a third run);
 * ``draft/verify/extend_ms``: per-phase GPU time between CUDA events recorded at the engine's
   phase events (idle GPU time inside a phase included);
 * ``tok_per_s`` and ``accept_length``; and two greedy baselines measured in the same run:
@@ -59,8 +59,8 @@ def _workload(B: int):
         label = "SmolLM2-135M-Instruct (real weights), MT-Bench"
     else:
         from refspec.cli._bench_loop import TRACE
-        from refspec.cli.replay import random_target
-        from refspec.speculative.trace import load_trace
+        from refspec.traces.replay import random_target
+        from refspec.traces.chain import load_trace
         trace = load_trace(TRACE)
         model = random_target(trace["config"]["model_config"], seed=0, device=dev)
         prompts = [r["prompt_ids"] for r in trace["requests"]]
@@ -148,10 +148,10 @@ class HostTimers:
 def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
                    **kw) -> dict:
     """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler
-    (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.speculative.launch_audit.host_ops`.
+    (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.audits.launch.host_ops`.
     An unprofiled run also reports :class:`HostTimers` per round: ``replay_host_ms`` and
     ``wait_ms`` (``host_ms`` = ``wall_ms - wait_ms``: the host's own time per round)."""
-    from refspec.speculative.launch_audit import host_ops
+    from refspec.audits.launch import host_ops
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None, ops=None, timers=None, h0=(0.0, 0.0))

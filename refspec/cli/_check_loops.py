@@ -21,7 +21,7 @@ import torch
 
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.loop import greedy
-from refspec.cli.replay import teacher_forced_err
+from refspec.traces.replay import teacher_forced_err
 from refspec.speculative import generate
 from refspec.core.tolerance import T2_DELTA, t2
 

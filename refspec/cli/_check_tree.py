@@ -111,7 +111,7 @@ def _loop_ok(P, k, graphs, version):
     from refspec.model.llama import LlamaModel, init_random_, tiny_config
     from refspec.oracle.loop import greedy
     from refspec.oracle.tree_loop import speculative_tree_greedy
-    from refspec.speculative.tree import TreeEngine
+    from refspec.speculative.tree.engine import TreeEngine
 
     m = init_random_(LlamaModel(tiny_config()), seed=0).eval()
     d = make_draft(m, m)

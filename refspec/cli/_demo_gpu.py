@@ -35,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from refspec.cli.replay import teacher_forced_err
+from refspec.traces.replay import teacher_forced_err
 from refspec.core.tolerance import t2
 from refspec.model.fused import FusedLlama
 from refspec.oracle.loop import greedy
 from refspec.speculative import generate
-from refspec.speculative.audit import audit_kv
+from refspec.audits.kv import audit_kv
 from refspec.speculative.greedy import production_greedy
 
 HEADER = ("path", "P", "B", "version", "accept length", "tokens/s", "x graph greedy", "x eager greedy",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from refspec.oracle.loop import greedy
 from refspec.real.run import TokenBar, capture_sizes
 from refspec.speculative import generate
-from refspec.speculative.audit import audit_kv
+from refspec.audits.kv import audit_kv
 from refspec.speculative.metrics import GenerateResult
 
 

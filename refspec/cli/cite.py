@@ -4,7 +4,7 @@ For each ID it prints (Markdown, so it pastes into a GitHub review as is) the ru
 conformance level and what that level means for the review, the upstream versions it matches
 and the pins ``python -m refspec conformance`` checks, its spec entry, its upstream sources as
 links, and the tests that prove it (``@pytest.mark.spec``, found by
-:mod:`refspec.harness.spec_index`), then a review line to complete.
+``docs/spec_index.py``), then a review line to complete.
 
 ``cite --list`` prints every ID with its level and title (``--level hardening``: only the rules
 that are stricter than SGLang).  IDs are matched case-insensitively
@@ -14,17 +14,39 @@ that are stricter than SGLang).  IDs are matched case-insensitively
 from __future__ import annotations
 
 import difflib
+import functools
+import importlib.util
 import sys
+from pathlib import Path
 
 from refspec.cli._args import PROG, ArgumentParser, CLIError, run
 from refspec.core.invariants import RULES
 from refspec.core.sources import Level
-from refspec.harness import spec_index
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def load_spec_index():
+    """``docs/spec_index.py`` of this checkout: cite reads the checkout's ``docs/spec`` and ``tests/``.
+
+    Raises CLIError when refspec does not run from a checkout (an installed wheel has neither).
+    """
+    if "spec_index" in sys.modules:  # already imported with docs/ on sys.path (pytest, the docs build)
+        return sys.modules["spec_index"]
+    path = ROOT / "docs" / "spec_index.py"
+    if not path.is_file():
+        raise CLIError(f"cite needs a refspec checkout: {path} not found")
+    spec = importlib.util.spec_from_file_location("spec_index", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["spec_index"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def spec_link(inv_id: str) -> str:
     """The ID's entry in the repository: ``docs/spec/<page>.md#<id>``."""
-    return f"docs/spec/{spec_index.family_page(inv_id)}#{inv_id.lower()}"
+    return f"docs/spec/{load_spec_index().family_page(inv_id)}#{inv_id.lower()}"
 
 
 def render(inv_id: str, tests: list[str]) -> str:
@@ -100,7 +122,7 @@ def _main(argv) -> int:
             hint = f"; close matches: {', '.join(near)}" if near else "; 'python -m refspec cite --list' shows them all"
             raise CLIError(f"unknown invariant {token!r}{hint}")
         resolved.append(inv_id)
-    index = spec_index.build_index()
+    index = load_spec_index().build_index()
     print("\n\n---\n\n".join(render(i, index.tests.get(i, [])) for i in resolved))
     return 0
 

@@ -1,5 +1,5 @@
 """``python -m refspec record --out TRACE.json``: run the real model once through the production
-loop and write its schedule as a trace (:mod:`refspec.speculative.trace`) for ``python -m refspec replay``.
+loop and write its schedule as a trace (:mod:`refspec.traces.chain`) for ``python -m refspec replay``.
 
 SmolLM2-135M-Instruct (fp32) answers MT-Bench first turns (ChatML) with EAGLE top-k = 1 speculative
 decoding: FA3 wing, CUDA graphs (emulated on CPU), the early-exit self-draft, EOS = ``<|im_end|>``.
@@ -8,10 +8,10 @@ has joins as well as finishes.  ``--check`` also runs plain greedy decoding and 
 a trace whose run was not lossless (SD-002).
 
 ``--topk K`` (K >= 2) with ``--num-draft-tokens N`` (default 2K, as ``demo --topk``) records the
-EAGLE tree loop instead (:class:`~refspec.speculative.tree.TreeEngine`, ``--version`` v2 by
+EAGLE tree loop instead (:class:`~refspec.speculative.tree.engine.TreeEngine`, ``--version`` v2 by
 default, as for the chain: upstream's only EAGLE worker from v0.5.14 on; v1 records the v1 tree
 round): a tree trace, whose rounds also carry what each round fed the FA3 wing and each tree's
-node tokens and target predictions (:mod:`refspec.speculative.tree_trace`; its config stores the
+node tokens and target predictions (:mod:`refspec.traces.tree`; its config stores the
 version and the recording pool's ``num_pages``).
 """
 
@@ -29,8 +29,8 @@ from refspec.fa3.kernel import select_provider
 from refspec.oracle.loop import greedy
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, set_threads)
 from refspec.speculative import generate
-from refspec.speculative.trace import save_trace, trace_from_result
-from refspec.speculative.tree_trace import TreeRecorder
+from refspec.traces.chain import save_trace, trace_from_result
+from refspec.traces.tree import TreeRecorder
 
 
 def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num_steps=DEFAULT_NUM_STEPS,

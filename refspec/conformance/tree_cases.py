@@ -8,7 +8,7 @@ also holds the ``tree`` part (mask, positions, retrive lists), draft step 0's th
 and tail copies (TR-015), compared at the pins where upstream builds them itself
 (``refspec.conformance.run.OWN_TREE``).  refspec's metadata comes from
 :class:`refspec.fa3.tree_backend.FlashAttentionTreeBackend` (eager) and
-:class:`refspec.speculative.tree_graphs.TreeGraphRunner` (capture + padded in-place replay; its
+:class:`refspec.speculative.tree.graphs.TreeGraphRunner` (capture + padded in-place replay; its
 padding is what both sides then see).
 
 Modes:
@@ -19,7 +19,7 @@ Modes:
   which *each side* selects the drafts (``organize_draft_results``), builds the FULL_MASK tree
   and accepts greedily (upstream with its own ``eagle_utils`` functions and Triton kernels);
 * ``tree_draft_decode`` (DECODE, draft steps 0 .. S - 2): the B*k branch rows with the per-branch
-  page-aligned regions of TR-015 (``refspec.speculative.tree_kv``), ``out_cache_loc`` laid out
+  page-aligned regions of TR-015 (``refspec.speculative.tree.kv``), ``out_cache_loc`` laid out
   ``[B, k, S]``.
 
 Inputs per (k, P): k in 2, 4, 8; P in 1, 4, 16, 64; S = 3; committed lengths at page
@@ -36,9 +36,9 @@ import torch
 from refspec.conformance import cases
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend
-from refspec.speculative import tree_build, tree_kv
-from refspec.speculative.tree_graphs import TreeGraphRunner
-from refspec.speculative.tree_runners import tree_draft_batch, tree_verify_batch
+from refspec.speculative.tree import build as tree_build, kv as tree_kv
+from refspec.speculative.tree.graphs import TreeGraphRunner
+from refspec.speculative.tree.runners import tree_draft_batch, tree_verify_batch
 
 TOPKS = (2, 4, 8)
 PAGE_SIZES = (1, 4, 16, 64)
@@ -127,7 +127,7 @@ def snapshot_tree(organized, built: dict, target_predict: torch.Tensor, N: int) 
 
 def snapshot_branches(kv, rows, Ls, k: int, loc: torch.Tensor) -> dict:
     """The draft ``tree`` part: the branch slots (TR-015) and the tail copies, ``(target, source)``
-    slot pairs sorted by target (``refspec.speculative.tree_kv``)."""
+    slot pairs sorted by target (``refspec.speculative.tree.kv``)."""
     src, tgt = tree_kv.tail_copy_slots(kv, rows, Ls, k, S)
     pairs = torch.stack([tgt.long(), src.long()], dim=1)
     return {"out_cache_loc": loc.clone(), "tail_copy": pairs[torch.argsort(pairs[:, 0])]}

@@ -5,14 +5,14 @@ Batches (subclasses of :class:`~refspec.core.batch.ForwardBatch`, field names as
 * :class:`TreeVerifyBatch` (TARGET_VERIFY): ``seq_lens`` L (committed), N node rows per request
   written at ``out_cache_loc = req_to_token[r, L + i]`` (node i's verify slot), RoPE
   ``positions = L + depth(i)``, and the flat FULL_MASK ``custom_mask`` of
-  :func:`refspec.speculative.tree_build.build_tree`;
+  :func:`refspec.speculative.tree.build.build_tree`;
 * :class:`TreeDraftBatch` (DECODE, draft step s): ``seq_lens`` L, ``draft_cache_loc`` the
   ``[B, k, S]`` branch slots flattened (what SGLang's ``out_cache_loc`` holds when the metadata is
   built), and, per step, ``out_cache_loc = draft_cache_loc.view(-1, S)[:, s]`` (B*k rows).
 
 :class:`FlashAttentionTreeBackend` builds the prefix + expand metadata of
 :mod:`refspec.fa3.tree_metadata` (eager) or replays them in place
-(:mod:`refspec.speculative.tree_graphs`), then ``forward`` stores K/V at ``out_cache_loc``
+(:mod:`refspec.speculative.tree.graphs`), then ``forward`` stores K/V at ``out_cache_loc``
 (PA-009) and runs :func:`refspec.fa3.tree_attention.cascade_attention`.
 """
 

@@ -4,7 +4,7 @@ Used by ``tests/test_tree_*.py``, ``tests/test_gpu_tree.py`` and ``python -m ref
 --sections tree``.  Everything here is the checks' own construction (random trees, the FULL_MASK
 built from parent lists by a plain loop, the expected key slots of each row), independent of the
 production metadata code it checks; only the branch layout (TR-015) is taken from
-:mod:`refspec.speculative.tree_kv`, whose own tests pin it by hand.
+:mod:`refspec.speculative.tree.kv`, whose own tests pin it by hand.
 
 Shapes: one attention layer, H = 4 query heads over Hkv = 2 KV heads (GQA), head dim ``head_dim``
 (default D = 16; the GPU runs use 64, a head dim the real FA3 kernel is built for).
@@ -18,7 +18,7 @@ from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
-from refspec.speculative import tree_kv
+from refspec.speculative.tree import kv as tree_kv
 
 H, HKV, D = 4, 2, 16  #: GQA: 2 query heads per KV head
 LAYER = AttentionLayer(0, H, HKV, D)

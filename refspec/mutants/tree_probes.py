@@ -24,7 +24,7 @@ from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.harness import tree_scenario as ts
 from refspec.mutants.checks import Env, Symptom
 from refspec.oracle.slots import attention_over_slots
-from refspec.speculative import tree_graphs
+from refspec.speculative.tree import graphs as tree_graphs
 
 LENS = [5, 67, 130]  #: committed lengths: a short row, rows over several pages, partial last pages at P = 4
 
@@ -138,7 +138,7 @@ def loop_probe(env: Env, found: list, validate: bool) -> None:
     from refspec.model.llama import LlamaModel, init_random_, tiny_config
     from refspec.oracle.loop import greedy
     from refspec.oracle.tree_loop import speculative_tree_greedy
-    from refspec.speculative.tree import TreeEngine
+    from refspec.speculative.tree.engine import TreeEngine
 
     key = ("tree-loop-model",)
     if key not in env._refs:

@@ -18,8 +18,8 @@ from refspec.fa3 import tree_attention as ta
 from refspec.fa3 import tree_metadata as tm
 from refspec.mutants.replace import replaced
 from refspec.mutants.variant import Variant
-from refspec.speculative import tree_graphs as tg
-from refspec.speculative import tree_kv as tkv
+from refspec.speculative.tree import graphs as tg
+from refspec.speculative.tree import kv as tkv
 
 SG = "https://github.com/sgl-project/sglang/pull/"
 _verify_mask_rows = tm.verify_mask_rows  #: the originals, for the replacements that bend them

@@ -92,7 +92,7 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
             only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
             (TR-002).  k > 1 runs with backend "oracle" or "fa3" (the production
-            :class:`~refspec.speculative.tree.TreeEngine`), v1 or v2, without overlap (``overlap=True``
+            :class:`~refspec.speculative.tree.engine.TreeEngine`), v1 or v2, without overlap (``overlap=True``
             raises), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
@@ -134,8 +134,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
                 for i, o in enumerate(outs)]
         return GenerateResult(reqs, backend, version)
     engine, tree_kw = Engine, {}
-    if topk > 1:  # the production top-k > 1 loop (refspec.speculative.tree)
-        from refspec.speculative.tree import TreeEngine
+    if topk > 1:  # the production top-k > 1 loop (refspec.speculative.tree.engine)
+        from refspec.speculative.tree.engine import TreeEngine
         if backend != "fa3":
             raise ValueError(f"topk = {topk} > 1 runs on backend 'oracle' or 'fa3', got {backend!r}")
         engine, tree_kw = TreeEngine, dict(topk=topk, num_draft_tokens=num_draft_tokens)

@@ -44,7 +44,7 @@ next launch).  With ``validate=True`` each
 validated metadata build reads the batch on the host: counted apart, as ``"validation"``.
 The allocator reads nothing from the device (its host mirror of ``req_to_token``,
 :mod:`refspec.core.kv_cache`) and every host -> device copy is pinned and non-blocking
-(:mod:`refspec.core.transfer`); :mod:`refspec.speculative.sync_audit` counts what a CUDA run
+(:mod:`refspec.core.transfer`); :mod:`refspec.audits.sync` counts what a CUDA run
 still synchronizes on.
 
 **Hooks.**  ``drafter`` (:mod:`refspec.speculative.drafters`) overrides draft tokens; ``accept``
@@ -141,7 +141,7 @@ class Engine:
         self.trace: list[RoundTrace] = []
         self.free_pages_at_start = self.kv.allocator.num_free_pages
 
-    # ---- what a sibling engine (refspec.speculative.tree.TreeEngine) replaces ----
+    # ---- what a sibling engine (refspec.speculative.tree.engine.TreeEngine) replaces ----
     def _verify_width(self, num_steps: int) -> int:
         """N, the verify rows per request: Sd + 1 for a chain (SD-010)."""
         return num_steps + 1

@@ -33,7 +33,7 @@ drafts; the next d_1 is the kept draft-extend row's argmax), so the argmax runs 
 captured graph and the ``[T, V]`` logits (V = 49152 for SmolLM2) are neither cloned out of the
 graph nor reduced by a separate launch.  ``torch.argmax`` of the same logits, so the tokens are
 the same bits as an argmax outside.  Top-k trees need the draft logits (``head = "logits"``,
-:class:`~refspec.speculative.tree_runners.TreeRunners`).
+:class:`~refspec.speculative.tree.runners.TreeRunners`).
 """
 
 from __future__ import annotations

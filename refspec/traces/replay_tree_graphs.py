@@ -1,5 +1,5 @@
 """Tree-trace replay under graphs: each recorded round's tree verify and draft decode replayed
-through the production :class:`~refspec.speculative.tree_graphs.TreeGraphRunner` (TR-018).
+through the production :class:`~refspec.speculative.tree.graphs.TreeGraphRunner` (TR-018).
 
 The runner is the one the production top-k loop uses: captured once per batch size of the
 trace's ``capture_bs``, then, per round, the live batch copied into its static buffers (padded
@@ -21,11 +21,11 @@ import torch
 from refspec.core.tolerance import t0, t1
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.oracle.slots import attention_over_slots
-from refspec.speculative.tree_graphs import TreeGraphRunner
+from refspec.speculative.tree.graphs import TreeGraphRunner
 
 
 class AttentionRunners:
-    """The part of :class:`~refspec.speculative.tree_runners.TreeRunners` a TreeGraphRunner reads,
+    """The part of :class:`~refspec.speculative.tree.runners.TreeRunners` a TreeGraphRunner reads,
     with attention-only forward functions over the static query buffers ``q_verify`` [max_bs*N, H, D]
     and ``q_draft`` [S-1, max_bs*k, H, D]."""
 

@@ -2,7 +2,7 @@
 
 One round over the running batch at committed lengths L (roots t_L known; the previous draft
 extend left each request's root children ``topk_p``, ``topk_index`` and draft hidden), B
-requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.speculative.tree_kv.alloc_len_per_decode`:
+requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode`:
 
 0. **reserve** (TR-020, :func:`prepare_tree_v2`, before the round): each row is topped up to
    ``alloc_len = L + R`` positions.  Nothing is allocated or freed inside the round;
@@ -59,16 +59,16 @@ import torch
 from refspec.core.batch import draft_extend_v2_batch
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVPool
-from refspec.speculative import tree_kv
-from refspec.speculative.tree_build import draft_topk
-from refspec.speculative.tree_runners import branch_inputs, draft_in_branches, tree_verify_accept
+from refspec.speculative.tree import kv as tree_kv
+from refspec.speculative.tree.build import draft_topk
+from refspec.speculative.tree.runners import branch_inputs, draft_in_branches, tree_verify_accept
 
 
 # ------------------------------------------------------------------ KV rules (TR-020)
 def prepare_tree_v2(eng, reqs) -> None:
     """Before a v2 tree round: top each row up to ``alloc_len = seq_len + R`` (TR-020).
 
-    R = :func:`~refspec.speculative.tree_kv.alloc_len_per_decode` (tokens); the row keeps any
+    R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode` (tokens); the row keeps any
     larger ``alloc_len`` it already has (upstream ``max(kv_allocated_len, ...)``).
     """
     R = tree_kv.alloc_len_per_decode(eng.topk, eng.Sd, eng.N, eng.P)

@@ -1,13 +1,13 @@
 """Tree traces: what a top-k > 1 round fed the FA3 wing, so that any device can re-run its attention.
 
-A chain trace (:mod:`refspec.speculative.trace`) is replayed by forcing the accept counts through
+A chain trace (:mod:`refspec.traces.chain`) is replayed by forcing the accept counts through
 the whole engine.  A tree round cannot be forced that way: its tree comes from the draft model's
 probabilities, which a random-init model on another device does not reproduce.  So a tree trace
 (``"format": "refspec-tree-trace/1"``, config ``topk`` k >= 2, ``num_draft_tokens`` N and
 ``num_pages``, the recording engine's KV pool in pages, page 0 included) carries,
 besides the chain schedule, each round's *kernel inputs*, and ``python -m refspec replay``
 re-runs the three tree phases of every round at the recorded layout on random K/V
-(:mod:`refspec.cli._replay_tree`).  Per round, ``tree`` holds one entry per request of ``rids``:
+(:mod:`refspec.traces.replay_tree`).  Per round, ``tree`` holds one entry per request of ``rids``:
 
 * ``req_pool_index``: the ``req_to_token`` row r;
 * ``req_to_token``: that row's slots for positions ``0 .. L+N-1`` at verify time, as
@@ -24,13 +24,13 @@ re-runs the three tree phases of every round at the recorded layout on random K/
   (upstream ``build_tree_kernel_efficient``'s ``draft_tokens``, ``EagleVerifyInput.draft_token``);
 * ``target_predict``: the N target argmaxes, one per node (``EagleVerifyInput.verify``'s
   ``target_predict``): ``accept_path`` must be their greedy walk and the round's output tokens
-  its draft tokens + the bonus (TR-006, :mod:`refspec.speculative.tree_trace_checks`).
+  its draft tokens + the bonus (TR-006, :mod:`refspec.traces.tree_checks`).
 
 Every slot and page id above lies in the recorded pool and outside the reserved page 0
 (PA-011 / PA-008), so a replay allocates exactly ``num_pages`` pages.
 
 The config's ``version`` says which tree round was recorded.  A **v1** trace is as above.  A
-**v2** trace (:mod:`refspec.speculative.tree_v2`) differs where the v2 round does:
+**v2** trace (:mod:`refspec.speculative.tree.v2`) differs where the v2 round does:
 
 * ``req_to_token`` covers the row's whole per-round reserve, positions ``0 .. L+R-1``
   (R = ``alloc_len_per_decode``, TR-020), since the branch slots live in it: branch t's step j
@@ -42,7 +42,7 @@ The config's ``version`` says which tree round was recorded.  A **v1** trace is 
 
 Recording: :class:`TreeRecorder` is an engine observer (``draft_decode``, ``verify``,
 ``tree_accept``, ``draft_extend``, ``round_end`` events of
-:class:`~refspec.speculative.tree.TreeEngine`, v1 or v2).
+:class:`~refspec.speculative.tree.engine.TreeEngine`, v1 or v2).
 :func:`check_tree_rounds` checks shapes, page ids and acceptance (ValueError naming the ID);
 :func:`tree_round_failures` checks the remaining rules above and returns one line per violation,
 each naming its invariant ID.
@@ -53,7 +53,7 @@ from __future__ import annotations
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
-from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
+from refspec.traces.tree_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
 
 TREE_FORMAT = "refspec-tree-trace/1"
 TREE_CONFIG_KEYS = ("topk", "num_draft_tokens", "num_pages")
@@ -162,10 +162,10 @@ def check_tree_rounds(trace: dict, bad) -> None:
     """A tree trace's config and ``tree`` entries; ``bad(msg)`` raises (ValueError).
 
     Shapes first, then per request-round the page ids (PA-008 / PA-011,
-    :func:`~refspec.speculative.tree_trace_checks.page_id_failures`) and the acceptance against
-    the recorded tokens (TR-003 / TR-006, :func:`~refspec.speculative.tree_trace_checks.acceptance_failures`):
+    :func:`~refspec.traces.tree_checks.page_id_failures`) and the acceptance against
+    the recorded tokens (TR-003 / TR-006, :func:`~refspec.traces.tree_checks.acceptance_failures`):
     the first violation is raised as ``round i request rid: [ID] field ...``.  Needs the schedule
-    checks of :func:`~refspec.speculative.trace.check_trace` to have passed.
+    checks of :func:`~refspec.traces.chain.check_trace` to have passed.
     """
     cfg = trace["config"]
     if any(k not in cfg for k in TREE_CONFIG_KEYS) or not cfg["topk"] >= 2 or not cfg["num_draft_tokens"] >= 2:

@@ -21,14 +21,14 @@ Observer events (``Engine.observe``, v1 and v2 rounds): ``draft_decode`` (``fb``
 (the TreeVerifyBatch), ``tree_accept`` (``parents``: per request the N parent node ids;
 ``accept_index`` [B, S+1]: the accepted path; ``draft_tokens`` and ``target_predict`` [B*N]: the
 node tokens, root first, and the target's argmax per node) and ``draft_extend``; a trace recorder
-(:mod:`refspec.speculative.tree_trace`) reads them.
+(:mod:`refspec.traces.tree`) reads them.
 
 The row per request is the chain's contract (:mod:`refspec.speculative.rounds`): ``[a, c_0 ..
 c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) and ``d`` the
 accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
 -> ``draft`` / ``verify`` / ``forward_draft_extend_after_decode``; ``eagle_info.py``
 ``EagleVerifyInput.verify`` (v1).  The spec-v2 tree round (upstream's only EAGLE worker from
-v0.5.14 on, ``EAGLEWorkerV2``) is :func:`refspec.speculative.tree_v2.round_tree_v2`; both run
+v0.5.14 on, ``EAGLEWorkerV2``) is :func:`refspec.speculative.tree.v2.round_tree_v2`; both run
 without the overlap schedule.
 """
 
@@ -37,11 +37,11 @@ from __future__ import annotations
 import torch
 
 from refspec.core.batch import draft_extend_batch
-from refspec.speculative import tree_kv, tree_v2
+from refspec.speculative.tree import kv as tree_kv, v2 as tree_v2
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
-from refspec.speculative.tree_build import draft_topk
-from refspec.speculative.tree_runners import TreeRunners, branch_inputs, draft_in_branches, tree_verify_accept
+from refspec.speculative.tree.build import draft_topk
+from refspec.speculative.tree.runners import TreeRunners, branch_inputs, draft_in_branches, tree_verify_accept
 
 
 def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
@@ -113,7 +113,7 @@ class TreeEngine(Engine):
 
     Args: as :class:`~refspec.speculative.engine.Engine`, plus ``topk`` (k >= 2) and
     ``num_draft_tokens`` (N, root included; ``2 <= N <= 1 + k + (S-1) k^2``).  ``version`` is
-    "v1" (:func:`round_tree_v1`) or "v2" (:func:`refspec.speculative.tree_v2.round_tree_v2`),
+    "v1" (:func:`round_tree_v1`) or "v2" (:func:`refspec.speculative.tree.v2.round_tree_v2`),
     ``attention`` "fa3"; ``overlap`` must be None or False (no tree + overlap round); the
     chain-only hooks ``drafter`` / ``accept`` are refused.  Each request's ``topk_p`` /
     ``topk_index`` ([k]) hold its root children between rounds.

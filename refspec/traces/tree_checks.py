@@ -1,4 +1,4 @@
-"""What a tree trace (:mod:`refspec.speculative.tree_trace`) must satisfy before anything runs:
+"""What a tree trace (:mod:`refspec.traces.tree`) must satisfy before anything runs:
 every page id it names lies in the pool it was recorded in, and every accepted path is the one
 the target chose.
 
@@ -29,8 +29,8 @@ at every node: ``EagleVerifyInput.verify``'s ``target_predict``, passed to
   last path node.
 
 Each function returns one line per violation, ID first; :func:`check_tree_rounds
-<refspec.speculative.tree_trace.check_tree_rounds>` raises the first as a ValueError on load and
-the replay (:mod:`refspec.cli._replay_tree`) reports them per round.
+<refspec.traces.tree.check_tree_rounds>` raises the first as a ValueError on load and
+the replay (:mod:`refspec.traces.replay_tree`) reports them per round.
 
 Upstream (sgl-project/sglang): ``python/sglang/srt/speculative/eagle_utils.py``
 ``build_tree_kernel_efficient`` / ``verify_tree_greedy_func`` at 003ddbce0
@@ -42,7 +42,7 @@ the rules: docs/spec/paging-attention.md (PA-008, PA-011), docs/spec/tree.md (TR
 
 from __future__ import annotations
 
-from refspec.speculative.tree_kv import alloc_len_per_decode
+from refspec.speculative.tree.kv import alloc_len_per_decode
 
 
 def recording_pool_pages(trace: dict) -> int:
@@ -139,7 +139,7 @@ def greedy_path(parents: list[int], draft_tokens: list[int], target_predict: lis
 def round_tokens(trace: dict) -> list[list[tuple[int, list[int], int]]]:
     """Per round, per request of its ``rids``: ``(root token, the output tokens the round emitted,
     the index of the root in output_ids)`` (module doc).  Needs a trace whose schedule
-    :func:`~refspec.speculative.trace.check_trace` accepted (output lengths match the a's)."""
+    :func:`~refspec.traces.chain.check_trace` accepted (output lengths match the a's)."""
     outs = {r["rid"]: r["output_ids"] for r in trace["requests"]}
     done = dict.fromkeys(outs, 0)  # rid -> sum of a over its earlier rounds
     table = []

@@ -54,7 +54,7 @@ def alloc_len_per_decode(topk: int, num_steps: int, num_draft_tokens: int, page_
     P = 1: ``max(k * S, N)``.  P > 1: ``max(npp * P * k, N)`` with ``npp = ceil((P - 1 + S) / P)``,
     the most pages a branch region spans (lp = P - 1).  Upstream: ``mem_cache/allocation_sizing.py``
     ``get_alloc_len_per_decode`` (v0.5.23); v1 uses it as the row headroom, v2 as the per-round
-    reserve (:mod:`refspec.speculative.tree_v2`).
+    reserve (:mod:`refspec.speculative.tree.v2`).
     """
     if page_size == 1:
         return max(num_steps * topk, num_draft_tokens)

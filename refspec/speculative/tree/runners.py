@@ -10,7 +10,7 @@ chain) with
 * ``tree_verify``: TARGET_VERIFY over the N tree nodes of every request.
 
 Both run eagerly or, with ``graphs``, replay a captured graph of the same forward function
-(:mod:`refspec.speculative.tree_graphs`).  Batch builders for both live here too.
+(:mod:`refspec.speculative.tree.graphs`).  Batch builders for both live here too.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from refspec.fa3.tree_backend import (
     TreeVerifyBatch,
     draft_step_batch,
 )
-from refspec.speculative import tree_kv
+from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.runners import SpecRunners
-from refspec.speculative.tree_build import (
+from refspec.speculative.tree.build import (
     build_tree,
     draft_topk,
     organize_draft_results,
@@ -83,7 +83,7 @@ class TreeRunners(SpecRunners):
                          provider=provider, validate=validate, **kw)
 
     def _capture(self, capture_bs, dtype):
-        from refspec.speculative.tree_graphs import capture_tree_graphs
+        from refspec.speculative.tree.graphs import capture_tree_graphs
         capture_tree_graphs(self, capture_bs, dtype)
 
     # ---- forward functions (eager and graphed alike) ----

@@ -1,16 +1,16 @@
 """``python -m refspec replay TREE_TRACE.json``: re-run every recorded top-k > 1 round's FA3 tree
-attention at its recorded KV layout, against the oracle (:mod:`refspec.speculative.tree_trace`).
+attention at its recorded KV layout, against the oracle (:mod:`refspec.traces.tree`).
 
 Per round, on one attention layer of the trace's model shapes (H, Hkv, D of ``model_config``),
 with random K/V written at every slot the round reads (NaN everywhere else) and random queries:
 
 1. **the recording** satisfies the tree rules it claims (TR-003 / TR-004 / TR-005 / TR-006,
    PA-002 for its page table, TR-015 for its branch slots), one line per violation
-   (:func:`~refspec.speculative.tree_trace.tree_round_failures`); every page id it names lies in
+   (:func:`~refspec.traces.tree.tree_round_failures`); every page id it names lies in
    the recorded pool of ``num_pages`` pages, outside page 0 (PA-011 / PA-008; a round that breaks
    this is not run), and its accepted path is the greedy walk over its recorded ``draft_tokens``
    / ``target_predict``, emitting the request's output tokens (TR-003 / TR-006,
-   :mod:`refspec.speculative.tree_trace_checks`);
+   :mod:`refspec.traces.tree_checks`);
 2. **draft decode** (S > 1): the committed tail copied into branches t >= 1 (TR-015), then for
    every step s the FA3 tree backend (prefix + expand cascade, LSE merge) on the recorded
    ``draft_cache_loc`` vs the slot oracle: row t sees the prefix and its own steps 0..s (TR-008);
@@ -22,12 +22,12 @@ with random K/V written at every slot the round reads (NaN everywhere else) and 
    path's KV to the first a verify slots (checked against the pre-compaction KV, T0), then the
    v1 DRAFT_EXTEND over the a accepted tokens, FA3 vs the oracle backend (SD-004).  v2: the v2
    move into the recorded ``moved_to`` slots (TR-020), then DRAFT_EXTEND_V2 over all N window
-   rows and the recorded ``kept_row`` (TR-021), :mod:`refspec.cli._replay_tree_v2`; step 1 also
+   rows and the recorded ``kept_row`` (TR-021), :mod:`refspec.traces.replay_tree_v2`; step 1 also
    checks the v2 recording (reserve, branch slots inside it: TR-020).
 
 5. **graphs**: the same verify and draft decode replayed through the production tree graph
    runner, captured once for the trace's ``capture_bs`` and rewritten in place every round
-   (TR-018, :mod:`refspec.cli._replay_tree_graphs`).
+   (TR-018, :mod:`refspec.traces.replay_tree_graphs`).
 
 Outputs are compared under T1 (TOL-002: the fp32 oracle, and its own low-precision run for the
 budget); metadata and moved KV bitwise.  Exit status 1 on any failure.
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refspec.cli._replay_tree_v2 import extend_vs_oracle, move_and_extend_v2
+from refspec.traces.replay_tree_v2 import extend_vs_oracle, move_and_extend_v2
 from refspec.core.batch import draft_extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
@@ -49,9 +49,9 @@ from refspec.core.tolerance import t1
 from refspec.fa3.kernel import select_provider
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, TreeDraftBatch, TreeVerifyBatch, draft_step_batch
 from refspec.oracle.slots import attention_over_slots
-from refspec.speculative import tree_kv
-from refspec.speculative.tree_trace import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
-from refspec.speculative.tree_trace_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
+from refspec.speculative.tree import kv as tree_kv
+from refspec.traces.tree import ancestors_and_self, from_runs, tree_round_failures, tree_v2_round_failures
+from refspec.traces.tree_checks import acceptance_failures, page_id_failures, pool_size_problem, round_tokens
 
 
 @dataclass
@@ -117,7 +117,7 @@ def _compare(check: TreeRoundCheck, phase: str, out, q, pool, slots, what: str) 
 class _Round:
     """The KV cache and pools of a replay, loaded with one round at a time: its rows as recorded,
     random K/V at the slots it reads, NaN everywhere else.  One cache for every round, so that
-    graphs captured once (:mod:`refspec.cli._replay_tree_graphs`) see each round's rows."""
+    graphs captured once (:mod:`refspec.traces.replay_tree_graphs`) see each round's rows."""
 
     def __init__(self, cfg, num_rows, width, num_pages, device, dtype):
         mc, P = cfg["model_config"], cfg["page_size"]
@@ -252,7 +252,7 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     rows; ``dtype`` is the production wing's (the oracle is fp32, plus its own ``dtype`` run for
     the T1 budget).  ``progress(label)`` is called per round.
     ``graphed``: also replay each round's verify and draft decode through the production tree
-    graphs (:mod:`refspec.cli._replay_tree_graphs`; not with the emulator on CUDA, which syncs).
+    graphs (:mod:`refspec.traces.replay_tree_graphs`; not with the emulator on CUDA, which syncs).
     """
     t0 = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
@@ -269,7 +269,7 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     rnd = _Round(cfg, num_rows, width, cfg["num_pages"], device, dtype)  # the recording's pool
     graphs = None
     if graphed and not (torch.device(device).type == "cuda" and provider == "emulator"):  # the emulator syncs
-        from refspec.cli._replay_tree_graphs import TreeGraphs
+        from refspec.traces.replay_tree_graphs import TreeGraphs
 
         graphs = TreeGraphs(rnd, provider, cfg["capture_bs"])
     checks = []
@@ -302,19 +302,3 @@ def replay_tree_trace(trace: dict, *, device="cpu", dtype=torch.float32, seed=0,
     shapes = f"H={mc['num_attention_heads']}, Hkv={mc['num_key_value_heads']}, D={mc['head_dim']}"
     return TreeReplayReport(trace_path, str(device), str(dtype).replace("torch.", ""), provider, shapes, checks,
                             time.perf_counter() - t0, graphs is not None)
-
-
-def replay_from_args(trace: dict, ns, dtype) -> TreeReplayReport:
-    """``python -m refspec replay`` on a tree trace: refuse the chain-only flags (CLIError), then replay."""
-    import sys
-
-    from refspec.cli._args import CLIError
-
-    given = [f"--{k.replace('_', '-')}" for k in ("versions", "page_sizes", "draft", "num_layers")
-             if getattr(ns, k) is not None] + (["--tiny"] if ns.tiny else []) + \
-        (["--drafter"] if ns.drafter != "perfect" else [])
-    if given:
-        raise CLIError(f"{', '.join(given)}: not for a tree trace (its rounds are replayed at the recorded KV layout, "
-                       f"P = {trace['config']['page_size']}, with its recorded trees)")
-    return replay_tree_trace(trace, device=ns.device, dtype=dtype, seed=ns.seed, trace_path=str(ns.trace),
-                             progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))

@@ -25,8 +25,8 @@ the trace round for round, with a random-init model of the same config on any de
 
 **Tree traces** (top-k > 1, ``"format": "refspec-tree-trace/1"``, config ``topk`` and
 ``num_draft_tokens``) add a ``tree`` list to every round: what each request's round fed the FA3
-wing (:mod:`refspec.speculative.tree_trace`).  Their replay re-runs every round's tree
-attention instead of the whole engine (:mod:`refspec.cli._replay_tree`).
+wing (:mod:`refspec.traces.tree`).  Their replay re-runs every round's tree
+attention instead of the whole engine (:mod:`refspec.traces.replay_tree`).
 
 :func:`check_trace` proves a file is self-consistent before anything runs (ValueError naming the
 request / round otherwise).
@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from refspec.speculative.tree_trace import TREE_FORMAT, check_tree_rounds
+from refspec.traces.tree import TREE_FORMAT, check_tree_rounds
 
 FORMAT = "refspec-trace/1"
 ROUND_KEYS = ("rids", "seq_lens", "num_accept_tokens", "joined", "finished")
@@ -75,7 +75,7 @@ def largest_batch(trace: dict) -> int:
 
 
 def is_tree_trace(trace: dict) -> bool:
-    """Whether ``trace`` holds top-k > 1 rounds (:data:`~refspec.speculative.tree_trace.TREE_FORMAT`)."""
+    """Whether ``trace`` holds top-k > 1 rounds (:data:`~refspec.traces.tree.TREE_FORMAT`)."""
     return trace.get("format") == TREE_FORMAT
 
 
@@ -89,7 +89,7 @@ def trace_from_result(result, prompts: list[list[int]], budgets: list[int], conf
     Args: ``prompts`` (B lists of token ids), ``budgets`` (B ``max_new_tokens``), ``config``
     (the :data:`CONFIG_KEYS`), ``questions`` (optional per-request metadata: question_id,
     category), ``source`` (free-form provenance), ``tree_rounds`` (a tree run: the
-    :class:`~refspec.speculative.tree_trace.TreeRecorder` rounds, one per committed round; the
+    :class:`~refspec.traces.tree.TreeRecorder` rounds, one per committed round; the
     trace is then a tree trace).  Raises ValueError if ``result`` has no
     per-round trace (the oracle loop has none) or the result is inconsistent.
     """
@@ -131,7 +131,7 @@ def check_trace(trace: dict) -> None:
     tree trace (:data:`TREE_FORMAT`): also the shapes of its ``tree`` entries, every page id inside
     the recorded ``num_pages`` pool and outside page 0 (PA-011 / PA-008) and every accepted path the
     greedy walk over the recorded tokens (TR-006)
-    (:func:`~refspec.speculative.tree_trace.check_tree_rounds`); the message names the ID.
+    (:func:`~refspec.traces.tree.check_tree_rounds`); the message names the ID.
     """
     def bad(msg):
         raise ValueError(f"trace: {msg}")

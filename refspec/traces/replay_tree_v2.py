@@ -1,8 +1,8 @@
 """Step 4 of a tree-trace replay for a **v2** trace: the path move (TR-020) and the v2 draft
 extend over the whole window (TR-021), in place of v1's compaction + ``DRAFT_EXTEND``
-(:mod:`refspec.cli._replay_tree`, :mod:`refspec.speculative.tree_trace`).
+(:mod:`refspec.traces.replay_tree`, :mod:`refspec.traces.tree`).
 
-Per round, on the :class:`~refspec.cli._replay_tree._Round` already loaded and verified:
+Per round, on the :class:`~refspec.traces.replay_tree._Round` already loaded and verified:
 
 1. **move** (TR-020): the production ``move_accept_tokens_to_target_kvcache`` on the recorded
    verify window and accepted paths; the recorded ``moved_to`` slots must then hold the path
@@ -28,7 +28,7 @@ from refspec.core.batch import draft_extend_v2_batch
 from refspec.core.tolerance import t1
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.oracle.backend import OracleBackend
-from refspec.speculative.tree_v2 import move_accept_tokens_to_target_kvcache
+from refspec.speculative.tree.v2 import move_accept_tokens_to_target_kvcache
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,7 +63,7 @@ def extend_vs_oracle(rd, fb, T: int, check, provider, what: str):
 def move_and_extend_v2(rd, entries, accepts, node_slots, check, provider) -> None:
     """Module doc, steps 1 and 2.  ``rd``: the loaded round; ``entries``: its ``tree`` list;
     ``accepts``: a per request; ``node_slots`` int64 [B*N]: the verify window; ``check``: the
-    :class:`~refspec.cli._replay_tree.TreeRoundCheck` the failures go to (ID first)."""
+    :class:`~refspec.traces.replay_tree.TreeRoundCheck` the failures go to (ID first)."""
     N, S, dev, B = rd.N, rd.S, rd.device, len(rd.rows)
     flat_k = rd.target.get_flat_kv(0)[0]
     before = flat_k.clone()

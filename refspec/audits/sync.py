@@ -18,7 +18,7 @@ Two probes, both wrapped around :meth:`Engine.run`:
 * :func:`profiled_syncs` (CUDA, ``--profiler``): the blocking CUDA runtime calls
   (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ...) counted by ``torch.profiler``.
 
-``python -m refspec.speculative.sync_audit --device cuda`` runs a random-init model of
+``python -m refspec.audits.sync --device cuda`` runs a random-init model of
 SmolLM2-135M's shapes (v2, overlap, graphs, validation off) and prints both tables; exit 1 when a
 ``launch`` phase synchronized (``--strict``).
 """
@@ -41,7 +41,7 @@ def _site(frames) -> tuple[str, str]:
     """The innermost frame inside the refspec package (not this module): ``(path, function)``."""
     for f in reversed(frames):
         name = f.filename.replace("\\", "/")
-        if "/refspec/" in name and not name.endswith("sync_audit.py"):
+        if "/refspec/" in name and not name.endswith("audits/sync.py"):
             return name.split("/refspec/", 1)[1], f.name
     return "<outside refspec>", ""
 
@@ -161,7 +161,7 @@ def audit_workload(dev: torch.device, tiny: bool, batch: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refspec.speculative.sync_audit", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m refspec.audits.sync", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)

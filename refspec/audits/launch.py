@@ -13,10 +13,10 @@ launch whatever it holds.  :func:`host_ops` counts exactly that, on any device:
 So on a CPU the count of a round is the count of host launches the same round makes on a GPU
 (tensor factories from host lists included: on a GPU those are the pinned staging copies), and
 a test can pin it (``tests/test_launch_audit.py``).  Phases are those of
-:func:`refspec.speculative.sync_audit.phases`: ``launch k`` (building and launching round k) and
+:func:`refspec.audits.sync.phases`: ``launch k`` (building and launching round k) and
 ``commit k`` (reading and applying it).
 
-``python -m refspec.speculative.launch_audit --device cpu --tiny`` prints ops per round by
+``python -m refspec.audits.launch --device cpu --tiny`` prints ops per round by
 site (v2, overlap, graphs, validation off); ``--device cuda`` the same on the GPU, where each
 op on a device tensor is a kernel launch or a copy.
 """
@@ -33,7 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from refspec.graphs import capture
-from refspec.speculative.sync_audit import audit_workload, phases
+from refspec.audits.sync import audit_workload, phases
 
 #: ops that never reach a device (metadata only: views, shape queries); not counted
 _FREE = ("aten::view", "aten::_unsafe_view", "aten::alias", "aten::detach", "aten::t", "aten::expand",
@@ -53,7 +53,7 @@ def _site(frame) -> tuple[str, str]:
     f = frame
     while f is not None:
         name = f.f_code.co_filename.replace("\\", "/")
-        if "/refspec/" in name and not name.endswith(("launch_audit.py", "sync_audit.py")):
+        if "/refspec/" in name and not name.endswith(("audits/launch.py", "audits/sync.py")):
             site = name.split("/refspec/", 1)[1], f.f_code.co_name
             if site not in _TRANSPARENT:
                 return site
@@ -153,7 +153,7 @@ def per_round(ops: Counter, rounds: int, phase: str = "launch") -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refspec.speculative.launch_audit",
+    ap = argparse.ArgumentParser(prog="python -m refspec.audits.launch",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=1)

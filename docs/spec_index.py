@@ -16,7 +16,10 @@ What counts as a citation of test ``f`` (node id ``tests/test_x.py::f`` or
 Arguments must be string literals, or names / ``*names`` bound at module level to a string or a
 tuple / list of strings; anything else is reported as a problem (the meta-test fails on it).
 
-Run ``python -m refspec.harness.spec_index`` to print the IDs no test cites yet.
+It lives beside the pages it reads (``docs/``): tools import it with ``docs/`` on ``sys.path``
+(the docs scripts, ``pytest``'s ``pythonpath``), and ``python -m refspec cite`` loads it from the
+checkout (:func:`refspec.cli.cite.load_spec_index`).  Run ``python docs/spec_index.py`` to print the IDs
+no test cites yet.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 from refspec.core.invariants import INVARIANTS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = ROOT / "tests"
 SPEC_DIR = ROOT / "docs" / "spec"
 

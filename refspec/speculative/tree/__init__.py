@@ -1,0 +1,10 @@
+"""The production top-k > 1 loop (EAGLE tree): a sibling of the chain engine in
+:mod:`refspec.speculative`, read after it.
+
+:mod:`~refspec.speculative.tree.build` (expand, select, tree, greedy accept),
+:mod:`~refspec.speculative.tree.kv` (branch layout, compaction),
+:mod:`~refspec.speculative.tree.runners` (verify and draft decode on the FA3 tree backend),
+:mod:`~refspec.speculative.tree.graphs` (their CUDA graphs),
+:mod:`~refspec.speculative.tree.engine` (the v1 round and :class:`TreeEngine`),
+:mod:`~refspec.speculative.tree.v2` (the v2 round).
+"""
