@@ -1,9 +1,33 @@
-"""refspec: reference paged attention + EAGLE top-k = 1 speculative decoding.
+"""refspec: reference paged attention + EAGLE speculative decoding (chains, top-k = 1, and trees, top-k > 1).
 
 Two wings over one small core (``refspec.core``: modes, KV cache, batches): the readable oracle
 (``refspec.oracle``) and SGLang's FA3 CUDA-graph path (``refspec.fa3``, ``refspec.graphs``),
 proven equal by the test suite.  Every rule has an ID in ``refspec.core.invariants``
 (``docs/spec``).  Command line: ``python -m refspec``.
+
+Read in this order (the chain reference; then ``speculative/overlap.py`` and the top-k > 1
+siblings ``oracle/tree*.py``, ``fa3/tree_*.py``, ``speculative/tree/``)::
+
+     1. refspec/core/modes.py          ForwardMode: the forward modes and what each one attends
+     2. refspec/core/kv_cache.py       req_to_token, the page allocator and the paged KV pool
+     3. refspec/core/batch.py          ForwardBatch and its builders, one per mode (SGLang's field names)
+     4. refspec/oracle/attention.py    the rule itself: attention over the slots each query may see
+     5. refspec/oracle/backend.py      the paged oracle backend: store, then attend by slot gather
+     6. refspec/oracle/loop.py         one request's speculative loop in numbered steps: draft, verify, accept
+     7. refspec/fa3/metadata.py        FA3 metadata per mode: cache_seqlens, cu_seqlens_q, page_table
+     8. refspec/fa3/emulator.py        the FA3 kernel contract (flash_attn_with_kvcache) in pure PyTorch
+     9. refspec/fa3/backend.py         SGLang's FA3 backend: the same store-then-attend on FA3 metadata
+    10. refspec/graphs/capture.py      what a CUDA graph freezes, and the emulated graph that freezes it on CPU
+    11. refspec/fa3/graph_metadata.py  capture and in-place replay of the metadata, one rule per function
+    12. refspec/graphs/runner.py       batch-size buckets, padded rows, one copy per replay
+    13. refspec/model/llama.py         a small HF-named Llama whose attention backend is passed in
+    14. refspec/speculative/accept.py  greedy acceptance on the device (SD-001)
+    15. refspec/speculative/rounds.py  one batched round, v1 and v2: the production twin of the oracle loop
+    16. refspec/speculative/engine.py  the continuous-batching engine: admit, prefill, rounds, commit
+
+The other folders (``cli``, ``conformance``, ``mutants``, ``harness``, ``traces``, ``audits``,
+``real``) are instruments around the reference: a learner can skip them, and the reference never
+imports them (``tests/test_layers.py``).
 
 The public API, importable from here (each name loads its module on first use, so that
 ``import refspec`` stays fast)::

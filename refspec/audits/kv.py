@@ -11,6 +11,8 @@ lengths; tests call it from the observer after every round.  Each failure raises
 * SD-008: target-KV length == draft-KV length == committed length;
 * KV-007: the allocator's host mirror of ``req_to_token`` equals the device copy (this reads
   the device: an audit, not the hot path).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ a test can pin it (``tests/test_launch_audit.py``).  Phases are those of
 ``python -m refspec.audits.launch --device cpu --tiny`` prints ops per round by
 site (v2, overlap, graphs, validation off); ``--device cuda`` the same on the GPU, where each
 op on a device tensor is a kernel launch or a copy.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Two probes, both wrapped around :meth:`Engine.run`:
 ``python -m refspec.audits.sync --device cuda`` runs a random-init model of
 SmolLM2-135M's shapes (v2, overlap, graphs, validation off) and prints both tables; exit 1 when a
 ``launch`` phase synchronized (``--strict``).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 Each command lives in its own module and is imported only when it runs.  Errors are one line
 and exit status 2 (``--debug`` shows the traceback); list options are comma-separated
 (:mod:`refspec.cli._args`).
+
+Instruments, not rules: a learner reading the reference can skip this package.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ The rules (issue 16):
 * every list option is **comma-separated**: ``--page-sizes 1,4,16``, ``--versions v1,v2``,
   ``--sections eager,graph``, ``--only a,b``;
 * help texts are plain words (:func:`plain` strips the reST markup of module docstrings).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

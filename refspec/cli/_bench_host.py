@@ -27,6 +27,8 @@ Targets (issue 14): ``gpu_busy_ms <= 4`` at B = 1; ``wall / busy <= 1.2`` at B =
 (``wall/busy`` from the median plain run; ``wall/busy max`` from the slowest).  The ``pass``
 column says which hold.  A second table (``host kernels``) lists, per B, the :data:`TOP`
 kernels by GPU time per round (name, count and microseconds per round).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Per configuration (version, graphs, page size P, batch B): median ms per round (
 draft-decode steps + verify + draft extend, timed between the engine's round events with a device
 synchronize, prefill and capture excluded), tokens/s over the rounds, accept length, and host
 syncs per round inside the round.  Then the ratios: graphs / eager and v2 / v1.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

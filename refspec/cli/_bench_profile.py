@@ -27,6 +27,8 @@ Per configuration (draft, version, B):
 * ``tok_per_s`` and ``accept_length``; and two greedy baselines measured in the same run:
   graph greedy (:func:`~refspec.speculative.greedy.production_greedy`: paged KV, FA3 DECODE
   replayed from a CUDA graph, the same fused model) and eager greedy (the dense oracle loop).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ Rows, for k in (2, 4) (and 8 on CUDA), P in (1, 4, 16, 64):
   graphed, emits plain greedy's tokens (fp32, bitwise) and the oracle tree loop's accept counts
   (same version, TR-019).  On CUDA the loop is checked by ``tests/test_gpu_tree.py`` (bf16, T2)
   and the row says so.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

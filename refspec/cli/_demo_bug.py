@@ -21,6 +21,8 @@ table (width ``ceil(columns / P)``) holds ``max K`` slot ids.  The wrongly addre
 hold other requests' KV or zeros: finite garbage.  Should an error surface anyway (an emulator
 PA-011 out-of-range page, or any exception), it is printed as the symptom.  Works for any
 variant in ``refspec.variants.VARIANTS``; the pool set-up is what the seed's bug needs.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

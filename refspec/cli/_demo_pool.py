@@ -19,6 +19,8 @@ as is (a RuntimeError with its type and message if it does not pickle), the work
 as its ``__cause__``; a worker that dies raises RuntimeError.  On an error or Ctrl-C the parent
 terminates its workers and joins them before it returns, and so on SIGTERM (exit status 143);
 the workers ignore SIGINT (the parent owns Ctrl-C) and exit by themselves if the parent is gone.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ oracle) are made afterwards, by :func:`refspec.cli.demo.run_matrix`, once every 
 * :func:`plan_runs`: the runs of a table, in table order.
 * :func:`longest_first`: the order to hand them to workers so that two workers finish together.
 * :func:`execute_run`: run one, return a picklable :class:`RunOutcome`.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Sections (each figure is a ratio against a baseline measured in the same run):
 ``--quick`` runs the smallest configuration (what ``make test`` runs on CPU to keep this
 script working).  Results: a Markdown table on stdout and, with ``--out DIR``, ``bench.md``
 and ``bench.png`` in DIR.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Each row: section, mode, page size P, provider, check, result (pass / FAIL / ski
 error, as % of the T1 budget, or "bitwise" / the max difference for T0.  On CPU the provider is
 the emulator; on CUDA the eager and contract sections run the emulator and the real kernel, the
 graph section only the real kernel (the emulator syncs with the host, which a CUDA graph forbids).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

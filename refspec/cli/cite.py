@@ -9,6 +9,8 @@ links, and the tests that prove it (``@pytest.mark.spec``, found by
 ``cite --list`` prints every ID with its level and title (``--level hardening``: only the rules
 that are stricter than SGLang).  IDs are matched case-insensitively
 (``cg-004`` works); an unknown ID is a one-line error naming the close matches, exit code 2.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

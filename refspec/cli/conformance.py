@@ -5,6 +5,8 @@ Installs the pinned SGLang releases (``--no-deps``, into ``.conformance/``), run
 ``req_to_token`` and batches as refspec's FA3 wing (Triton replay kernels in Triton's
 interpreter), and compares every kernel-read field bitwise.  Exit 1 on an undocumented
 difference or an upstream error.  See docs/conformance.md.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

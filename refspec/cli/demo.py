@@ -25,6 +25,8 @@ run's own tokens over its own wall time, as in a serial run (``--jobs 1``): runn
 another single-threaded run on the other core does not slow it down.
 
 ``--bug NAME`` (e.g. ``seed-page-table``) runs :mod:`refspec.cli._demo_bug` instead.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""``python -m refspec info``: the active FA3 provider and why."""
+"""``python -m refspec info``: the active FA3 provider and why.
+
+An instrument: a learner reading the reference can skip this module.
+"""
 
 from __future__ import annotations
 

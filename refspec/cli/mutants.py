@@ -1,4 +1,7 @@
-"""``python -m refspec mutants``: run every wrong variant and print which invariant catches it."""
+"""``python -m refspec mutants``: run every wrong variant and print which invariant catches it.
+
+An instrument: a learner reading the reference can skip this module.
+"""
 
 from __future__ import annotations
 

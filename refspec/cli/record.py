@@ -13,6 +13,8 @@ default, as for the chain: upstream's only EAGLE worker from v0.5.14 on; v1 reco
 round): a tree trace, whose rounds also carry what each round fed the FA3 wing and each tree's
 node tokens and target predictions (:mod:`refspec.traces.tree`; its config stores the
 version and the recording pool's ``num_pages``).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ schedule through the production path (FA3 wing, CUDA graphs on) and the oracle l
 The command line of :mod:`refspec.traces.replay` (a chain trace: what a run checks, and why the
 schedule replays on a random-init model) and :mod:`refspec.traces.replay_tree` (a tree trace,
 top-k > 1, detected by its format and replayed round by round at the attention level).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

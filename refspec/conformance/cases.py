@@ -12,6 +12,8 @@ Inputs per page size P (tokens): committed lengths at page boundaries +-1
 (``P - 1, P, P + 1, 2P - 1, ...``), rows of ``req_to_token`` in shuffled order and physical
 pages shuffled by the allocator's seed, N = 4 draft tokens (Sd = 3, draft steps 0 and 1), and
 two batch shapes: B = 3 live requests in a graph of 4, B = 5 in a graph of 8.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ compared by these rules under its own page size (:func:`compare_parts`): ``prefi
 ``expand:<field>`` (the verify expand table holds token slots: page size 1); and verify's eager
 result a ``tree:<field>`` part (FULL_MASK ``custom_mask``, ``positions``, ``retrive_*``,
 ``draft_tokens``), compared exactly and never documentable.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

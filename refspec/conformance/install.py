@@ -7,6 +7,8 @@ stack, a newer torch) are *not* installed; what the metadata path imports but ne
 stubbed in the worker (:mod:`refspec.conformance.stubs`).  torch and numpy come from the
 running interpreter.  A directory is reused while its stamp lists the same requirements, so a
 second run installs nothing.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ static-grid path (``_decode_uses_static_max_seqlen_k``): 0.5.23
 
 Line numbers are those of the files in the PyPI wheels (``sglang==0.5.23``,
 ``sglang==0.5.12.post1``); neither release records a commit id, so links go to the release tag.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Result rows and the printed table (mode x P x phase -> same / differs)."""
+"""Result rows and the printed table (mode x P x phase -> same / differs).
+
+An instrument: a learner reading the reference can skip this module.
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 :func:`run` is the API (the CLI and the tests call it); it returns :class:`Outcome` whose
 ``ok`` is False on any undocumented difference or upstream error.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

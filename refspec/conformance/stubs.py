@@ -16,6 +16,8 @@ objects.  Two phases:
 At import time a call (``logger = logging.get_logger(__name__)``, a decorator) returns one
 more placeholder, and ``class X(placeholder)`` builds an empty class whose instantiation raises
 at run time; a truth test or iteration raises in both phases.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Modes:
 Inputs per (k, P): k in 2, 4, 8; P in 1, 4, 16, 64; S = 3; committed lengths at page
 boundaries +-1 (:func:`refspec.conformance.cases.lengths`), rows in shuffled order, pages from a
 shuffled free list; B = 3 live requests replayed in a graph of 4 (padded).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ The top-k > 1 tree jobs go to :func:`refspec.conformance.upstream_tree.run_legac
 IDLE is not compared: with an empty batch this release never builds attention metadata
 (``model_runner.py`` ``forward_idle``: ``if forward_batch.batch_size > 0``), and its eager
 builder would take the max of an empty ``seq_lens_cpu``.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

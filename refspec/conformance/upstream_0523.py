@@ -9,6 +9,8 @@ Draft decode runs through ``FlashAttentionMultiStepBackend`` (each step's inner 
 ``build_inner_fb_view``); step s is ``multi.attn_backends[s].forward_metadata``.
 Server args are upstream's real ``ServerArgs`` through its own test helper
 ``runtime_context.get_context().override_server_args(...)``.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ metadata path reads them (``ForwardMode``, ``AttentionArch``, ``ServerArgs``, th
 their Triton replay kernels, run by Triton's interpreter: ``TRITON_INTERPRET=1``); the
 ``ForwardBatch``, ``spec_info`` and model runner are namespaces carrying exactly the fields the
 metadata path reads, as upstream's own ``build_inner_fb_view`` does.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

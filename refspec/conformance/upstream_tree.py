@@ -40,6 +40,8 @@ plain PyTorch (``TORCHDYNAMO_DISABLE=1``), the same operations without a compile
 P > 1 draft branch does ``metadata.cache_seqlens_int32 -= last_page_lens`` on
 ``seq_lens.to(torch.int32)``, which for an int32 ``seq_lens`` is the *same* tensor, so step 0
 would shorten the batch's ``seq_lens`` in place and every later step would see lp = 0.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ only), with ``TRITON_INTERPRET=1``.  ``JOBS`` is a ``torch.save`` of ``[(job id,
 ``OUT`` receives ``{"results": {job id: {(phase, step): fields} | "error text"}, "info": ...}``.
 A job whose upstream call raises (a stub used at run time included) is reported with the
 exception, never as a result.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

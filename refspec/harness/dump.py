@@ -23,6 +23,8 @@ Units: ``out_cache_loc`` and ``req_to_token`` hold slots, ``page_table`` pages, 
 :class:`~refspec.core.invariants.InvariantError` of the rule it breaks (MD-005 for a double-counted
 ``cache_seqlens``, PA-002 for a page table holding slots, ...). :func:`from_built` writes a dump
 of a refspec scenario in the same shape (``tutorials/09_check_a_dump.py`` uses both).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

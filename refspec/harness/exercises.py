@@ -9,6 +9,8 @@ exercise is about -- and calls :func:`check`:
 * the reader's answer given: it must equal the expected value (AssertionError with a hint if not);
 * left as ``...``: the stored solution must equal the expected value (so the executed notebook,
   in ``tests/test_notebooks.py`` and on the docs site, proves every solution right).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ History (tokens; L = committed length, N = num_draft_tokens, a = accepted + bonu
 Every written slot holds seeded random K/V (rejected drafts' slots too: stale values that a
 wrong key count would read); never-written slots keep the pool's NaN.  The final forward's own
 positions are allocated as its mode requires; its q/k/v are random.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

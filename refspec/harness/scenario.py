@@ -17,6 +17,8 @@ this forward's tokens hold random K/V, this forward's q/k/v are random too.
 
 Poisoning (``poison=True``): page 0 and every page outside all tables hold NaN; slots in a
 used page past K_b hold the sentinel 1e4.  A correct kernel's real rows never see either.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

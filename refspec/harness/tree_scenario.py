@@ -8,6 +8,8 @@ production metadata code it checks; only the branch layout (TR-015) is taken fro
 
 Shapes: one attention layer, H = 4 query heads over Hkv = 2 KV heads (GQA), head dim ``head_dim``
 (default D = 16; the GPU runs use 64, a head dim the real FA3 kernel is built for).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ read, PA-007).
 
 matplotlib is imported lazily, on the first drawing call; the backend is the caller's choice
 (``docs/gen_figures.py`` and the headless notebook runs use Agg).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

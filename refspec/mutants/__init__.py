@@ -7,4 +7,6 @@ identity), ``probes`` / ``audit_probes`` / ``engine_probes`` / ``tree_probes`` (
 that expose them),
 ``checks`` (suite-side references and checks), ``runner`` (``python -m refspec mutants``).
 Nothing in production imports this package (``tests/test_layers.py``).
+
+Instruments, not rules: a learner reading the reference can skip this package.
 """

@@ -9,6 +9,8 @@ and the shared core seen by both wings.
   builds one grown-rows batch (:mod:`refspec.harness.grown`) with the variant on and runs the
   paged oracle and the FA3 path on that same batch: the oracle's own checks (MD-005, MD-012)
   or the comparison must see it, not a reference built without the variant.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

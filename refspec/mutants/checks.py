@@ -10,6 +10,8 @@ propagates instead and is recorded by the runner.
 
 Shapes as everywhere: B requests, Bg padded graph batch, T query tokens, ``q [T, H, D]``,
 ``k, v [T, Hkv, D]``, P page size.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ random Llama, fp32, so token streams compare bit for bit (TOL-001):
 These are what a user of the engine would see.  They need the engine (:mod:`refspec.speculative`); they
 run on CPU only: on the GPU the loop runs in bf16, where token streams follow the T2 rule
 (TOL-003, margins) rather than bit equality, which the engine's own GPU tests cover.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

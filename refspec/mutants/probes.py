@@ -11,6 +11,8 @@ variant on.
 Scenario numbers follow the public failure cases (B01..B20) where one fits: B04 (stale padding),
 B05 (v2 layout), B07 (context wall), B08 (frozen max_seqlen_q), B11 (rebinding), B14 (verify as
 decode, horizon probe), B18 (padding with a live page), B20 (draft cache-location layout).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

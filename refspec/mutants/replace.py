@@ -11,6 +11,8 @@ A variant whose seam has no call site (renamed, inlined, or already replaced by 
 variant) raises instead of silently changing nothing.  Only modules already imported are
 rebound: :mod:`refspec.mutants.variants` imports every module that defines a seam, and a module
 that is first imported inside the block would bind the original (import it before).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Each has the signature of the production seam it replaces (named in its variant'
 Where a variant changes one mode only, the others go to the original, called through
 :data:`_orig`: names bound here at import, which :func:`refspec.mutants.replace.replaced` never
 rebinds (it skips :mod:`refspec.mutants`).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

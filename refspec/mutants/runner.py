@@ -26,6 +26,8 @@ The command exits 1 unless every variant is caught.
 ``--engine`` adds token-level probes (:mod:`refspec.mutants.engine_probes`: whole spec loops,
 "tokens / accepts differ" from the oracle loop; CPU fp32 only).  A probe that cannot run on the
 device is listed as "not run" with the reason, never as a pass.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

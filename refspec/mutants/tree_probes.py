@@ -12,6 +12,8 @@ On CUDA the attention probes run in bf16 through the real kernel at head dim 64;
 graph-replay metadata probe stays on CPU tensors (its wrong variant writes past a buffer: on a
 GPU that is a device-side fault that would end the whole run); the loop probe is CPU only (it
 compares fp32 token streams bitwise; ``tests/test_gpu_tree.py`` checks the GPU loop under T2).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

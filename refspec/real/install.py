@@ -8,6 +8,8 @@ after the ``real`` extra (``gguf``, ``tokenizers``) has been installed the ordin
 
 Does nothing when both pinned versions are already installed (``--force`` reinstalls).
 Exit status: pip's, or 0 when nothing was needed.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

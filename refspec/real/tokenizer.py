@@ -19,6 +19,8 @@ byte-level symbols are absent -- the control bytes 0x04 0x06 0x13 0x14 0x16 0x1D
 UTF-8 bytes 0xC0 0xC1 0xF5-0xFF, and the lead bytes 0xF1 0xF2 (code points U+40000-U+BFFFF).
 With no unk token, BPE silently drops such bytes, so text containing them does not round-trip;
 :func:`unrepresentable_bytes` lists them and :func:`representable` checks a string.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Three things separate a GGUF file from ``LlamaForCausalLM.state_dict()`` and are
 
 The embedding is tied: GGUF has no ``output.weight``, the LM head is ``model.embed_tokens.weight``
 and the returned dict has no ``lm_head.weight`` (``config["tie_word_embeddings"] is True``).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

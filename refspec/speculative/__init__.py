@@ -1,4 +1,5 @@
-"""EAGLE top-k = 1 speculative decoding: drafts, drafters, acceptance, the v1 / v2 engine.
+"""EAGLE speculative decoding, production side: drafters, acceptance, the v1 / v2 chain engine
+(top-k = 1: ``engine``, ``rounds``, ``overlap``) and its top-k > 1 sibling (:mod:`refspec.speculative.tree`).
 
 Entry point: :func:`refspec.speculative.api.generate` (re-exported here).
 """

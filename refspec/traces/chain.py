@@ -30,6 +30,8 @@ attention instead of the whole engine (:mod:`refspec.traces.replay_tree`).
 
 :func:`check_trace` proves a file is self-consistent before anything runs (ValueError naming the
 request / round otherwise).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

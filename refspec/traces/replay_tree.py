@@ -31,6 +31,8 @@ with random K/V written at every slot the round reads (NaN everywhere else) and 
 
 Outputs are compared under T1 (TOL-002: the fp32 oracle, and its own low-precision run for the
 budget); metadata and moved KV bitwise.  Exit status 1 on any failure.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ queries staged in a static buffer (:class:`AttentionRunners`), so the replayed o
 with the eager run of the same round bitwise with the emulator (T0, TOL-001); with the real
 kernel, which may split differently inside a graph, it compares with the fp32 slot oracle under
 T1 (TOL-002), as ``python -m refspec check --sections tree`` does.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

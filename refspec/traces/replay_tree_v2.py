@@ -16,6 +16,8 @@ Per round, on the :class:`~refspec.traces.replay_tree._Round` already loaded and
 Upstream (sgl-project/sglang v0.5.23): ``spec_utils.py`` ``move_accept_tokens_to_target_kvcache``;
 ``eagle_worker_v2.py`` ``EagleDraftWorker._draft_extend_for_decode`` (``select_index``), see
 docs/spec/tree.md "The v2 tree round".
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

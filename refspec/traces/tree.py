@@ -46,6 +46,8 @@ Recording: :class:`TreeRecorder` is an engine observer (``draft_decode``, ``veri
 :func:`check_tree_rounds` checks shapes, page ids and acceptance (ValueError naming the ID);
 :func:`tree_round_failures` checks the remaining rules above and returns one line per violation,
 each naming its invariant ID.
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ Upstream (sgl-project/sglang): ``python/sglang/srt/speculative/eagle_utils.py``
 ``python/sglang/srt/speculative/eagle_info.py`` ``EagleVerifyInput.verify`` at v0.5.5
 (https://github.com/sgl-project/sglang/blob/v0.5.5/python/sglang/srt/speculative/eagle_info.py#L286);
 the rules: docs/spec/paging-attention.md (PA-008, PA-011), docs/spec/tree.md (TR-003, TR-006).
+
+An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations
