@@ -139,8 +139,8 @@ def test_case_B05_other_token_count_is_the_stride():
 # ---- B07 ----
 @pytest.mark.spec("CG-008", "PA-003", "PA-008")
 def test_case_B07_page_table_width_at_the_context_wall():
-    """Case B07: max_context_len 64, ps 16 (a context-sized table has 4 columns), ndt 4, bs 2 with
-    seq_lens [61, 20].  Verify needs K = 65 keys = 5 pages for request 0.  With the bug
+    """Case B07: model context 64 (the variant's ``B07_CONTEXT``), ps 16 (a context-sized table has
+    4 columns), ndt 4, bs 2 with seq_lens [61, 20].  Verify needs K = 65 keys = 5 pages for request 0.  With the bug
     "page-table-width-from-context" the replay raises CG-008 before any kernel runs; refspec's
     table is sized from req_to_token (>= ceil((64 + 4) / 16) = 5 columns) and matches the oracle.
     Verify positions >= 64 are written to request 0's own pages, never to page 0."""
@@ -148,10 +148,10 @@ def test_case_B07_page_table_width_at_the_context_wall():
     kv, pool = reqs.built.kv, reqs.built.pool
     fb, x, ref = reqs.live([0, 1])
     with variants.enabled("page-table-width-from-context"):
-        narrow = reqs.runner_with(FlashAttentionBackend(pool, kv, max_context_len=64), capture_bs=(2,))
+        narrow = reqs.runner_with(FlashAttentionBackend(pool, kv), capture_bs=(2,))
         assert narrow.backend.graph_state.width == 4
         _raises("CG-008", narrow.replay, fb, x)
-    runner = reqs.runner_with(FlashAttentionBackend(pool, kv, max_context_len=64), capture_bs=(2,))
+    runner = reqs.runner_with(FlashAttentionBackend(pool, kv), capture_bs=(2,))
     assert runner.backend.graph_state.width >= 5
     out = runner.replay(fb, x)
     assert runner.backend.forward_metadata.cache_seqlens_int32.tolist() == [65, 24]
@@ -169,7 +169,7 @@ def test_case_B07_draft_step_2_fits_four_columns():
     reqs = Requests(sc)
     fb, x, ref = reqs.live([0, 1])
     with variants.enabled("page-table-width-from-context"):
-        be = FlashAttentionBackend(reqs.built.pool, reqs.built.kv, speculative_step_id=2, max_context_len=64)
+        be = FlashAttentionBackend(reqs.built.pool, reqs.built.kv, speculative_step_id=2)
         runner = reqs.runner_with(be, capture_bs=(2,))
         out = runner.replay(fb, x)
     assert be.graph_state.width == 4 and be.forward_metadata.cache_seqlens_int32.tolist() == [64, 23]

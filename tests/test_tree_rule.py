@@ -30,7 +30,7 @@ from refspec.oracle.tree import (
     select,
     verify_key_slots,
 )
-from refspec.oracle.tree_loop import check_tree_args
+from refspec.core.args import tree_args
 
 ROOT = 99  # the last verified token (the bonus of the previous round)
 
@@ -87,11 +87,11 @@ def test_selection_is_topk_then_sorted_by_candidate_id():
 
 @pytest.mark.spec("TR-002")
 def test_num_draft_tokens_bound_is_a_value_error():
-    check_tree_args(4, 3, 1 + 4 + 2 * 16)  # N - 1 = 36 = k + (Sd-1) k^2: allowed
+    tree_args(4, 3, 1 + 4 + 2 * 16)  # N - 1 = 36 = k + (Sd-1) k^2: allowed
     with pytest.raises(ValueError, match=r"TR-002.*36"):
-        check_tree_args(4, 3, 38)
+        tree_args(4, 3, 38)
     with pytest.raises(ValueError, match="topk"):
-        check_tree_args(0, 3, 4)
+        tree_args(0, 3, 4)
 
 
 @pytest.mark.spec("TR-003", "TR-005")

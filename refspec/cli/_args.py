@@ -130,15 +130,16 @@ def check_draft(spec: str, model) -> None:
 def check_tree_flags(ns) -> None:
     """``--topk`` / ``--num-draft-tokens`` usage errors (CLIError, exit 2) before a model loads:
     N without k > 1 (SD-010), N past 1 + k + (Sd-1) k^2 (TR-002; N defaults to 2k)."""
-    from refspec.oracle.tree import max_drafts
+    from refspec.core.args import tree_args
 
     if ns.topk == 1 and ns.num_draft_tokens is not None:
         raise CLIError("--num-draft-tokens needs --topk K > 1 (a chain verifies N = Sd + 1 tokens, SD-010)")
     if ns.topk > 1:
-        N, most = ns.num_draft_tokens or 2 * ns.topk, 1 + max_drafts(ns.topk, ns.num_steps)
-        if N > most:
-            raise CLIError(f"--num-draft-tokens {N}: at most 1 + k + (Sd-1) k^2 = {most} for --topk {ns.topk}, "
-                           f"--num-steps {ns.num_steps} (TR-002)")
+        N = ns.num_draft_tokens or 2 * ns.topk
+        try:
+            tree_args(ns.topk, ns.num_steps, N)
+        except ValueError as e:
+            raise CLIError(f"--num-draft-tokens {N} with --topk {ns.topk}, --num-steps {ns.num_steps}: {e}") from None
 
 
 def device_name(text: str, auto: bool = False) -> str:

@@ -12,6 +12,8 @@ from numbers import Integral
 
 import torch
 
+from refspec.core.invariants import InvariantError
+
 
 def is_int(n) -> bool:
     """A Python / numpy integer (not a bool), or a 0-d integer tensor is *not* one (use .item())."""
@@ -69,3 +71,31 @@ def allocate(what: str, make):
         return make()
     except (RuntimeError, MemoryError) as e:  # torch reports an impossible allocation as RuntimeError
         raise ValueError(f"{what}: cannot allocate ({str(e).splitlines()[0][:120]})") from None
+
+
+def tree_args(topk, num_steps, num_draft_tokens=None) -> int:
+    """N, the tokens verified per request (root included), of k = ``topk`` branches per draft step
+    and Sd = ``num_steps`` steps: the one check of the tree arguments (``generate``, the oracle
+    tree loop, :class:`~refspec.speculative.tree.engine.TreeEngine`, the command line).
+
+    k = 1 (a chain): N = Sd + 1; ``num_draft_tokens`` None or that (SD-010).
+    k > 1 (a tree): N given, ``2 <= N <= 1 + k + (Sd-1) k^2`` (every draft a candidate, TR-002).
+    Raises: ValueError naming ``topk`` / ``num_steps`` / ``num_draft_tokens`` (not an int >= 1);
+    InvariantError SD-010 / TR-002 (a ValueError too) for an N the rule refuses.
+    """
+    k, S = count("topk (k)", topk, 1), count("num_steps (Sd)", num_steps, 1)
+    if num_draft_tokens is not None and not is_int(num_draft_tokens):
+        raise ValueError(f"num_draft_tokens (N) must be None or an int, got {num_draft_tokens!r}")
+    if k == 1:
+        if num_draft_tokens not in (None, S + 1):
+            raise InvariantError("SD-010", f"topk = 1 verifies N = Sd + 1 = {S + 1} tokens, "
+                                 f"got num_draft_tokens={num_draft_tokens!r}")
+        return S + 1
+    most = k + (S - 1) * k * k  # candidates Sd steps produce (refspec.oracle.tree.max_drafts)
+    if num_draft_tokens is None:
+        raise ValueError(f"topk = {k} > 1 needs num_draft_tokens (N, root included), 2 <= N <= 1 + k + (Sd-1) k^2 "
+                         f"= {1 + most}")
+    if not 2 <= num_draft_tokens <= most + 1:
+        raise InvariantError("TR-002", f"num_draft_tokens N = {num_draft_tokens!r} must satisfy 2 <= N and "
+                             f"N - 1 <= k + (Sd-1) k^2 = {k} + {S - 1}*{k}^2 = {most}")
+    return int(num_draft_tokens)

@@ -194,10 +194,6 @@ def tail_positions(first: int, q: int, device) -> torch.Tensor:
     return torch.arange(first, first + q, device=device)
 
 
-def _count(name: str, n: int, least: int = 1) -> None:
-    count(name, n, least)
-
-
 def decode_batch(kv, req_pool_indices, seq_lens):
     """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
     seq_lens = int_list("seq_lens", seq_lens)
@@ -207,7 +203,7 @@ def decode_batch(kv, req_pool_indices, seq_lens):
 
 def draft_decode_batch(kv, req_pool_indices, seq_lens, step):
     """Draft decode step ``s``: ``seq_lens`` L is committed; the draft token goes to L + s."""
-    _count("step", step, 0)
+    count("step", step, 0)
     seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L + step for L in seq_lens], draft_step=step)
@@ -231,7 +227,7 @@ def extend_batch(kv, req_pool_indices, prefix_lens, extend_lens):
 def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
     """TARGET_VERIFY: ``seq_lens`` L is committed; N tokens at L .. L + N - 1."""
     N = num_draft_tokens
-    _count("num_draft_tokens", N)
+    count("num_draft_tokens", N, 1)
     seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.TARGET_VERIFY, kv, req_pool_indices, seq_lens, [N] * len(seq_lens),
                   list(seq_lens), num_draft_tokens=N)
@@ -246,7 +242,7 @@ def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_dr
     """
     a, seq_lens = int_list("num_accept_tokens", num_accept_tokens), int_list("seq_lens", seq_lens)
     if num_draft_tokens is not None:
-        _count("num_draft_tokens", num_draft_tokens)
+        count("num_draft_tokens", num_draft_tokens, 1)
     if len(a) != len(seq_lens):
         raise ValueError(f"num_accept_tokens has {len(a)} entries, seq_lens {len(seq_lens)}")
     top = num_draft_tokens if num_draft_tokens is not None else float("inf")
@@ -265,7 +261,7 @@ def draft_extend_v2_batch(kv, req_pool_indices, seq_lens, num_draft_tokens, num_
     ``num_accept_tokens`` (optional) is carried only to select row ``b * N + a_b - 1``
     afterwards (SD-005); the attention metadata never reads it.
     """
-    _count("num_draft_tokens", num_draft_tokens)
+    count("num_draft_tokens", num_draft_tokens, 1)
     seq_lens = int_list("seq_lens", seq_lens)
     N, B, dev = num_draft_tokens, len(seq_lens), kv.device
     a = None if num_accept_tokens is None else int_list("num_accept_tokens", num_accept_tokens)
@@ -289,7 +285,7 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (case B20: the layout is
     request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
     """
-    _count("num_steps", num_steps)
+    count("num_steps", num_steps, 1)
     req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
     _check_rows(kv, req_pool_indices, seq_lens)
     S1, W = num_steps - 1, kv.req_to_token.shape[1]

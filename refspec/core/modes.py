@@ -6,8 +6,8 @@ index ``s`` (``ForwardBatch.draft_step``), exactly as SGLang tells them apart by
 ``forward_batch.spec_info is not None``.
 
 Mirrors ``model_executor/forward_batch_info.py`` (the ``include_v2`` helpers of #11398
-``20a6c0a63``, simplified in #11874 ``0bfe1d145``).  Only the modes of top-k = 1 EAGLE are here;
-MIXED / SPLIT_PREFILL are out of scope.
+``20a6c0a63``, simplified in #11874 ``0bfe1d145``).  Only the modes EAGLE uses (chains and trees)
+are here, with the predicates refspec calls; MIXED / SPLIT_PREFILL are out of scope.
 """
 
 from __future__ import annotations
@@ -29,10 +29,6 @@ class ForwardMode(IntEnum):
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
 
-    def is_decode_or_idle(self) -> bool:
-        """DECODE or IDLE: normal decode *and* draft decode (upstream tells them apart by ``spec_info``)."""
-        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
-
     def is_target_verify(self) -> bool:
         return self == ForwardMode.TARGET_VERIFY
 
@@ -48,22 +44,3 @@ class ForwardMode(IntEnum):
 
     def is_draft_extend_v2(self) -> bool:
         return self == ForwardMode.DRAFT_EXTEND_V2
-
-    def is_extend(self) -> bool:
-        """EXTEND, TARGET_VERIFY, DRAFT_EXTEND, DRAFT_EXTEND_V2: every multi-token mode.
-
-        Upstream ``is_extend()`` is also true for TARGET_VERIFY and DRAFT_EXTEND (``forward_batch_info.py``).
-        """
-        return self in (
-            ForwardMode.EXTEND,
-            ForwardMode.TARGET_VERIFY,
-            ForwardMode.DRAFT_EXTEND,
-            ForwardMode.DRAFT_EXTEND_V2,
-        )
-
-    def is_extend_or_draft_extend_or_mixed(self, include_draft_extend_v2: bool = False) -> bool:
-        return self == ForwardMode.EXTEND or self.is_draft_extend(include_v2=include_draft_extend_v2)
-
-    def is_cuda_graph(self) -> bool:
-        """Modes the *target* runner captures (DECODE, TARGET_VERIFY, IDLE); draft runners are separate."""
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)

@@ -14,7 +14,6 @@ from refspec.fa3 import kernel
 from refspec.fa3.graph_metadata import GraphMetadataMixin
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
 from refspec.fa3.validate import validate_batch, validate_metadata
-from refspec.graphs.capture import launch
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
@@ -32,10 +31,6 @@ def kernel_window_size(layer: AttentionLayer) -> tuple[int, int]:
     return (w, 0) if w >= 0 else (-1, -1)
 
 
-def _store_kv(pool: KVPool, layer_id: int, loc, k, v):
-    pool.set_kv_buffer(layer_id, loc, k, v)
-
-
 class FlashAttentionBackend(GraphMetadataMixin):
     """The production backend of one model (target or draft).
 
@@ -43,9 +38,6 @@ class FlashAttentionBackend(GraphMetadataMixin):
         pool: this model's KV pool ``[NP, P, Hkv, D]`` per layer.
         kv: shared ``req_to_token`` (int32 ``[max_reqs, ctx + extra]``) and allocator.
         speculative_step_id: s for the draft-decode backend of step s (K = L + s + 1), else None.
-        max_context_len: the model's context length (tokens).  Upstream sized the graph page
-            table from it (case B07); refspec sizes it from ``req_to_token.shape[1]`` (CG-008,
-            :func:`~refspec.fa3.graph_metadata.graph_table_width`).
         validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
         provider: force a kernel provider (``"fa3"``, ``"emulator"``, ...); None picks one for
             the pool's device once, here (:func:`refspec.fa3.kernel.select_provider`).
@@ -56,12 +48,10 @@ class FlashAttentionBackend(GraphMetadataMixin):
     name = "fa3"
 
     def __init__(self, pool: KVPool, kv: KVCache, speculative_step_id: int | None = None,
-                 max_context_len: int | None = None, validate: bool = True, provider: str | None = None,
-                 syncs=None):
+                 validate: bool = True, provider: str | None = None, syncs=None):
         self.pool, self.kv = pool, kv
         self.page_size = kv.page_size
         self.speculative_step_id = speculative_step_id
-        self.max_context_len = max_context_len or kv.req_to_token.shape[1]
         self.validate = validate
         self.syncs = syncs
         self.provider = provider or kernel.select_provider(kv.device)  # once, not per kernel call
@@ -100,20 +90,14 @@ class FlashAttentionBackend(GraphMetadataMixin):
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
                 lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: "
                 f"[T, H = {layer.num_heads}, D = {layer.head_dim}]")
-        if k is not None:
-            launch(_store_kv, live=dict(k=k, v=v),
-                   static=dict(pool=self.pool, loc=fb.out_cache_loc), scalars=dict(layer_id=layer.layer_id))
+        if k is not None:  # store ...
+            kernel.store_kv(pool=self.pool, loc=fb.out_cache_loc, layer_id=layer.layer_id, k=k, v=v)
         md = self.forward_metadata
         k_cache, v_cache = self.pool.get_kv_buffer(layer.layer_id)
-        window = kernel_window_size(layer)
-        return launch(
-            kernel.flash_attn_with_kvcache,
-            live=dict(q=q),
-            static=dict(k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32,
-                        page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q),
-            scalars=dict(max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale, causal=True,
-                         window_size=window, softcap=layer.logit_cap, provider=self.provider),
-        )
+        return kernel.attention(  # ... then attend, no new k / v
+            q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32, page_table=md.page_table,
+            cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale,
+            causal=True, window_size=kernel_window_size(layer), softcap=layer.logit_cap, provider=self.provider)
 
 
 class FlashAttentionMultiStepBackend:

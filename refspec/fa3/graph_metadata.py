@@ -82,7 +82,7 @@ class GraphMetadataMixin:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Preallocate the graph buffers; the page-table width W comes from ``req_to_token``."""
         P, R = self.page_size, self.kv.req_to_token
-        W = graph_table_width(R, self.max_context_len, P)
+        W = graph_table_width(R, P)
         i32 = dict(dtype=torch.int32, device=R.device)
         self.graph_state = GraphState(
             max_bs=max_bs, width=W,
@@ -158,12 +158,12 @@ class GraphMetadataMixin:
 
 # ---- the rules, one function each (what the module table says, and what reviews cite) ----
 
-def graph_table_width(req_to_token: torch.Tensor, max_context_len: int, page_size: int) -> int:
+def graph_table_width(req_to_token: torch.Tensor, page_size: int) -> int:
     """Page-table columns of the graph buffers: ``ceil(req_to_token.shape[1] / P)`` (CG-008).
 
     ``req_to_token``'s width already includes the speculative headroom, so verify / draft
-    extend near the context wall (K = L + N) still fit.  ``max_context_len`` is not used: sizing
-    from it is case B07's bug (sglang #35985, #29665).
+    extend near the context wall (K = L + N) still fit.  Sizing from the model's context length
+    instead is case B07's bug (sglang #35985, #29665).
     """
     return -(-req_to_token.shape[1] // page_size)
 

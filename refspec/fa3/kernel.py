@@ -26,6 +26,7 @@ import os
 import torch
 
 from refspec.fa3.emulator import emulate_flash_attn_with_kvcache
+from refspec.graphs.capture import recordable
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,3 +108,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, c
     if softcap:
         kwargs["softcap"] = softcap  # unsupported by the tokenspeed build: it raises, tests skip
     return fn(q, k_cache, v_cache, **kwargs)
+
+
+# ---- a forward's two kernel entry points, as a CUDA graph records them (wrapped here, once) ----
+def _store_kv(*, pool, loc, layer_id: int, k, v) -> None:
+    pool.set_kv_buffer(layer_id, loc, k, v)
+
+
+#: ``store_kv(pool=, loc=, layer_id=, k=, v=)``: this forward's K/V into the pool at ``loc`` (PA-009)
+store_kv = recordable(_store_kv, static=("pool", "loc"))
+#: ``attention(q=, k_cache=, ...)``: :func:`flash_attn_with_kvcache`, its KV and metadata buffers static
+attention = recordable(flash_attn_with_kvcache,
+                       static=("k_cache", "v_cache", "cache_seqlens", "page_table", "cu_seqlens_q"))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refspec.core.args import count
 from refspec.core.batch import ForwardBatch
 
 
@@ -66,10 +67,8 @@ def strided_page_table(req_to_token, req_pool_indices, max_seq_len_k: int, page_
     With P = 1 slots are page ids and this is the token-level table itself.
     Raises: ValueError if ``page_size`` is not an int >= 1 or ``max_seq_len_k`` not an int >= 0.
     """
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"strided_page_table: page_size must be an int >= 1, got {page_size!r}")
-    if isinstance(max_seq_len_k, bool) or not isinstance(max_seq_len_k, int) or max_seq_len_k < 0:
-        raise ValueError(f"strided_page_table: max_seq_len_k must be an int >= 0, got {max_seq_len_k!r}")
+    count("strided_page_table: page_size", page_size, 1)
+    count("strided_page_table: max_seq_len_k", max_seq_len_k, 0)
     rows = req_to_token[req_pool_indices, :max_seq_len_k]
     table = rows if page_size == 1 else rows[:, ::page_size] // page_size
     # a fresh row-major copy: FA3 requires stride(-1) == 1, which .contiguous() does not

@@ -24,7 +24,6 @@ import torch
 
 from refspec.fa3 import kernel
 from refspec.fa3.metadata import FlashAttentionMetadata
-from refspec.graphs.capture import launch
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
@@ -54,15 +53,10 @@ def page1_view(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_call(q, k_cache, v_cache, md: FlashAttentionMetadata, layer, window, provider):
-    return launch(
-        kernel.flash_attn_with_kvcache,
-        live=dict(q=q),
-        static=dict(k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32,
-                    page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q),
-        scalars=dict(max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale, causal=False,
-                     window_size=window, softcap=layer.logit_cap, return_softmax_lse=True,
-                     provider=provider),
-    )
+    return kernel.attention(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32,
+                            page_table=md.page_table, cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seq_len_q,
+                            softmax_scale=layer.softmax_scale, causal=False, window_size=window,
+                            softcap=layer.logit_cap, return_softmax_lse=True, provider=provider)
 
 
 def cascade_attention(q, k_cache, v_cache, prefix: FlashAttentionMetadata, expand: FlashAttentionMetadata,

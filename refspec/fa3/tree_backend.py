@@ -28,7 +28,6 @@ from refspec.core.kv_cache import KVCache, KVPool
 from refspec.fa3 import kernel
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.tree_attention import cascade_attention
-from refspec.graphs.capture import launch
 
 
 @dataclass
@@ -49,10 +48,6 @@ def draft_step_batch(fb: TreeDraftBatch, step: int) -> TreeDraftBatch:
     rows = tm.draft_cache_loc_rows(fb.draft_cache_loc, fb.num_steps)
     pos = fb.positions.view(-1, fb.num_steps)
     return fb.replace(out_cache_loc=rows[:, step], positions=pos[:, step], draft_step=step)
-
-
-def _store_kv(pool: KVPool, layer_id: int, loc, k, v):
-    pool.set_kv_buffer(layer_id, loc, k, v)
 
 
 class FlashAttentionTreeBackend:
@@ -130,9 +125,8 @@ class FlashAttentionTreeBackend:
             raise RuntimeError("FlashAttentionTreeBackend.forward before init_forward_metadata")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
                 lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D]")
-        if k is not None:
-            launch(_store_kv, live=dict(k=k, v=v), static=dict(pool=self.pool, loc=fb.out_cache_loc),
-                   scalars=dict(layer_id=layer.layer_id))
+        if k is not None:  # store ...
+            kernel.store_kv(pool=self.pool, loc=fb.out_cache_loc, layer_id=layer.layer_id, k=k, v=v)
         k_cache, v_cache = self.pool.get_kv_buffer(layer.layer_id)
         window = (layer.sliding_window_size, 0) if layer.sliding_window_size >= 0 else (-1, -1)
         return cascade_attention(q, k_cache, v_cache, self.forward_metadata,

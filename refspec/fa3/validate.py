@@ -15,8 +15,8 @@ Each failure raises :class:`~refspec.core.invariants.InvariantError` naming the 
 * PA-001 / PA-002: the page table reproduces ``req_to_token`` for every visible position
   (which also catches a non-page-contiguous row, and a table in the wrong unit);
 * PA-003: the table is wide enough; PA-010: ``max_seq_len_q`` covers every request;
-* MD-012: the real requests have distinct rows and write distinct slots (checked after the
-  per-request rules above, so that each of them keeps naming its own violations).
+* MD-012: the real requests write distinct slots (checked after the per-request rules above,
+  so that each of them keeps naming its own violations; distinct rows: :func:`validate_batch`).
 
 :func:`validate_batch` runs *before* the metadata is built: ``req_pool_indices`` inside
 ``req_to_token`` and fields of one batch size (ValueError), the CPU mirror ``seq_lens_cpu == seq_lens`` (MD-006; the
@@ -112,7 +112,5 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
             ids = "PA-001" if int(row[bad]) % P != bad % P else "PA-002"
             raise InvariantError(ids, f"request {b} position {bad}: page_table gives slot {int(via_table[bad])}, "
                                  f"req_to_token[{r}] holds {int(row[bad])} (P={P})")
-    rows = fb.req_pool_indices[:B].tolist()
-    require(len(set(rows)) == B, "MD-012", f"req_pool_indices {rows} repeat a row")
-    real = loc[:cu[B]]
+    real = loc[:cu[B]]  # distinct rows: validate_batch, which runs first
     require(len(set(real)) == len(real), "MD-012", lambda: f"out_cache_loc {real} writes a slot twice")

@@ -16,10 +16,13 @@ from the current run (a real graph recomputes them into the same internal buffer
 CPU exactly as on a GPU: rebinding a buffer instead of writing into it silently replays the stale
 buffer, and the emulator kernel raises if a live query outgrows the frozen ``max_seqlen_q``.
 On CUDA, :func:`launch` is a plain call and ``torch.cuda.CUDAGraph`` does the freezing.
+Kernel entry points are wrapped once, where they are defined (:func:`recordable`), so that a
+forward reads as plain calls.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import torch
@@ -74,6 +77,21 @@ def launch(kernel, *, live: dict | None = None, static: dict | None = None, scal
     if kernel0 is not kernel:
         raise RuntimeError(f"replay launch {g._cursor - 1}: {kernel.__name__} where capture had {kernel0.__name__}")
     return kernel0(**live, **static0, **scalars0)
+
+
+def recordable(kernel, *, static: tuple[str, ...]):
+    """``kernel`` as a graph-recordable launch, called with keyword arguments only: the ``static``
+    ones are recorded by identity (graph buffers), every other tensor is live, every other value
+    (sizes, flags, the provider) a scalar recorded by value, as a CUDA graph freezes it."""
+    static = frozenset(static)
+
+    @functools.wraps(kernel)
+    def call(**kw):
+        live, frozen, scalars = {}, {}, {}
+        for name, x in kw.items():
+            (frozen if name in static else live if isinstance(x, torch.Tensor) else scalars)[name] = x
+        return launch(kernel, live=live, static=frozen, scalars=scalars)
+    return call
 
 
 class CudaGraph:

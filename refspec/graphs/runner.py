@@ -52,6 +52,7 @@ import bisect
 
 import torch
 
+from refspec.core.args import count, int_list
 from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.graphs.capture import make_graph
 from refspec.core.invariants import require
@@ -78,11 +79,10 @@ class GraphRunner:
     def __init__(self, mode: ForwardMode, backends, forward_fn, *, kv, capture_bs, tokens_per_req,
                  inputs=None, num_draft_tokens=None, split=None, rows="tokens", draft_step=None):
         self.mode, self.backends, self.forward_fn, self.kv = mode, list(backends), forward_fn, kv
-        capture_bs = list(capture_bs)
-        if not capture_bs or not all(isinstance(c, int) and c >= 1 for c in capture_bs):
-            raise ValueError(f"capture_bs must be a non-empty list of batch sizes >= 1, got {capture_bs}")
-        if not isinstance(tokens_per_req, int) or tokens_per_req < 1:
-            raise ValueError(f"tokens_per_req must be an int >= 1, got {tokens_per_req!r}")
+        capture_bs = int_list("capture_bs (batch sizes)", list(capture_bs), least=1)
+        if not capture_bs:
+            raise ValueError("capture_bs must be a non-empty list of batch sizes >= 1, got []")
+        count("tokens_per_req", tokens_per_req, 1)
         self.capture_bs = sorted(set(capture_bs))
         self.W, self.N, self.rows = tokens_per_req, num_draft_tokens, rows
         self._split = split  # a plain attribute, not a bound method or a lambda over self: no cycle
@@ -139,10 +139,9 @@ class GraphRunner:
             if x is not None and n:
                 dst.append(buf[:n])
                 src.append(x)
-            pad = pad_rows(buf, name, n, stop, self.mode, W)
-            if pad is not None:
-                dst.append(pad[0])
-                src.append(pad[1])
+            rows, fills = pad_rows(buf, name, n, stop, self.mode, W)
+            dst.append(rows)
+            src.append(fills)
         for name, buf in self.inputs.items():
             if live is not None and T:
                 dst.append(buf[:T])
@@ -173,7 +172,7 @@ class GraphRunner:
         """CG-010 on the padded rows' metadata (after the capture / replay hooks)."""
         if not self._checking(B, bs):
             return
-        for _sub, backend in zip(self.split(fb), self.backends):
+        for backend in self.backends:
             md = backend.forward_metadata
             q = (md.cu_seqlens_q[1:bs + 1] - md.cu_seqlens_q[:bs])[B:]
             require(bool((md.cache_seqlens_int32[B:bs] >= q).all()), "CG-010",
@@ -266,7 +265,7 @@ def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardM
     copy writes there, rewritten on *every* replay (CG-005): ``(buf[start:stop], fills)``, the
     fills ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the reserved row and the
     dummy page 0), ``seq_lens`` :func:`seq_lens_fill`, ``num_accept_tokens`` /
-    ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``).  None: nothing to write."""
+    ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``)."""
     fill = {"seq_lens": seq_lens_fill(mode, W), "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
     return buf[start:stop], fill_source(buf, fill)[start:stop]
 

@@ -25,6 +25,7 @@ import torch
 from refspec.core.batch import draft_decode_steps_batch, draft_step_view
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.modes import ForwardMode as M
+from refspec.mutants import replacements as R
 from refspec.mutants.audit_probes import grown, paired_probe, replay_validation_probe, window_probe
 from refspec.mutants.checks import (Case, Env, Symptom, check_buffers, check_frozen_q, check_kv_writes,
                                     check_metadata, check_padding, compare, kv_snapshot, live)
@@ -64,21 +65,13 @@ def eager_probe(case_fn, batch_fn=None, horizon: bool = False):
     return run
 
 
-def graph_probe(case_fn, replays=(None,), capture_bs=(4,), max_context_len=None, kv_writes=False):
+def graph_probe(case_fn, replays=(None,), capture_bs=(4,), kv_writes=False):
     """Capture once, replay the request subsets ``replays`` in a row; after each replay compare
     the real rows with the oracle (CG-002, or TOL-002 when eager FA3 is wrong too) and run the
     twin, padding, buffer and (``kv_writes``) KV-write checks."""
     def run(env, found, validate):
         case = case_fn(env)
         b = case.build()
-        if max_context_len is not None:  # a backend whose model context is max_context_len (B07)
-            make = b.fa3_backend
-
-            def backend(provider=None, validate=True):
-                be = make(provider, validate)
-                be.max_context_len = max_context_len
-                return be
-            b.fa3_backend = backend
         runner = b.graph_runner(capture_bs=capture_bs, provider=env.provider, validate=validate)
         for idx in replays:
             fb, q, k, v = live(b, idx)
@@ -255,8 +248,8 @@ PROBES: dict[str, list[Probe]] = {
                                 graph_probe(DE_V1, replays=([0, 1, 2], [2, 1])))],
     "capture-max-seqlen-q-small": [Probe("B08 DRAFT_EXTEND capture bs=3, a=[4,1,3], GQA 16",
                                          graph_probe(B08, capture_bs=(3,)))],
-    "page-table-width-from-context": [Probe("B07 TARGET_VERIFY replay at the context wall, ctx 64",
-                                            graph_probe(B07, capture_bs=(2,), max_context_len=64))],
+    "page-table-width-from-context": [Probe(f"B07 TARGET_VERIFY replay at the context wall, ctx {R.B07_CONTEXT}",
+                                            graph_probe(B07, capture_bs=(2,)))],
     "free-last-committed-page": [Probe("v1 free_tail P=4, L=5, N=4, n=0; then a 2nd request",
                                        free_tail_probe),
                                  Probe("grown rows v1 P=4 TARGET_VERIFY: both wings on one batch",

@@ -97,14 +97,19 @@ def capture_q_of_dummy_batch(fb, bs, num_tokens):
     return _orig["capture_query_rows"](fb, bs, num_tokens)
 
 
-def width_from_context(req_to_token, max_context_len, page_size):
-    """page-table-width-from-context: ceil(max_context / P) columns, no speculative headroom."""
-    return -(-max_context_len // page_size)
+#: the model context (tokens) the B07 variant sizes from: its probe replays at this wall
+B07_CONTEXT = 64
+
+
+def width_from_context(req_to_token, page_size):
+    """page-table-width-from-context: ceil(max_context / P) columns (the model's context,
+    :data:`B07_CONTEXT`, captured here: production never needs it), no speculative headroom."""
+    return -(-B07_CONTEXT // page_size)
 
 
 def pad_nothing(buf, name, start, stop, mode, W):
-    """stale-padded-rows: padded rows keep whatever the previous replay left there (nothing to copy)."""
-    return None
+    """stale-padded-rows: padded rows keep whatever the previous replay left there (an empty copy)."""
+    return buf[start:start], buf[start:start]
 
 
 def pad_with_live_row(buf, name, start, stop, mode, W):

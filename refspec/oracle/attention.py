@@ -25,26 +25,9 @@ from refspec.core.args import int_list
 from refspec.core.invariants import InvariantError, require
 
 
-def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
-                      *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True, out_dtype=None):
-    """Attention for a batch of requests over a paged pool, keys gathered by slot.
-
-    Shapes:
-        q: ``[T, H, D]``; k_flat, v_flat: ``[NP*P, Hkv, D]`` (the pool's slot view);
-        req_to_token: ``[max_reqs, ctx]`` int32 (tokens -> slots).
-        req_pool_indices, cache_seqlens (K_b, tokens): length-B sequences of ints;
-        cu_seqlens_q: length B+1 ints (rows).
-        returns ``[T, H, D]`` in ``out_dtype`` (default ``q.dtype``; pass ``torch.float32``
-        to keep the unrounded truth); rows outside ``cu_seqlens_q`` are 0.
-    Args:
-        softmax_scale: default ``D ** -0.5``.  window_left: w (tokens) or -1.
-        softcap: c, 0 disables.
-        upcast: compute in fp32 (the truth).  ``False`` computes in ``q.dtype``: the error that
-            this low-precision run makes is the budget unit of tolerance tier T1 (TOL-002).
-    Raises: InvariantError PA-011 (the same argument contract as the kernel's: shapes, GQA
-    ratio, ``cu_seqlens_q`` of length B+1 from 0 non-decreasing to ``<= T``, ``0 <= K_b <=``
-    the ``req_to_token`` width, rows inside ``req_to_token``).
-    """
+def _check_kernel_args(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q):
+    """The kernel's argument contract (PA-011) for :func:`attention_by_slot`; returns the rows,
+    the key counts K_b and ``cu_seqlens_q`` as Python int lists."""
     for name, t in (("q", q), ("k_flat", k_flat), ("v_flat", v_flat), ("req_to_token", req_to_token)):
         require(isinstance(t, torch.Tensor), "PA-011", lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
     require(q.is_floating_point() and k_flat.is_floating_point() and v_flat.is_floating_point(), "PA-011",
@@ -72,6 +55,32 @@ def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_s
     R, W = req_to_token.shape
     require(all(0 <= r < R for r in rows) and all(0 <= k <= W for k in K_all), "PA-011",
             f"rows {rows} must lie in [0, {R}) and cache_seqlens {K_all} in [0, {W}]")
+    return rows, K_all, cu
+
+
+def attention_by_slot(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q,
+                      *, softmax_scale=None, window_left=-1, softcap=0.0, upcast=True, out_dtype=None):
+    """Attention for a batch of requests over a paged pool, keys gathered by slot.
+
+    Shapes:
+        q: ``[T, H, D]``; k_flat, v_flat: ``[NP*P, Hkv, D]`` (the pool's slot view);
+        req_to_token: ``[max_reqs, ctx]`` int32 (tokens -> slots).
+        req_pool_indices, cache_seqlens (K_b, tokens): length-B sequences of ints;
+        cu_seqlens_q: length B+1 ints (rows).
+        returns ``[T, H, D]`` in ``out_dtype`` (default ``q.dtype``; pass ``torch.float32``
+        to keep the unrounded truth); rows outside ``cu_seqlens_q`` are 0.
+    Args:
+        softmax_scale: default ``D ** -0.5``.  window_left: w (tokens) or -1.
+        softcap: c, 0 disables.
+        upcast: compute in fp32 (the truth).  ``False`` computes in ``q.dtype``: the error that
+            this low-precision run makes is the budget unit of tolerance tier T1 (TOL-002).
+    Raises: InvariantError PA-011 (the same argument contract as the kernel's: shapes, GQA
+    ratio, ``cu_seqlens_q`` of length B+1 from 0 non-decreasing to ``<= T``, ``0 <= K_b <=``
+    the ``req_to_token`` width, rows inside ``req_to_token``).
+    """
+    rows, K_all, cu = _check_kernel_args(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens,
+                                         cu_seqlens_q)
+    T = q.shape[0]
     # bottom-right alignment = row i of request b sits at position K_b - q_b + i
     positions = [K - (cu[b + 1] - cu[b]) + i for b, K in enumerate(K_all) for i in range(cu[b + 1] - cu[b])]
     positions += [-1] * (T - len(positions))  # rows outside cu_seqlens_q see nothing: 0

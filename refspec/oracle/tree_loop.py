@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refspec.core.invariants import InvariantError
+from refspec.core.args import tree_args
 from refspec.oracle.loop import _check_request, _emit
 from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree import (
@@ -60,7 +60,6 @@ from refspec.oracle.tree import (
     build_tree,
     expand,
     greedy_accept,
-    max_drafts,
     root_children,
     select,
     verify_key_slots,
@@ -127,19 +126,6 @@ class TreeSpecResult:
     trees: list[Tree] = field(default_factory=list)
 
 
-def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
-    """ValueError (InvariantError TR-002 for N) unless k >= 1, Sd >= 1 and
-    ``2 <= N <= 1 + k + (Sd-1) k^2`` (every draft must be a candidate)."""
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk (k) must be an int >= 1, got {topk!r}")
-    if not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
-    C = max_drafts(topk, num_steps)
-    if not isinstance(num_draft_tokens, int) or not 2 <= num_draft_tokens <= C + 1:
-        raise InvariantError("TR-002", f"num_draft_tokens N = {num_draft_tokens!r} must satisfy 2 <= N and "
-                             f"N - 1 <= k + (Sd-1) k^2 = {topk} + {num_steps - 1}*{topk}^2 = {C}")
-
-
 def _compact_to_front(emitted: list[int], path: list[int], predict: list[int], Sd: int, N: int):
     """v2 draft-extend rows (upstream ``_compact_accept_to_front``): row j < a holds the path's
     j-th emitted token and the hidden state of path node j; rows a..Sd (padded accept entries)
@@ -172,7 +158,7 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
     Returns: :class:`TreeSpecResult` (ints; fp32 on the model's device).
     Raises: ValueError for a bad request or k / Sd / N (TR-002: ``N - 1 <= k + (Sd-1) k^2``).
     """
-    check_tree_args(topk, num_steps, num_draft_tokens)
+    tree_args(topk, num_steps, num_draft_tokens)
     if topk > target.config.vocab_size:
         raise ValueError(f"topk k = {topk} > vocab_size V = {target.config.vocab_size}: a draft step's top-k "
                          f"is over the V tokens (TR-001)")

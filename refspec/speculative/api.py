@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from refspec.core.args import is_int
+from refspec.core.args import count, int_list, is_int, tree_args
 from refspec.oracle.loop import greedy, speculative_greedy
-from refspec.oracle.tree import max_drafts
-from refspec.oracle.tree_loop import check_tree_args, speculative_tree_greedy
+from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative.accept import ScriptedAccept
 from refspec.speculative.drafters import make_drafter
 from refspec.model.drafts import make_draft
@@ -27,6 +26,7 @@ BACKENDS = ("oracle", "fa3", "paged-oracle")
 def greedy_reference(model, prompts, max_new_tokens, eos=None) -> dict[int, list[int]]:
     """``rid -> prompt + plain greedy output`` (the reference the test drafters read)."""
     _check_args(model, prompts, 1, 1, None)
+    _check_eos(eos, model.config.vocab_size)
     budgets = _budgets(prompts, max_new_tokens, model.config.max_position_embeddings)
     return {i: list(p) + greedy(model, p, m, eos).tokens for i, (p, m) in enumerate(zip(prompts, budgets))}
 
@@ -62,12 +62,16 @@ def _check_args(target, prompts, num_steps, page_size, arrivals) -> None:
         if not all(is_int(t) and 0 <= t < V for t in p):
             raise ValueError(f"prompts[{i}] has token ids outside [0, vocab_size = {V}): "
                              f"{[t for t in p if not (is_int(t) and 0 <= t < V)]}")
-    if not is_int(num_steps) or num_steps < 1:
-        raise ValueError(f"num_steps (Sd) must be an int >= 1, got {num_steps!r}")
-    if not is_int(page_size) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if arrivals is not None and (len(arrivals) != len(prompts) or any(a < 0 for a in arrivals)):
-        raise ValueError(f"arrivals must hold one step >= 0 per prompt, got {arrivals} for {len(prompts)} prompts")
+    count("num_steps (Sd)", num_steps, 1)
+    count("page_size", page_size, 1)
+    if arrivals is not None:
+        int_list("arrivals (one step per prompt)", arrivals, length=len(prompts), least=0)
+
+
+def _check_eos(eos, vocab_size: int) -> None:
+    """ValueError unless ``eos`` is None or a token id of the vocabulary."""
+    if eos is not None and not (is_int(eos) and 0 <= eos < vocab_size):
+        raise ValueError(f"eos must be None or a token id in [0, vocab_size = {vocab_size}), got {eos!r}")
 
 
 def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version: str = "v1", page_size: int = 1,
@@ -110,10 +114,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_args(target, prompts, num_steps, page_size, arrivals)
-    if eos is not None and not (is_int(eos) and 0 <= eos < target.config.vocab_size):
-        raise ValueError(f"eos must be None or a token id in [0, vocab_size = {target.config.vocab_size}), got {eos!r}")
+    _check_eos(eos, target.config.vocab_size)
     budgets = _budgets(prompts, max_new_tokens, target.config.max_position_embeddings)
-    num_draft_tokens = _check_tree_args(topk, num_steps, num_draft_tokens)
+    num_draft_tokens = tree_args(topk, num_steps, num_draft_tokens)
     if topk > 1 and backend == "oracle":
         return _generate_tree(target, prompts, budgets, backend=backend, version=version, draft=draft,
                               drafter=drafter, accept=accept, num_steps=num_steps, topk=topk,
@@ -157,29 +160,9 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
 
 
 # ---------------------------------------------------------------- top-k > 1 (EAGLE trees)
-def _check_tree_args(topk, num_steps, num_draft_tokens) -> int:
-    """The resolved N; ValueError for a bad k / N (SD-010 at k = 1, TR-002 for k > 1)."""
-    if num_draft_tokens is not None and not is_int(num_draft_tokens):
-        raise ValueError(f"num_draft_tokens (N) must be None or an int, got {num_draft_tokens!r}")
-    if not is_int(topk) or topk < 1:
-        raise ValueError(f"topk (k) must be an int >= 1, got {topk!r}")
-    if topk == 1:
-        if num_draft_tokens not in (None, num_steps + 1):
-            raise ValueError(f"[SD-010] topk = 1 verifies N = Sd + 1 = {num_steps + 1} tokens, "
-                             f"got num_draft_tokens={num_draft_tokens!r}")
-        return num_steps + 1
-    if num_draft_tokens is None:
-        raise ValueError(f"topk = {topk} > 1 needs num_draft_tokens (N, root included), "
-                         f"2 <= N <= 1 + k + (Sd-1) k^2 = {1 + max_drafts(topk, num_steps)}")
-    check_tree_args(int(topk), int(num_steps), num_draft_tokens)
-    return int(num_draft_tokens)
-
-
 def _generate_tree(target, prompts, budgets, *, backend, version, draft, drafter, accept, num_steps, topk,
                    num_draft_tokens, eos, draft_seed) -> GenerateResult:
     """k > 1 on the oracle: :func:`refspec.oracle.tree_loop.speculative_tree_greedy` per request."""
-    if backend != "oracle":
-        raise ValueError(f"_generate_tree is the oracle's top-k > 1 path, got backend={backend!r}")
     if drafter is not None or accept is not None:
         raise ValueError("topk > 1: drafter / accept overrides are not supported (the tree comes from the draft)")
     dm = make_draft(draft, target, seed=draft_seed)

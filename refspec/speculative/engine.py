@@ -59,6 +59,7 @@ from collections import Counter
 
 import torch
 
+from refspec.core.args import count, int_list
 from refspec.core.batch import extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.transfer import ResultCopy, h2d, h2d_many
@@ -69,6 +70,7 @@ from refspec.speculative.drafters import Drafter
 from refspec.speculative.future import FutureMap
 from refspec.speculative.metrics import RoundTrace
 from refspec.speculative.request import Request
+from refspec.speculative.round_row import RoundRow, unpack
 from refspec.speculative.runners import SpecRunners
 
 __all__ = ["Engine", "Request"]
@@ -103,13 +105,10 @@ class Engine:
         p = next(target.parameters())
         self.drafter = drafter or Drafter()
         self.forces_drafts = type(self.drafter) is not Drafter  #: a drafter may override draft tokens
-        self._no_drafts: dict = {}  #: B -> the constant [B, Sd] of -1 (no override)
         self.overlap = overlap = overlap_loop.resolve(overlap, version, p.device, self.drafter)
-        if num_steps < 1:
-            raise ValueError("num_steps (Sd) must be >= 1")
-        for name, n in (("page_size", page_size), ("max_context", max_context), ("max_batch", max_batch)):
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        for name, n in (("num_steps (Sd)", num_steps), ("page_size", page_size), ("max_context", max_context),
+                        ("max_batch", max_batch)):
+            count(name, n, 1)
         self.max_context = max_context
         self.target, self.draft, self.version = target, draft, version
         self.Sd, self.N, self.P = num_steps, self._verify_width(num_steps), page_size
@@ -128,7 +127,7 @@ class Engine:
                                  dtype=p.dtype, device=p.device, fill=pool_fill)
         self.runners = self._make_runners(num_steps=num_steps, version=version, attention=attention, graphs=graphs,
                                           capture_bs=capture_bs, provider=provider, validate=validate,
-                                          syncs=self.syncs)
+                                          syncs=self.syncs, forced_drafts=self.forces_drafts)
         self.device = p.device
         self.future = FutureMap(self.kv.req_to_token.shape[0], p.device)  #: next-round inputs per row
         self.rounds_launched = 0  #: rounds launched so far (the next one's index)
@@ -181,15 +180,14 @@ class Engine:
         """A host int list -> int64 on the device (pinned, non-blocking: no stream sync)."""
         return h2d(xs, self.device)
 
-    def forced_drafts(self, reqs, rows_dev: torch.Tensor, L_dev: torch.Tensor) -> torch.Tensor:
-        """The drafter's d_1..d_Sd per request, ``[B, Sd]`` int64, -1 = the draft's own argmax.
+    def forced_drafts(self, reqs, rows_dev: torch.Tensor, L_dev: torch.Tensor) -> torch.Tensor | None:
+        """The drafter's d_1..d_Sd per request, ``[B, Sd]`` int64, -1 = the draft's own argmax;
+        None without a drafter that overrides drafts (``forces_drafts``).
 
         Overlap: the host does not know this round's L, so the proposal is looked up on the
         device in the table of ``propose_at`` per (row, L) filled at admission."""
-        if not self.forces_drafts:  # no override: a constant -1, made once per batch size
-            if len(reqs) not in self._no_drafts:
-                self._no_drafts[len(reqs)] = torch.full((len(reqs), self.Sd), -1, dtype=torch.long, device=self.device)
-            return self._no_drafts[len(reqs)]
+        if not self.forces_drafts:
+            return None
         if self.overlap:
             return self.draft_table[rows_dev, L_dev]
         rows = [self.drafter.propose(r.rid, r.tokens, self.Sd) or [-1] * self.Sd for r in reqs]
@@ -207,10 +205,14 @@ class Engine:
 
     # ---- requests ----
     def add_request(self, rid: int, prompt: list[int], max_new_tokens: int, arrival: int = 0) -> Request:
-        """Queue a request.  Raises ValueError: empty prompt, ``max_new_tokens < 1``, prompt +
+        """Queue a request.  Raises ValueError naming the field: a prompt that is not a non-empty list
+        of ints, ``max_new_tokens`` / ``arrival`` not an int (>= 1 / >= 0), prompt +
         budget past ``max_context``, a token id outside the vocabulary, a ``rid`` already used."""
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        prompt = int_list(f"request {rid}: prompt", prompt)
+        max_new_tokens = count(f"request {rid}: max_new_tokens", max_new_tokens, 1)
+        arrival = count(f"request {rid}: arrival", arrival, 0)
+        if not prompt:
+            raise ValueError(f"request {rid}: the prompt is empty")
         if len(prompt) + max_new_tokens > self.max_context:
             raise ValueError(f"request {rid}: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"> max_context {self.max_context}")
@@ -219,7 +221,7 @@ class Engine:
             raise ValueError(f"request {rid}: token ids outside [0, vocab_size = {V})")
         if any(r.rid == rid for r in self.waiting + self.running + self.done):
             raise ValueError(f"request id {rid} is already in use")
-        req = Request(rid, list(prompt), max_new_tokens, arrival)
+        req = Request(rid, prompt, max_new_tokens, arrival)
         self.waiting.append(req)
         return req
 
@@ -310,7 +312,7 @@ class Engine:
         self.rounds_launched += 1
         in_round = self.syncs["in_round"] - before
         if self.version == "v2":  # the results, read once after the round
-            out = self.host("post_round", out)
+            out = [unpack(row, self.N, self.Sd) for row in self.host("post_round", out)]
         self.commit(reqs, L, out, joined, in_round, self.graphs_used(counts_before))
 
     def graphs_used(self, counts_before: Counter) -> list[str]:
@@ -318,22 +320,20 @@ class Engine:
         return sorted(ph for (ph, how), v in self.runners.counts.items()
                       if how == "graph" and v > counts_before[(ph, how)])
 
-    def commit(self, reqs, L, out, joined, in_round, used, discarded=()) -> None:
-        """Apply one round's host rows ``out`` (``[a, c_0..c_(N-1), d_1..d_Sd, draft_len, ...]``
+    def commit(self, reqs, L, out: list[RoundRow], joined, in_round, used, discarded=()) -> None:
+        """Apply one round's result rows ``out`` (one :class:`~refspec.speculative.round_row.RoundRow`
         per request of ``reqs``, committed lengths ``L``): lengths, emission, finishes, frees,
         the trace entry and the ``round_end`` event.  ``discarded``: rids whose row was dropped."""
-        N, Sd = self.N, self.Sd
         for r, l, row in zip(reqs, L, out):
-            a = row[0]
-            r.seq_len = r.target_kv_len = l + a
-            r.draft_kv_len = row[1 + N + Sd]
-            r.accepts.append(a)
-            r.drafts.append(row[1 + N:1 + N + Sd])
-            r.emitted.append(self._emit(r, row[1:1 + a]))
+            r.seq_len = r.target_kv_len = l + row.a
+            r.draft_kv_len = row.draft_len
+            r.accepts.append(row.a)
+            r.drafts.append(row.drafts)
+            r.emitted.append(self._emit(r, row.committed[:row.a]))
         finished = [r for r in reqs if r.finished]
         self._release(finished)
-        tr = RoundTrace(len(self.trace), [r.rid for r in reqs], list(L), [row[0] for row in out],
-                        [row[1 + N:1 + N + Sd] for row in out], joined=joined, finished=[r.rid for r in finished],
+        tr = RoundTrace(len(self.trace), [r.rid for r in reqs], list(L), [row.a for row in out],
+                        [row.drafts for row in out], joined=joined, finished=[r.rid for r in finished],
                         host_syncs=in_round, graph=used, discarded=list(discarded))
         self.trace.append(tr)
         self.observe("round_end", reqs=reqs, trace=tr)

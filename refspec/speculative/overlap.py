@@ -89,6 +89,7 @@ from refspec.core.invariants import require
 from refspec.core.transfer import ResultCopy, h2d
 from refspec.speculative import rounds
 from refspec.speculative.drafters import Drafter
+from refspec.speculative.round_row import unpack
 
 
 def resolve(overlap: bool | None, version: str, device: torch.device, drafter) -> bool:
@@ -170,10 +171,10 @@ def launch(eng, reqs, joined: list[int]) -> InFlight:
 def finish(eng, fl: InFlight) -> None:
     """Read ``fl``'s results (the one counted read), drop the rows of requests an earlier
     round finished, commit the rest.  Raises SD-008 if the host's L disagrees with the device's."""
-    rows = eng.host("post_round", fl.copy)
+    rows = [unpack(row, eng.N, eng.Sd) for row in eng.host("post_round", fl.copy)]
     keep = [(r, row) for r, row in zip(fl.reqs, rows) if not r.finished]
     for r, row in keep:
-        require(row[-1] == r.seq_len, "SD-008", f"request {r.rid}: host L {r.seq_len}, device L {row[-1]}")
+        require(row.seq_len == r.seq_len, "SD-008", f"request {r.rid}: host L {r.seq_len}, device L {row.seq_len}")
     eng.commit([r for r, _ in keep], [r.seq_len for r, _ in keep], [row for _, row in keep], fl.joined,
                fl.in_round, fl.graph, discarded=[r.rid for r in fl.reqs if r.finished])
 

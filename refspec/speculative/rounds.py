@@ -1,10 +1,10 @@
 """One speculative round, v1 and v2, over the running batch (docs/spec/spec-decode.md, docs/spec/kv.md).
 
-Both return, per request, the row ``[a, c_0..c_(N-1), d_1..d_Sd, draft_len]`` (``c`` the
-committed candidates of :func:`~refspec.speculative.accept.committed_candidates`, ``c[:a]`` the emitted
-tokens; ``draft_len`` the draft KV length the draft extend committed: the kept row's KV index
-+ 1): v1 as a host list (it had to read it inside the round), v2 as a device tensor
-``[B, 3 + N + Sd]`` (that row, then the device's L) that the engine reads after the round.
+Both return, per request, the round's result row (:mod:`refspec.speculative.round_row`:
+a, the committed candidates, the drafts, the draft KV length): v1 as host
+:class:`~refspec.speculative.round_row.RoundRow` s (it had to read a inside the round), v2 as one
+device tensor ``[B, 3 + N + Sd]`` (those rows, then the device's L) that the engine reads after
+the round.
 Both leave each request's next ``seq_len``, ``root``, ``d1`` and draft hidden on the device,
 in the engine's future map (:mod:`refspec.speculative.future`), and read them from it at the
 start.  The overlap loop (:mod:`refspec.speculative.overlap`) runs :func:`round_v2` as it is,
@@ -20,15 +20,17 @@ import torch
 from refspec.core.batch import draft_decode_steps_batch, draft_extend_batch, draft_extend_v2_batch, verify_batch
 from refspec.core.transfer import h2d, h2d_many
 from refspec.speculative.accept import committed_candidates
+from refspec.speculative.round_row import RoundRow, pack
 
 
 def _start(eng, reqs):
-    """Rows ``[B]`` (device), the forced drafts, d_1 (a drafter may override it), the roots and
-    the draft hidden (gathered from the future map), and the device L ``[B]``."""
+    """Rows ``[B]`` (device), the forced drafts (None without a drafter that overrides them), d_1
+    (a drafter may override it), the roots and the draft hidden (gathered from the future map),
+    and the device L ``[B]``."""
     rows_dev = h2d([r.row for r in reqs], eng.device)
     L_dev, roots, d1, dhid = eng.future.gather(rows_dev)
     forced = eng.forced_drafts(reqs, rows_dev, L_dev)
-    if eng.forces_drafts:
+    if forced is not None:
         d1 = torch.where(forced[:, 0] >= 0, forced[:, 0], d1)
     return rows_dev, forced, d1, roots, dhid, L_dev
 
@@ -37,7 +39,7 @@ def _draft(eng, reqs, fb, forced, d1, dhid):
     """Sd - 1 draft-decode steps on ``fb`` (KV L..L+Sd-2, or None when Sd = 1): drafts ``[B, Sd]``."""
     if eng.Sd == 1:
         return d1[:, None]
-    rest = eng.runners.draft_decode(fb, d1, forced[:, 1:], dhid)
+    rest = eng.runners.draft_decode(fb, d1, None if forced is None else forced[:, 1:], dhid)
     eng.observe("draft_decode", reqs=reqs, fb=fb)
     return torch.cat([d1[:, None], rest], dim=1)
 
@@ -61,7 +63,7 @@ def _next_state(eng, rows_dev, new_seq_lens, cand, d_next, dh, keep, a):
     eng.future.stash(rows_dev, seq_lens=new_seq_lens, root=roots, d1=d_next[keep], hidden=dh_keep)
 
 
-def round_v1(eng, reqs) -> list[list[int]]:
+def round_v1(eng, reqs) -> list[RoundRow]:
     """v1 (non-overlap): transient draft slots, verify, page-aligned free, packed draft extend."""
     kv, N, Sd = eng.kv, eng.N, eng.Sd
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
@@ -81,7 +83,7 @@ def round_v1(eng, reqs) -> list[list[int]]:
     hidden, n, cand = _verify(eng, reqs, verify_batch(kv, rows, L, N), roots, drafts)
     a_dev = n + 1
     host = eng.host("in_round", torch.cat([a_dev[:, None], cand, drafts], dim=1))  # v1 needs a on the host
-    a = [row[0] for row in host]
+    a = [h[0] for h in host]
     # 3. commit; free rejected slots page-aligned: keep the page of position L+a-1 (KV-004)
     for r, l, ab in zip(reqs, L, a):
         kv.free_tail(r.row, keep_len=l + ab, alloc_len=l + N)
@@ -93,10 +95,8 @@ def round_v1(eng, reqs) -> list[list[int]]:
     d_next, dh = eng.runners.draft_extend(fb, cand.flatten()[sel], None if hidden is None else hidden[sel])
     eng.observe("draft_extend", reqs=reqs, fb=fb)
     _next_state(eng, rows_dev, fb.seq_lens, cand, d_next, dh, keep, a_dev)
-    for r, row, K in zip(reqs, host, fb.seq_lens_cpu.tolist()):  # the extent the draft extend wrote
-        r.draft_kv_len = K
-        row.append(K)
-    return host
+    K = fb.seq_lens_cpu.tolist()  # the extent the draft extend wrote
+    return [RoundRow(h[0], h[1:1 + N], h[1 + N:], k) for h, k in zip(host, K)]
 
 
 def prepare_v2(eng, reqs) -> None:
@@ -121,7 +121,7 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
 
     ``batches(eng, reqs, rows_dev, L_dev) -> (steps, verify, extend)`` builds the forwards'
     batches: :func:`host_batches`, or the overlap loop's from device lengths.  Returns
-    ``[B, 3 + N + Sd]`` on the device: the module doc's row, then the device L.
+    ``[B, 3 + N + Sd]`` on the device: the result rows, then the device L (:func:`~refspec.speculative.round_row.pack`).
     """
     N = eng.N
     rows_dev, forced, d1, roots, dhid, L_dev = _start(eng, reqs)
@@ -136,4 +136,4 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     keep = torch.arange(0, len(reqs) * N, N, device=n.device) + n  # row b*N + a_b - 1 (= b*N + n_b)
     _next_state(eng, rows_dev, L_dev + a_dev, cand, d_next, dh, keep, a_dev)
     draft_len = fb.positions[keep] + 1  # the kept row's KV index + 1
-    return torch.cat([a_dev[:, None], cand, drafts, draft_len[:, None], L_dev[:, None]], dim=1)
+    return pack(a_dev, cand, drafts, draft_len, L_dev)

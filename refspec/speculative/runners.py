@@ -21,8 +21,9 @@ path run the *same* forward function; only where the metadata comes from differs
 
 The draft-decode graph (SGLang ``EAGLEDraftCudaGraphRunner``, CG-005) takes per-token inputs
 laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): ``ids`` (column 0 =
-d_1; the other columns are never read), ``forced`` (column s = a drafter's d_(s+2), or -1 for
-the draft's own argmax) and, for an EAGLE draft, ``hidden`` (column 0 = the kept draft-extend
+d_1; the other columns are never read), with a drafter that overrides drafts (a test or replay
+drafter, :mod:`refspec.speculative.drafters`) ``forced`` (column s = its d_(s+2), or -1 for the
+draft's own argmax) and, for an EAGLE draft, ``hidden`` (column 0 = the kept draft-extend
 row's hidden; the others never read).  Step s reads its
 ``draft_step_view`` and the backend of step s; the chosen tokens ``[B, Sd-1]`` come out.
 
@@ -64,13 +65,17 @@ class SpecRunners:
         graphs: capture graphs (fa3 only).  capture_bs: batch sizes (CG-007).
         provider, validate: FA3 backend options.  syncs: the engine's ``Counter`` (the FA3
             backends add their ``"validation"`` reads to it).
+        forced_drafts: the draft-decode phase takes a drafter's tokens (``forced``, module doc);
+            without it the graph captures no such input.
     """
 
     head = "argmax"
 
     def __init__(self, target, draft, kv, target_pool, draft_pool, *, num_steps, version, attention="fa3",
-                 graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True, syncs=None):
+                 graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True, syncs=None,
+                 forced_drafts=False):
         self.target, self.draft, self.kv = target, draft, kv
+        self.forced_drafts = forced_drafts
         self.Sd, self.N, self.version = num_steps, num_steps + 1, version
         if attention == "fa3":
             kw = dict(provider=provider, validate=validate, syncs=syncs)
@@ -93,6 +98,7 @@ class SpecRunners:
     def _capture(self, capture_bs, dtype):
         ids, E, N, Sd = ((), torch.long), self.target.config.hidden_size, self.N, self.Sd
         hidden = {"hidden": ((E,), dtype)} if self.draft.uses_hidden else {}
+        forced = {"forced": ids} if self.forced_drafts else {}
         kv = self.kv
         self.graph["verify"] = GraphRunner(ForwardMode.TARGET_VERIFY, [self.target_be], self._verify_fn, kv=kv,
                                            capture_bs=capture_bs, tokens_per_req=N, inputs={"ids": ids},
@@ -100,7 +106,7 @@ class SpecRunners:
         if Sd > 1:
             self.graph["draft_decode"] = GraphRunner(
                 ForwardMode.DECODE, self.step_bes, self._draft_decode_fn, kv=kv, capture_bs=capture_bs,
-                tokens_per_req=Sd - 1, inputs={"ids": ids, "forced": ids, **hidden}, rows="requests",
+                tokens_per_req=Sd - 1, inputs={"ids": ids, **forced, **hidden}, rows="requests",
                 split=lambda fb: [draft_step_view(fb, s, Sd) for s in range(Sd - 1)], draft_step=0)
         mode = ForwardMode.DRAFT_EXTEND if self.version == "v1" else ForwardMode.DRAFT_EXTEND_V2
         self.graph["draft_extend"] = GraphRunner(mode, [self.draft_be], self._draft_extend_fn, kv=kv,
@@ -123,12 +129,14 @@ class SpecRunners:
     def _draft_decode_fn(self, fb, x):
         S1, B = self.Sd - 1, fb.batch_size
         ids = x["ids"].view(B, S1)[:, 0]
-        forced = x["forced"].view(B, S1)
+        forced = x["forced"].view(B, S1) if "forced" in x else None
         hid = x["hidden"].view(B, S1, -1)[:, 0] if "hidden" in x else None
         toks = []
         for s in range(S1):  # step s: KV index L + s, input d_(s+1), output d_(s+2)
             logits, hid = self.draft.forward(ids, hid, draft_step_view(fb, s, self.Sd), self.step_bes[s])
-            ids = torch.where(forced[:, s] >= 0, forced[:, s], logits.argmax(-1))
+            ids = logits.argmax(-1)
+            if forced is not None:  # a drafter's token where it gives one
+                ids = torch.where(forced[:, s] >= 0, forced[:, s], ids)
             toks.append(ids)
         return torch.stack(toks, dim=1)
 
@@ -170,13 +178,16 @@ class SpecRunners:
         """All Sd - 1 draft-decode steps of a round.
 
         Shapes: ``fb`` from :func:`~refspec.core.batch.draft_decode_steps_batch`; ``first_ids [B]``
-        (d_1); ``forced [B, Sd-1]`` (-1: the draft's argmax); ``hidden [B, E]`` or None ->
+        (d_1); ``forced [B, Sd-1]`` (-1: the draft's argmax) or None (no drafter overrides
+        drafts); ``hidden [B, E]`` or None ->
         tokens ``[B, Sd-1]`` (d_2..d_Sd).
         """
         B, S1 = fb.batch_size, self.Sd - 1
         # request-major [B * (Sd-1)] like out_cache_loc; the graph reads column 0 only, so every
         # column holds it (one copy, no zeros + scatter)
-        x = {"ids": first_ids[:, None].expand(B, S1).flatten(), "forced": forced.flatten()}
+        x = {"ids": first_ids[:, None].expand(B, S1).flatten()}
+        if forced is not None:
+            x["forced"] = forced.flatten()
         if self.draft.uses_hidden:
             x["hidden"] = hidden[:, None].expand(B, S1, hidden.shape[-1]).flatten(0, 1)
 

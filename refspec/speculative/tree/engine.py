@@ -36,23 +36,14 @@ from __future__ import annotations
 
 import torch
 
+from refspec.core.args import tree_args
 from refspec.core.batch import draft_extend_batch
 from refspec.speculative.tree import kv as tree_kv, v2 as tree_v2
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.engine import Engine
+from refspec.speculative.round_row import RoundRow
 from refspec.speculative.tree.build import draft_topk
 from refspec.speculative.tree.runners import TreeRunners, branch_inputs, draft_in_branches, tree_verify_accept
-
-
-def check_tree_args(topk: int, num_steps: int, num_draft_tokens: int) -> None:
-    """ValueError unless k >= 2, S >= 1 and 2 <= N <= 1 + k + (S-1) k^2 (TR-002)."""
-    for name, n, least in (("topk", topk, 2), ("num_steps", num_steps, 1), ("num_draft_tokens", num_draft_tokens, 2)):
-        if not isinstance(n, int) or n < least:
-            raise ValueError(f"{name} must be an int >= {least}, got {n!r}")
-    most = 1 + topk + (num_steps - 1) * topk * topk
-    if num_draft_tokens > most:
-        raise ValueError(f"num_draft_tokens N = {num_draft_tokens} > 1 + k + (S-1) k^2 = {most} for k = {topk}, "
-                         f"S = {num_steps} (TR-002)")
 
 
 def _draft(eng, reqs, rows, L):
@@ -69,7 +60,7 @@ def _draft(eng, reqs, rows, L):
     return out
 
 
-def round_tree_v1(eng, reqs) -> list[list[int]]:
+def round_tree_v1(eng, reqs) -> list[RoundRow]:
     """One v1 top-k round (module doc); returns the host rows."""
     kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
@@ -103,7 +94,7 @@ def round_tree_v1(eng, reqs) -> list[list[int]]:
         r.dhid = dh[keep[b]] if eng.draft.uses_hidden else None
         r.draft_kv_len = L[b] + ab
         c = em[start:start + ab]
-        out.append([ab] + c + [-1] * (N - ab) + c[:-1] + [-1] * (S + 1 - ab) + [L[b] + ab])
+        out.append(RoundRow(ab, c + [-1] * (N - ab), c[:-1] + [-1] * (S + 1 - ab), L[b] + ab))
         start += ab
     return out
 
@@ -122,7 +113,9 @@ class TreeEngine(Engine):
 
     def __init__(self, target, draft, *, topk: int, num_draft_tokens: int, num_steps: int = 3, version: str = "v1",
                  drafter=None, accept=None, overlap=None, **kw):
-        check_tree_args(topk, num_steps, num_draft_tokens)
+        tree_args(topk, num_steps, num_draft_tokens)
+        if topk < 2:
+            raise ValueError(f"TreeEngine is the top-k > 1 engine: topk must be >= 2, got {topk} (k = 1: Engine)")
         if topk > target.config.vocab_size:
             raise ValueError(f"topk k = {topk} > vocab_size V = {target.config.vocab_size}: each draft step takes "
                              f"the top-k of the V draft probabilities (TR-001)")

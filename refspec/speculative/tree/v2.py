@@ -59,6 +59,7 @@ import torch
 from refspec.core.batch import draft_extend_v2_batch
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVPool
+from refspec.speculative.round_row import pack
 from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.tree.build import draft_topk
 from refspec.speculative.tree.runners import branch_inputs, draft_in_branches, tree_verify_accept
@@ -175,4 +176,4 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
     m = min(N, S)
     d[:, :m] = torch.where(j[:, :m] < (a - 1)[:, None], pv[:, :m], -1)
     draft_len = eng.ids(L) + a  # the kept row's KV index + 1: seq_lens advance by a
-    return torch.cat([a[:, None], c, d, draft_len[:, None]], dim=1)
+    return pack(a, c, d, draft_len)
