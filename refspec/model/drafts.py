@@ -95,9 +95,9 @@ def make_draft(spec, target: LlamaModel, seed: int = 1):
         if name == "eagle":
             return EagleDraft(target, seed=seed)
         if name == "early-exit":
+            if not (arg == "" or (arg.isascii() and arg.isdigit())):
+                raise ValueError(f"draft {spec!r}: early-exit:k needs an int k (layers of the target)")
             return EarlyExitDraft(target, int(arg or 1))
-        if name == "early-exit" and not (arg == "" or arg.isdigit()):
-            raise ValueError(f"draft {spec!r}: early-exit:k needs an int k (layers of the target)")
         raise ValueError(f"unknown draft {spec!r} (eagle, early-exit[:k], or a model)")
     if isinstance(spec, LlamaModel):
         if spec.config.vocab_size != target.config.vocab_size:

@@ -143,8 +143,8 @@ def check_trace(trace: dict) -> None:
     cfg = trace.get("config", {})
     if any(k not in cfg for k in CONFIG_KEYS):
         bad(f"config lacks {[k for k in CONFIG_KEYS if k not in cfg]}")
-    if cfg["version"] not in ("v1", "v2") or cfg["num_steps"] < 1 or cfg["page_size"] < 1:
-        bad(f"config version / num_steps / page_size out of range: {cfg}")
+    if (why := _field_problem(trace)) is not None:
+        bad(why)
     if (why := model_config_problem(cfg["model_config"])) is not None:
         bad(why)
     most_new = max((r["max_new_tokens"] for r in trace["requests"]), default=1)
@@ -156,8 +156,6 @@ def check_trace(trace: dict) -> None:
         for name in ("prompt_ids", "output_ids"):
             if not all(type(x) is int and 0 <= x < V for x in r[name]):
                 bad(f"request {r['rid']}: {name} holds a token outside the vocabulary 0 .. {V - 1}")
-    if not (isinstance(cfg["max_batch"], int) and cfg["max_batch"] >= 1):
-        bad(f"config max_batch = {cfg['max_batch']!r}: an int >= 1")
     most, cbs = 2 * largest_batch(trace), cfg["capture_bs"]
     if not (isinstance(cbs, list) and cbs and all(isinstance(c, int) and 1 <= c <= most for c in cbs)):
         bad(f"config capture_bs = {cbs!r}: a non-empty list of graph batch sizes 1 .. {most} (twice the "
@@ -194,8 +192,77 @@ def check_trace(trace: dict) -> None:
         fin = [k for k, rd in enumerate(rounds) if r["rid"] in rd["finished"]]
         if mine and fin != [mine[-1][0]]:
             bad(f"request {r['rid']}: finished in rounds {fin}, its last round is {mine[-1][0]}")
+    if (why := schedule_problem(trace)) is not None:
+        bad(why)
     if is_tree_trace(trace):
         check_tree_rounds(trace, bad)
+
+
+def _ints(xs) -> bool:
+    return isinstance(xs, list) and all(type(x) is int for x in xs)
+
+
+def _field_problem(trace: dict) -> str | None:
+    """The first field of ``trace`` whose JSON type is wrong (``page_size: "4"``), named, or None."""
+    cfg = trace["config"]
+    if cfg["version"] not in ("v1", "v2"):
+        return f"config version = {cfg['version']!r}: 'v1' or 'v2'"
+    for k in ("page_size", "num_steps", "max_batch"):
+        if type(cfg[k]) is not int or cfg[k] < 1:
+            return f"config {k} = {cfg[k]!r}: an int >= 1"
+    reqs, rounds = trace.get("requests"), trace.get("rounds")
+    if not (isinstance(reqs, list) and all(isinstance(r, dict) for r in reqs)):
+        return "requests: a list of request objects"
+    if not (isinstance(rounds, list) and all(isinstance(rd, dict) for rd in rounds)):
+        return "rounds: a list of round objects"
+    for i, r in enumerate(reqs):
+        for k in ("rid", "max_new_tokens"):
+            if type(r.get(k)) is not int:
+                return f"requests[{i}].{k} = {r.get(k)!r}: an int"
+        for k in ("prompt_ids", "output_ids", "num_accept_tokens"):
+            if not _ints(r.get(k)):
+                return f"requests[{i}].{k} = {r.get(k)!r}: a list of ints"
+    for k, rd in enumerate(rounds):
+        for key in ROUND_KEYS:
+            if key in rd and not _ints(rd[key]):
+                return f"round {k}: {key} = {rd[key]!r}: a list of ints"
+    return None
+
+
+def schedule_problem(trace: dict) -> str | None:
+    """Why the rounds are no schedule the engine makes (every request arriving at step 0, at most
+    ``max_batch`` running, :meth:`~refspec.speculative.engine.Engine.run` and the overlap loop),
+    or None: the three hand edits a tree replay could not see otherwise (it does not re-run the
+    scheduler, a chain replay does):
+
+    * batch order: round k runs the requests of round k - 1 that did not finish, in their order,
+      then its ``joined`` (ascending rid) that it runs;
+    * ``joined``: a request joins in the first round that runs it, never after;
+    * ``max_batch``: while requests still wait, admission fills the batch up to ``max_batch``
+      (requests a round's prefill finished count; with the overlap loop also those the previous
+      round finished, whose rows the launch still held).
+    """
+    rounds, overlap = trace["rounds"], bool(trace["config"].get("overlap", False))
+    first = {}
+    for k, rd in enumerate(rounds):
+        for rid in rd["rids"]:
+            first.setdefault(rid, k)
+    prev, prev_finished = [], []
+    for k, rd in enumerate(rounds):
+        carry = [r for r in prev if r not in prev_finished]
+        if late := sorted(j for j in rd["joined"] if first.get(j, k) < k):
+            return f"round {k}: joined {late}, which ran in an earlier round (a request joins in its first round)"
+        new = [j for j in rd["joined"] if j in rd["rids"]]
+        if new != sorted(new) or rd["rids"] != carry + new:
+            return (f"round {k}: batch {rd['rids']}; the engine runs the unfinished requests of the round before "
+                    f"{carry}, then those joining now {sorted(new)}, in that order")
+        occupied = len(rd["rids"]) + len(set(rd["joined"]) - set(rd["rids"])) + (len(prev_finished) if overlap else 0)
+        waiting = sorted(rid for rid, f in first.items() if f > k)
+        if waiting and occupied < trace["config"]["max_batch"]:
+            return (f"round {k}: {occupied} of max_batch {trace['config']['max_batch']} slots held while requests "
+                    f"{waiting} wait (admission fills the batch): max_batch is not the recording's")
+        prev, prev_finished = rd["rids"], rd["finished"]
+    return None
 
 
 def replay_budgets(trace: dict) -> list[int]:
