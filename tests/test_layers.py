@@ -88,6 +88,15 @@ def test_the_reference_has_no_entry_point(path):
         f"refspec/{path.relative_to(ROOT)} is a command-line tool: move it to an instrument folder"
 
 
+def test_traces_and_audits_live_with_the_instruments():
+    """Issue 22: the trace and audit modules left ``refspec/speculative/`` (and no reference folder
+    grew new ones); they are the ``traces`` and ``audits`` packages."""
+    stray = [str(p.relative_to(ROOT)) for p in MODULES if p.relative_to(ROOT).parts[0] in ALLOWED
+             and ("trace" in p.stem or "audit" in p.stem)]
+    assert not stray, f"trace / audit modules inside the reference: {stray}"
+    assert (ROOT / "traces" / "chain.py").is_file() and (ROOT / "audits" / "launch.py").is_file()
+
+
 @pytest.mark.parametrize("path", [p for p in MODULES if p.relative_to(ROOT).parts[0] in INSTRUMENTS],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_instrument_says_a_learner_can_skip_it(path):
