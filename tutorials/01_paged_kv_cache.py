@@ -27,6 +27,22 @@
 # that table, see why it is only correct because rows are *page-contiguous*, and why one row per
 # request is enough only at top-k = 1 (one draft candidate per position; top-k > 1 drafts a tree
 # and is lesson 07's subject). Runs on CPU in a few seconds.
+#
+# **Names used below** (SGLang's field names; units in brackets):
+#
+# | name | meaning |
+# |---|---|
+# | `P` | page size [slots per page] |
+# | `b`, `r` | a request's index in the batch, and its row of `req_to_token` (`r = req_pool_indices[b]`) |
+# | `K_b` | request `b`'s KV length, the keys the kernel reads (`cache_seqlens[b]`) [tokens] |
+# | draft, verify | one round of speculative decoding: a small model *drafts* tokens, the target model *verifies* them in one forward (lesson 05) |
+# | top-k | draft candidates kept per step: 1 gives a chain, more give a tree (lesson 07) |
+# | `n`, `L'` | drafts the verify accepted, and the committed length after the round [tokens] |
+# | v1, v2 | SGLang's two EAGLE rounds: v1 frees the rejected drafts' slots right after verify (`free_tail` below); v2 reserves the round's slots up front (lesson 05) |
+# | `alloc_len`, `keep_len` | slots reserved for a request, and positions it keeps [tokens] |
+#
+# IDs such as `PA-001` name refspec's rules (`docs/spec/`); `python -m refspec cite PA-001` prints
+# one with its level, its upstream source and a test that shows it.
 
 # %%
 import matplotlib.pyplot as plt
