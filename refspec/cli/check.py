@@ -98,6 +98,8 @@ def _row(section, mode, P, provider, check, verdicts=(), error=None, skip=None):
     ok = all(v.ok for v in verdicts)
     if worst.budget == 0:
         text = "bitwise" if worst.ok else f"max|diff| {worst.err:.3g}"
+    elif worst.err == float("inf"):
+        text = "non-finite output (NaN / inf)"
     else:
         text = f"{worst.pct:.1f}% of budget"
     return dict(section=section, mode=mode, P=P, provider=provider, check=check,
