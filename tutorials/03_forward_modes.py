@@ -15,7 +15,8 @@
 # # 03 · One batch through every forward mode
 #
 # One speculative round with top-k = 1 runs several kinds of forward, and each needs different
-# attention metadata for the *same* requests. Symbols: `L` a request's committed length, `s` the
+# attention metadata for the *same* requests. Symbols: `q_b` / `K_b` request `b`'s query rows /
+# the keys the kernel reads for it, `L` a request's committed length, `s` the
 # draft step (0, 1, ...), `Sd` the draft steps per round, `N` the tokens verified per request
 # (`N = Sd + 1`), `n` the drafts accepted, `a = n + 1` the tokens committed (the bonus token
 # included); v1 / v2 are SGLang's two EAGLE rounds (tutorial 01). IDs such as `MD-008` are

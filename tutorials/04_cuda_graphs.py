@@ -23,8 +23,8 @@
 # 2. host scalars are frozen, so `max_seqlen_q` must be captured at the mode's bound (CG-006);
 # 3. a live batch is **padded** to a captured size, and padded rows need safe values (CG-005);
 # 4. draft extend replays `cu_seqlens_q` from the *right* per-request counts: packed
-#    `num_accept_tokens` for v1, uniform `W` for v2 (CG-003, CG-004) — and both wrong variants
-#    are silent.
+#    `num_accept_tokens` in one draft-extend mode, the same row count for every request in the
+#    other (v1 and v2 in the table below; CG-003, CG-004) — and both wrong variants are silent.
 #
 # On CPU refspec uses `EmulatedGraph`, which freezes exactly what a CUDA graph freezes.
 #
@@ -34,6 +34,7 @@
 # |---|---|
 # | `P` | page size [tokens per page] |
 # | `L`, `L_b` | committed length of request `b` before the round [tokens] |
+# | `q`, `q_b`; `K`, `K_b` | request `b`'s query rows and the keys the kernel reads for it [tokens] |
 # | `Sd` | `speculative_num_steps`: draft steps per round |
 # | `N` | `num_draft_tokens`: tokens verified per request (`N = Sd + 1` at top-k = 1) |
 # | `n_b`, `a_b` | request `b`'s accepted drafts, and its committed tokens `a_b = n_b + 1` (the bonus token included) |
@@ -287,6 +288,7 @@ assert frozen_error is not None and frozen_error.inv_id == "CG-006"          # t
 assert kept_err[("v1", None)] < 1e-5 and kept_err[("v2", None)] < 1e-5    # correct rules
 for key in [("v1", "de-v1-uniform-cu-q"), ("v1", "de-v1-accept-off-by-one"), ("v2", "de-v2-packed-cu-q")]:
     assert not kept_err[key] < 1e-3, key             # wrong rules: a large error or NaN (NaN < x is False)
-assert set(caught) == {"de-v1-uniform-cu-q", "de-v1-accept-off-by-one", "de-v2-packed-cu-q"}
+assert caught == {"de-v1-uniform-cu-q": "CG-003", "de-v1-accept-off-by-one": "CG-003",  # v1's rule
+                  "de-v2-packed-cu-q": "CG-004"}                                          # v2's rule
 assert tolerance.t0(bad, good).ok                                          # invisible at full acceptance
 print("all checks passed")
