@@ -38,7 +38,7 @@ def level_paragraph(inv_id: str, docs_prefix: str = "../") -> str:
         parts.append("what FA3's `flash_attn_with_kvcache` requires or does.")
     elif r.level is Level.UPSTREAM:
         parts.append(f"what SGLang does at {', '.join(r.versions)}." if r.versions
-                     else "what SGLang does at the commits linked.")
+                     else "what SGLang does at the releases linked.")
         if r.upstream:
             parts.append(f"Earlier: {r.upstream}.")
     else:

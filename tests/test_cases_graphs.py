@@ -184,7 +184,7 @@ def test_case_B08_frozen_max_seqlen_q(H, Hkv):
     and KV lengths after extend [20, 9, 41], ps 4, GQA 8/8, 32/4, 16/1.  The captured
     max_seqlen_q is the bucket bound steps + 1 = 4, not the dummy batch's q; every row equals
     eager (T0) and the oracle (T1).  The bug "capture-max-seqlen-q-small" (dummy q lens 1 frozen)
-    is caught by the replay check "captured max_seqlen_q >= max live q" (PA-010)."""
+    is caught by the replay check "captured max_seqlen_q >= max live q" (CG-006, named before PA-010)."""
     reqs = Requests(scenario("draft_extend", 4, lens=[16, 8, 38], accept=[4, 1, 3], num_heads=H, num_kv_heads=Hkv))
     runner = reqs.runner(capture_bs=(3,))
     fb, x, ref = reqs.live([0, 1, 2])
@@ -196,7 +196,7 @@ def test_case_B08_frozen_max_seqlen_q(H, Hkv):
     tol.assert_t1(out, ref, what=f"B08 H={H} Hkv={Hkv}")
     with variants.enabled("capture-max-seqlen-q-small"):
         bad = reqs.runner(capture_bs=(3,))
-    _raises("PA-010", bad.replay, fb, x)
+    _raises("CG-006", bad.replay, fb, x)
 
 
 # ---- B10 ----

@@ -3,6 +3,7 @@ its upstream sources and its tests in one command (issue 16); bad input is one l
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def test_cite_prints_rule_level_sources_and_tests(capsys):
            "flashattention_backend.py#L2432)" in out
     assert "](https://github.com/sgl-project/sglang/pull/29665)" in out
     # a test known (by reading tests/test_cases_graphs.py) to carry @pytest.mark.spec("CG-008")
-    assert "`tests/test_cases_graphs.py::test_case_B07_page_table_width_at_the_context_wall`" in out
+    assert "- **Shown by:** `pytest 'tests/test_cases_graphs.py::test_case_B07_" in out  # a public case first
     assert "> does not follow **CG-008** (refspec hardening:" in out
 
 
@@ -96,7 +97,7 @@ def test_cli_subprocess_error_has_no_traceback():
 
 
 def test_render_without_tests_says_so():
-    assert "- **Tests:** none yet" in cite.render("PA-001", [])
+    assert "- **Shown by:** no test yet" in cite.render("PA-001", [])
 
 
 def test_list_by_level(capsys):
@@ -107,3 +108,85 @@ def test_list_by_level(capsys):
     assert cli.main(["cite", "--list", "--level", "nope"]) == 2  # one error line (refspec.cli._args)
     err = capsys.readouterr().err
     assert "invalid choice" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- issue 23: paste-ready, lookups
+def test_markdown_block_for_a_github_comment(capsys):
+    """The block the issue asks for: statement, level, upstream permalinks at a tag, rule page, a test."""
+    rc, out, _ = run(capsys, "CG-004", "--format", "markdown")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0] == f"**CG-004** — {RULES['CG-004'].title}"
+    assert "- **Level:** *upstream behaviour*: " in out
+    upstream = next(x for x in lines if x.startswith("- **Upstream:** "))
+    links = re.findall(r"\]\((https://[^)]+)\)", upstream)
+    assert links and all(re.search(r"/blob/v\d+\.\d+\.\d+(\.post\d+)?/.+#L\d+$", u) for u in links), upstream
+    assert "- **History:** [sglang@160a06cab (#15207)](https://github.com/sgl-project/sglang/commit/160a06cab)" in out
+    assert "- **Rule page:** [`docs/spec/graphs.md#cg-004`](docs/spec/graphs.md#cg-004)" in out
+    shown = next(x for x in lines if x.startswith("- **Shown by:** "))
+    node = re.search(r"`pytest '([^']+)'`", shown).group(1)
+    path, _, name = node.partition("::")
+    assert f"def {name.split('[')[0]}(" in (ROOT / path).read_text()  # a real test of this repository
+    assert "CG-004" in (ROOT / path).read_text()
+    assert lines[-1].startswith("> violates **CG-004** (upstream behaviour: ")
+
+
+def test_text_format_has_no_markdown(capsys):
+    rc, out, _ = run(capsys, "PA-003", "--format", "text")
+    assert rc == 0 and out.startswith("PA-003 — page_table has at least")
+    assert "**" not in out and "](" not in out and "`" not in out
+    assert "  Upstream: flash-attention/hopper/flash_api.cpp:mha_fwd@fa4-v4.0.0.beta27 <https://github.com/" \
+           "Dao-AILab/flash-attention/blob/fa4-v4.0.0.beta27/hopper/flash_api.cpp#L768>" in out
+
+
+def test_base_url_makes_docs_links_absolute(capsys, monkeypatch):
+    base = "https://github.com/someone/refspec/blob/v0.2.0"
+    rc, out, _ = run(capsys, "PA-003", "--base-url", base + "/")
+    assert rc == 0
+    page = "docs/spec/paging-attention.md#pa-003"
+    assert f"- **Rule page:** [`{page}`]({base}/{page})" in out
+    assert f"]({base}/docs/kernel-facts.md#page-table-columns)" in out
+    assert out.rstrip().endswith(f"See {base}/docs/spec/paging-attention.md#pa-003.")
+    monkeypatch.setenv(cite.BASE_URL_ENV, base)
+    rc, out, _ = run(capsys, "PA-003")
+    assert f"]({base}/docs/spec/paging-attention.md#pa-003)" in out
+
+
+def test_tests_flag_lists_every_citing_test(capsys):
+    import spec_index  # docs/spec_index.py (pytest's pythonpath)
+    cited = spec_index.build_index().tests["CG-004"]
+    rc, out, _ = run(capsys, "CG-004", "--tests")
+    assert rc == 0 and "more:" not in out
+    assert sum(f"`{t}`" in out or f"'{t}'" in out for t in cited) == len(cited) > 1
+
+
+@pytest.mark.parametrize("argv", [["page_table"], ["--grep", "page_table"], ["--grep", "PAGE_TABLE"]])
+def test_lookup_by_field_lists_the_rules_that_mention_it(capsys, argv):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0 and not err
+    ids = [r.split()[0] for r in out.strip().splitlines()]
+    # rules known (by reading their titles) to name page_table
+    assert {"PA-002", "PA-003", "MD-007"} <= set(ids)
+    assert "SD-010" not in ids  # "top-k = 1: N = Sd + 1 draft tokens ..." has no page table
+    assert ids == [i for i in RULES if i in ids]  # catalogue order, each once
+
+
+def test_lookup_by_a_term_only_in_the_spec_entry(capsys):
+    """``extend_seq_lens`` is in CG-004's title; ``align_evict_mask_to_page_size`` only in KV-004's entry."""
+    rc, out, _ = run(capsys, "--grep", "align_evict_mask_to_page_size")
+    assert rc == 0 and "KV-004" in out.split()
+    assert "align_evict_mask_to_page_size" not in RULES["KV-004"].title
+
+
+def test_lookup_without_a_match_is_one_line(capsys):
+    rc, out, err = run(capsys, "--grep", "no_such_field_xyz")
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1 and "no rule mentions" in err
+
+
+def test_level_alone_lists_that_level(capsys):
+    rc, out, _ = run(capsys, "--level", "kernel")
+    ids = [r.split()[0] for r in out.strip().splitlines()]
+    assert rc == 0 and ids == [i for i, r in RULES.items() if str(r.level) == "kernel contract"]
+    rc, out, _ = run(capsys, "req_pool_indices", "--level", "hardening")
+    assert rc == 0 and "CG-005" in out.split() and {r.split()[0] for r in out.strip().splitlines()} <= {
+        i for i, r in RULES.items() if str(r.level) == "refspec hardening"}

@@ -127,7 +127,7 @@ def test_prose_ids_and_upstream_refs_are_links(site):
             assert f'id="{anchor}"' in (site / "spec" / family / "index.html").read_text(), (page, anchor)
     home = (site / "index.html").read_text()
     assert 'href="https://github.com/refspec/refspec"' in home
-    assert "https://refspec.github.io/refspec/" in home  # site_url: canonical links
+    assert "refspec.github.io" not in home and 'rel="canonical"' not in home  # no site_url: none is published
     assert 'href="https://github.com/refspec/refspec/edit/main/docs/spec/graphs.md"' in \
         (site / "spec/graphs/index.html").read_text()  # edit_uri
     assert 'href="https://github.com/refspec/refspec/edit/main/tutorials/08_review_a_patch.py"' in \

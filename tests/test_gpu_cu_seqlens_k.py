@@ -6,7 +6,7 @@ SGLang's FA3 backend passes ``cu_seqlens_k_new=metadata.cu_seqlens_k`` and
 ``:835@v0.5.12.post1``, ``:1796@v0.5.23``; ``forward_decode``: ``:1115@v0.5.5``).  refspec passes
 neither (docs/fa3-contract.md#what-sglang-passes-and-what-refspec-passes).  FA3's ``mha_fwd``
 reads ``cu_seqlens_k_new`` only together with a new ``k`` / ``v`` (``hopper/flash_api.cpp:929``
-at ``0251105a``), so with store-then-attend it must change nothing.  These tests call the real
+at ``fa4-v4.0.0.beta27``), so with store-then-attend it must change nothing.  These tests call the real
 kernel (``flash_attn_interface``) on every mode's metadata, P in {1, 4, 16, 64}:
 
 * refspec's call vs SGLang's call (``cu_seqlens_k_new`` = the metadata's ``cu_seqlens_k``):

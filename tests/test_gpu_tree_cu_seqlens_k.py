@@ -6,7 +6,7 @@
 (eager, ``flashattention_backend.py:979@v0.5.23``) and a static graph buffer never rewritten at
 replay (``:2522``) -- and passes it as ``cu_seqlens_k_new`` (``:2328``); refspec's is the cumsum of
 the K it passes.  FA3 reads ``cu_seqlens_k_new`` only together with a new ``k`` / ``v``
-(``hopper/flash_api.cpp:929`` at ``0251105a``), so the call must not change.  This test makes the
+(``hopper/flash_api.cpp:929`` at ``fa4-v4.0.0.beta27``), so the call must not change.  This test makes the
 expand call as SGLang does, with the stale prefix sum (and with zeros, what the never-written
 prefix buffer of the draft-decode replay holds), and asserts the output and LSE bitwise equal to
 the call without ``cu_seqlens_k_new`` (TOL-001), for P in {1, 4, 16, 64}, k in {2, 4, 8}, every

@@ -155,7 +155,7 @@ def test_anchor_slugs_match_mkdocs():
 
 # ---------------------------------------------------------------- (3) rule sources are links
 BLOB = re.compile(r"^https://github\.com/(sgl-project/sglang|Dao-AILab/flash-attention)/blob/"
-                  r"(v\d+\.\d+\.\d+(?:\.post\d+)?|[0-9a-f]{7,40})/[\w./-]+(#L\d+)?$")
+                  r"(v\d+\.\d+\.\d+(?:\.post\d+)?|fa\d-v\d+\.\d+\.\d+(?:\.beta\d+)?|[0-9a-f]{7,40})/[\w./-]+(#L\d+)?$")
 KNOWN_PINS = {sources.V_OLDEST, sources.V_LAST_V1, sources.V_LATEST}
 
 

@@ -24,8 +24,25 @@
 #
 # `req_to_token[r, p]` maps position `p` of the request in row `r` to its slot. The FA3 kernel
 # does not take `req_to_token`; it takes a **page table** with one page id per page. We will build
-# that table, see why it is only correct because rows are *page-contiguous*, and why that needs
-# top-k = 1. Runs on CPU in a few seconds.
+# that table, see why it is only correct because rows are *page-contiguous*, and why one row per
+# request is enough only at top-k = 1 (one draft candidate per position; top-k > 1 drafts a tree
+# and is lesson 07's subject). Runs on CPU in a few seconds.
+#
+# **Names used below** (SGLang's field names; units in brackets):
+#
+# | name | meaning |
+# |---|---|
+# | `P` | page size [slots per page] |
+# | `b`, `r` | a request's index in the batch, and its row of `req_to_token` (`r = req_pool_indices[b]`) |
+# | `K_b` | request `b`'s KV length, the keys the kernel reads (`cache_seqlens[b]`) [tokens] |
+# | draft, verify | one round of speculative decoding: a small model *drafts* tokens, the target model *verifies* them in one forward (lesson 05) |
+# | top-k | draft candidates kept per step: 1 gives a chain, more give a tree (lesson 07) |
+# | `n`, `L'` | drafts the verify accepted, and the committed length after the round [tokens] |
+# | v1, v2 | SGLang's two EAGLE rounds: v1 frees the rejected drafts' slots right after verify (`free_tail` below); v2 reserves the round's slots up front (lesson 05) |
+# | `alloc_len`, `keep_len` | slots reserved for a request, and positions it keeps [tokens] |
+#
+# IDs such as `PA-001` name refspec's rules (`docs/spec/`); `python -m refspec cite PA-001` prints
+# one with its level, its upstream source and a test that shows it.
 
 # %%
 import matplotlib.pyplot as plt
@@ -141,7 +158,7 @@ assert [int(s) // P for s in new_slots[:3]] == [last_page_before] * 3
 assert free_before - kv.allocator.num_free_pages == 1
 
 # %% [markdown]
-# ## Why top-k = 1
+# ## Why one row per request needs top-k = 1
 #
 # With top-k = 1 every position has exactly one slot, so one `req_to_token` row describes the
 # request. With top-k = 2 the draft tree has two candidates for position 5, two for position 6,
@@ -169,9 +186,13 @@ kv.req_to_token[7] = 0
 kv.allocator.free_pages([branch_b_page])
 
 # %% [markdown]
-# That is why SGLang first forced top-k = 1 for `P > 1`, and later refused top-k > 1 on paged
-# backends other than FlashInfer (`a23c30205`, #9784); FA3 got a separate two-pass scheme with KV
-# copies for trees. refspec is top-k = 1 only.
+# So a tree cannot share one row. SGLang's FA3 backend runs top-k > 1 with `P > 1` by giving
+# every branch page-aligned slots of its own and copying the shared partial tail page into them
+# ([#7725](https://github.com/sgl-project/sglang/pull/7725)); at v0.5.23 `_handle_eagle_family`
+# allows top-k > 1 with `P > 1` only on `flashinfer`, `fa3` and `triton`
+# ([`speculative_hook.py:1271`](https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/arg_groups/speculative_hook.py#L1271)). Each branch's
+# table is then page-contiguous again: refspec checks that layout as TR-015 and runs trees in
+# lesson 07 (`tutorials/07_topk_trees.py`).
 #
 # ## Freeing: whole pages only
 #

@@ -26,6 +26,10 @@
 # This notebook writes the rule down in a few lines, checks it against the oracle, looks at the
 # **bottom-right causal** mask with a KV cache, **GQA**, rows that see nothing, and runs the same
 # call through the FA3 contract (and on a GPU, if there is one).
+#
+# Names: `b` a request, `q_b` its query rows, `K_b` its keys (tokens), `P` the page size, `H` /
+# `Hkv` query / KV heads. IDs such as `PA-004` are refspec's rules (`docs/spec/`):
+# `python -m refspec cite PA-004` prints one with its level, its upstream source and a test.
 
 # %%
 import matplotlib.pyplot as plt
@@ -46,8 +50,9 @@ from refspec.harness.scenario import Scenario
 # %% [markdown]
 # ## A batch to attend over
 #
-# A target-verify batch: two requests with committed lengths `L = [5, 10]`, each verifying
-# `N = 4` tokens, page size 4. `H = 8` query heads share `Hkv = 2` KV heads, head dim 16, fp32.
+# A target-verify batch (the target model checks `N` tokens per request in one forward:
+# the last committed token, called the *root*, and `N - 1` drafts): two requests with committed
+# lengths `L = [5, 10]`, each verifying `N = 4` tokens, page size 4. `H = 8` query heads share `Hkv = 2` KV heads, head dim 16, fp32.
 # `Scenario` fills the prefix KV with random values, **poisons** everything that must never be read
 # (page 0 and unused pages hold NaN, unused slots of used pages hold `1e4`), and stores this
 # forward's K/V before attention runs (store-then-attend, PA-009).

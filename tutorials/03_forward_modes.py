@@ -15,7 +15,12 @@
 # # 03 · One batch through every forward mode
 #
 # One speculative round with top-k = 1 runs several kinds of forward, and each needs different
-# attention metadata for the *same* requests:
+# attention metadata for the *same* requests. Symbols: `q_b` / `K_b` request `b`'s query rows /
+# the keys the kernel reads for it, `L` a request's committed length, `s` the
+# draft step (0, 1, ...), `Sd` the draft steps per round, `N` the tokens verified per request
+# (`N = Sd + 1`), `n` the drafts accepted, `a = n + 1` the tokens committed (the bonus token
+# included); v1 / v2 are SGLang's two EAGLE rounds (tutorial 01). IDs such as `MD-008` are
+# refspec's rules: `python -m refspec cite MD-008` prints one.
 #
 # | mode | who | query rows `q_b` | keys `K_b` |
 # |---|---|---|---|
@@ -162,7 +167,7 @@ built, md, ref_v2, _ = results["draft extend v2"]
 rows = built.fb.req_pool_indices.tolist()
 kf, vf = built.pool.get_flat_kv(0)
 v1_rows = torch.cat([torch.arange(b * N, b * N + a) for b, a in enumerate(A)])
-cu_v1 = [0, 2, 6, 7]
+cu_v1 = [sum(A[:b]) for b in range(len(A) + 1)]  # v1 packs a_b rows per request (MD-009)
 out_v1 = attention_by_slot(built.q[v1_rows], kf, vf, built.kv.req_to_token, rows, [x + a for x, a in zip(L, A)], cu_v1)
 kept_v1 = out_v1[[c - 1 for c in cu_v1[1:]]]
 kept_v2 = ref_v2[[b * N + a - 1 for b, a in enumerate(A)]]

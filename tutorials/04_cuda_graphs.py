@@ -23,10 +23,30 @@
 # 2. host scalars are frozen, so `max_seqlen_q` must be captured at the mode's bound (CG-006);
 # 3. a live batch is **padded** to a captured size, and padded rows need safe values (CG-005);
 # 4. draft extend replays `cu_seqlens_q` from the *right* per-request counts: packed
-#    `num_accept_tokens` for v1, uniform `W` for v2 (CG-003, CG-004) — and both wrong variants
-#    are silent.
+#    `num_accept_tokens` in one draft-extend mode, the same row count for every request in the
+#    other (v1 and v2 in the table below; CG-003, CG-004) — and both wrong variants are silent.
 #
 # On CPU refspec uses `EmulatedGraph`, which freezes exactly what a CUDA graph freezes.
+#
+# **Symbols and names used below** (SGLang's field names; units in brackets):
+#
+# | symbol | meaning |
+# |---|---|
+# | `P` | page size [tokens per page] |
+# | `L`, `L_b` | committed length of request `b` before the round [tokens] |
+# | `q`, `q_b`; `K`, `K_b` | request `b`'s query rows and the keys the kernel reads for it [tokens] |
+# | `Sd` | `speculative_num_steps`: draft steps per round |
+# | `N` | `num_draft_tokens`: tokens verified per request (`N = Sd + 1` at top-k = 1) |
+# | `n_b`, `a_b` | request `b`'s accepted drafts, and its committed tokens `a_b = n_b + 1` (the bonus token included) |
+# | `B`, `Bg` | live batch size, and the captured graph size it is padded to (`Bg >= B`) |
+# | `W` | query rows per request a draft-extend graph is captured with (`W = Sd + 1`) |
+# | v1 / v2 | the two EAGLE draft-extend modes: `ForwardMode.DRAFT_EXTEND` (v1, packs `a_b` rows per request) and `DRAFT_EXTEND_V2` (v2, `W` rows per request) |
+# | T0 | refspec's bitwise-equality tier (TOL-001); T1 is its low-precision tier (TOL-002) |
+# | B04, B08, B11 | *public cases*: bugs reported upstream, each reduced to a test (`docs/cases.md`) |
+#
+# Rule IDs (`CG-001`, ...) are the rules of `docs/spec/`: `python -m refspec cite CG-006` prints one
+# with its level, upstream source and test. When a scenario breaks several rules, refspec's error
+# names the most specific one (the cause), and that is the ID to quote.
 
 # %%
 import matplotlib.pyplot as plt
@@ -110,7 +130,11 @@ assert tolerance.t0(replayed, eager).ok
 # The kernel plans its query tiles from `max_seqlen_q`, a Python int baked into the graph. The
 # runner captures each mode at its bound: 1 for decode and draft decode, `N` for verify, `Sd + 1`
 # for draft extend — never the (smaller) query length of the dummy capture batch (CG-006, public
-# case B08). The bug variant `capture-max-seqlen-q-small` captures draft extend with 1:
+# case B08). The bug variant `capture-max-seqlen-q-small` captures draft extend with 1. The live
+# requests then have more query rows than the frozen scalar, which breaks two rules: CG-006 (the
+# graph froze the wrong bound, the cause) and PA-010 (the kernel contract, every request's query
+# fits `max_seqlen_q`). The replay check names the more specific one, CG-006; with the replay
+# checks off, the emulated kernel refuses the call with PA-010.
 
 # %%
 de1 = Scenario(M.DRAFT_EXTEND, page_size=P, lens=L, num_draft_tokens=N, num_accept_tokens=A, seed=0).build()
@@ -122,6 +146,7 @@ try:
 except InvariantError as e:
     frozen_error = e
 print(frozen_error)
+assert frozen_error is not None and frozen_error.inv_id == "CG-006"
 
 # %% [markdown]
 # ## Draft extend: the accept-length rule for `cu_seqlens_q`
@@ -142,7 +167,9 @@ print(frozen_error)
 # %%
 de2 = Scenario(M.DRAFT_EXTEND_V2, page_size=P, lens=L, num_draft_tokens=N, num_accept_tokens=A, seed=0).build()
 ref = {"v1": de1.run_oracle(), "v2": de2.run_oracle()}
-kept = {"v1": [1, 5, 6], "v2": [b * N + a - 1 for b, a in enumerate(A)]}  # rows the loop keeps
+# the row the loop keeps per request: the last of its a_b rows (v1: packed, v2: W = N rows each)
+kept = {"v1": [sum(A[: b + 1]) - 1 for b in range(len(A))], "v2": [b * N + a - 1 for b, a in enumerate(A)]}
+print("kept rows:", kept)
 cases = [("v1", None), ("v1", "de-v1-uniform-cu-q"), ("v1", "de-v1-accept-off-by-one"),
          ("v2", None), ("v2", "de-v2-packed-cu-q")]
 
@@ -257,10 +284,11 @@ exercises.check("4b", answer_4b, [sum(ex_counts[:i]) for i in range(len(ex_count
 
 # %%
 assert tolerance.t0(replayed, eager).ok                                    # CG-002
-assert frozen_error is not None and frozen_error.inv_id in ("PA-010", "CG-006")
+assert frozen_error is not None and frozen_error.inv_id == "CG-006"          # the graph rule, named first
 assert kept_err[("v1", None)] < 1e-5 and kept_err[("v2", None)] < 1e-5    # correct rules
 for key in [("v1", "de-v1-uniform-cu-q"), ("v1", "de-v1-accept-off-by-one"), ("v2", "de-v2-packed-cu-q")]:
     assert not kept_err[key] < 1e-3, key             # wrong rules: a large error or NaN (NaN < x is False)
-assert set(caught) == {"de-v1-uniform-cu-q", "de-v1-accept-off-by-one", "de-v2-packed-cu-q"}
+assert caught == {"de-v1-uniform-cu-q": "CG-003", "de-v1-accept-off-by-one": "CG-003",  # v1's rule
+                  "de-v2-packed-cu-q": "CG-004"}                                          # v2's rule
 assert tolerance.t0(bad, good).ok                                          # invisible at full acceptance
 print("all checks passed")

@@ -32,6 +32,7 @@ import time
 from tqdm import tqdm
 
 from refspec.mutants import variants
+from refspec.mutants.sizing import roomy_sizes
 from refspec.core.invariants import InvariantError
 from refspec.real.run import capture_sizes, first_diff
 from refspec.model.drafts import make_draft
@@ -39,21 +40,13 @@ from refspec.speculative.engine import Engine
 
 
 def roomy_engine(model, prompts, max_new, *, page_size, version, num_steps, draft, validate, eos, observer=None):
-    """A production :class:`Engine` (FA3, graphs) whose slot ids are all valid page ids.
-
-    Sizes (tokens / pages): ``need`` = longest prompt + budget + N (the largest K a forward sees);
-    ``max_context = P * need`` so the graph page table has >= need columns; pages are handed out
-    in order (no shuffle) and the pool has ``P * (B * (ceil(need / P) + 1 + max budget) + 2)``
-    pages: each request touches at most its row's pages plus one fresh page per round (v1 frees
-    whole tail pages to the back of the free list), so every used slot id is < NP.
-    """
-    P, N, B = page_size, num_steps + 1, len(prompts)
-    need = max(len(p) + m for p, m in zip(prompts, max_new)) + N
-    touched = B * (-(-need // P) + 1 + max(max_new))
-    return Engine(model, make_draft(draft, model), version=version, num_steps=num_steps, page_size=P,
-                  max_context=P * need, max_batch=B, attention="fa3", graphs=True,
-                  capture_bs=capture_sizes(B), validate=validate, eos=eos,
-                  num_pages=P * (touched + 2), shuffle_pages=None, observer=observer)
+    """A production :class:`Engine` (FA3, graphs) whose slot ids are all valid page ids, sized by
+    :func:`refspec.mutants.sizing.roomy_sizes` (pages handed out in order, no shuffle)."""
+    max_context, num_pages = roomy_sizes(prompts, max_new, page_size=page_size, num_steps=num_steps)
+    return Engine(model, make_draft(draft, model), version=version, num_steps=num_steps, page_size=page_size,
+                  max_context=max_context, max_batch=len(prompts), attention="fa3", graphs=True,
+                  capture_bs=capture_sizes(len(prompts)), validate=validate, eos=eos,
+                  num_pages=num_pages, shuffle_pages=None, observer=observer)
 
 
 def run_once(model, prompts, max_new, **kw):

@@ -66,6 +66,8 @@ def _row(section, mode, P, provider, check, verdicts=(), error=None, skip=None):
     ok = all(v.ok for v in verdicts)
     if worst.budget == 0:
         text = "bitwise" if worst.ok else f"max|diff| {worst.err:.3g}"
+    elif worst.err == float("inf"):
+        text = "non-finite output (NaN / inf)"
     else:
         text = f"{worst.pct:.1f}% of budget"
     return dict(section=section, mode=mode, P=P, provider=provider, check=check,
@@ -265,7 +267,8 @@ def _main(argv) -> int:
     ap.add_argument("--device", type=device_name, default="cpu",
                     help="cpu (default: the emulator) or cuda (the emulator and the real FA3 kernel)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4 (a minute on a CPU)")
+                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4 (minutes on a CPU: "
+                         "5 min measured on a busy 2-core machine, over 20 min beside other test runs)")
     ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
                     help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
                          f"{','.join(map(str, PAGE_SIZES['cpu']))} on cpu, "

@@ -28,18 +28,10 @@ ALL = (V55, OLD, NEW)
 FACTS = "kernel-facts.md"
 
 
-# the commits docs/spec/tree.md was read at
-SPEC_UTILS, T_SPEC_UTILS = "srt/speculative/spec_utils.py", "00731f0bc9fa81c39802754fb4b62e9cce967582"
-EAGLE_UTILS, T_EAGLE_UTILS = "srt/speculative/eagle_utils.py", "003ddbce039cd49b05c84568b7b357031366abf7"
-SPEC_TREE, T_SPEC_TREE = "kernels/ops/speculative/spec_tree.py", "901307a06bace589e49447e759c4a7e97acf8ea3"
-EAGLE_WORKER, T_EAGLE_WORKER = "srt/speculative/eagle_worker.py", "00559eacbf0841146db7e27e445d1971e35e6294"
-
-
-# the commits the FA3 tree path (docs/spec/tree.md, TR-010..TR-019) was read at
-T_FA3_TREE = "003e7b77aeee2fba80ff241c7f45dcb0e613164d"
-T_SPEC_UTILS_KV = "2dd501d149552ea85135d4eeb7dd740c5e691091"
-T_EAGLE_UTILS_TREE = "263bc85d64baa38d82ec20f58a61f2982c78075d"
-T_EAGLE_INFO = "f1f60ea0258f346adb43d2371d03cbc66d9d5ba2"
+# the files docs/spec/tree.md cites (lines read from the release wheels)
+SPEC_UTILS, EAGLE_UTILS = "srt/speculative/spec_utils.py", "srt/speculative/eagle_utils.py"
+SPEC_TREE, EAGLE_WORKER = "kernels/ops/speculative/spec_tree.py", "srt/speculative/eagle_worker.py"
+EWC = "srt/speculative/eagle_worker_common.py"
 
 
 def _fb(line: int, symbol: str, version: str = V55):
@@ -114,7 +106,7 @@ RULES: dict[str, Rule] = {
                    (_fb(645, "FlashAttentionBackend.init_forward_metadata"),
                     sgl("kernels/ops/attention/metadata.py", NEW, 505, "normal_decode_set_metadata")), ALL, BOTH),
     "MD-008": Rule("DRAFT_EXTEND_V2: K_b = seq_lens (= L + N); extend_seq_lens is never added again", U,
-                   (sgl("srt/speculative/eagle_info_v2.py", V55, 179, "prepare_for_extend_to_fill_draft_kvcache"),
+                   (sgl("srt/speculative/eagle_info_v2.py", V55, 179, "EagleDraftInputV2Mixin.prepare_for_extend_to_fill_draft_kvcache"),
                     pr(26512, "double count"), pr(26628, "revert"), pr(26651, "fixture fix")), ALL, BOTH),
     "MD-009": Rule("DRAFT_EXTEND (v1): q_b = num_accept_tokens = n + 1, packed", U,
                    (sgl("srt/speculative/eagle_info.py", V55, 674, "EagleDraftInput.prepare_extend_after_decode"),
@@ -205,62 +197,59 @@ RULES: dict[str, Rule] = {
                    (sgl("srt/server_args.py", V55, 1604, "ServerArgs._handle_speculative_decoding"),), (V55, OLD)),
     # --- top-k > 1 trees, the oracle side (docs/spec/tree.md) ----------------------------
     "TR-001": Rule("tree expansion: k root children, then each frontier row's top-k, cumulative product scores, "
-                   "top-k of k^2", U, (sgl(SPEC_UTILS, T_SPEC_UTILS, None, "select_top_k_tokens"),)),
+                   "top-k of k^2", U, (sgl(SPEC_UTILS, NEW, 474, "select_top_k_tokens"),)),
     "TR-002": Rule("selection: the N-1 drafts are the top-(N-1) of k + (Sd-1)k^2 scores, sorted by candidate id", U,
-                   (sgl(EAGLE_UTILS, T_EAGLE_UTILS, None, "organize_draft_results"),)),
+                   (sgl(EAGLE_UTILS, NEW, 100, "organize_draft_results"),)),
     "TR-003": Rule("tree links: node 0 is the root; a node's parent is the node of its parent candidate; "
-                   "children ascending", U, (sgl(EAGLE_UTILS, T_EAGLE_UTILS, None, "build_tree_kernel_efficient"),)),
+                   "children ascending", U, (sgl(EAGLE_UTILS, NEW, 138, "build_tree_kernel_efficient"),)),
     "TR-004": Rule("ancestor mask: verify row i sees the prefix, itself and its ancestors, nothing else of the tree", U,
-                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "sgl_build_tree_kernel_efficient_triton"),)),
+                   (sgl(SPEC_TREE, NEW, 53, "sgl_build_tree_kernel_efficient_triton"),)),
     "TR-005": Rule("tree positions: node i runs at RoPE position L + depth(i)", U,
-                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "sgl_build_tree_kernel_efficient_triton"),)),
+                   (sgl(SPEC_TREE, NEW, 53, "sgl_build_tree_kernel_efficient_triton"),)),
     "TR-006": Rule("greedy tree acceptance: from the root take the child equal to the target argmax; a = n + 1", U,
-                   (sgl(SPEC_TREE, T_SPEC_TREE, None, "verify_tree_greedy_kernel_triton"),)),
+                   (sgl(SPEC_TREE, NEW, 211, "verify_tree_greedy_kernel_triton"),)),
     "TR-007": Rule("accepted-path commit: the path's target KV moves to L..L+a-1; the draft extend runs the path first",
-                   U, (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),
-                       sgl("srt/speculative/eagle_worker_common.py", "02a3cd954bab7765c272d17886e8af5ca7add79d", None,
-                           "_compact_accept_to_front"))),
+                   U, (sgl(EAGLE_WORKER, OLD, 935, "EAGLEWorker.verify"), sgl(EWC, NEW, 524, "_compact_accept_to_front"))),
     "TR-008": Rule("tree draft decode: row t at step s sees the prefix and the KV its own row wrote at steps 0..s", U,
-                   (sgl(FA3B, "003e7b77aeee2fba80ff241c7f45dcb0e613164d", None,
-                        "FlashAttentionBackend.init_forward_metadata"),)),
+                   (_fb(990, "FlashAttentionBackend.init_forward_metadata", NEW),)),
     "TR-009": Rule("lossless tree: the top-k tree loop equals plain greedy (and the chain loop at top-k = 1)", U,
-                   (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
+                   (sgl(EAGLE_WORKER, OLD, 935, "EAGLEWorker.verify"),)),
     # --- the FA3 tree path (docs/spec/tree.md, "The FA3 tree path") ----------------------
     "TR-010": Rule("tree verify prefix: K = L, cu_seqlens_q = arange(0, B*N+1, N), max_seqlen_q = N, causal=False", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
-                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend")), (OLD, NEW), BOTH),
+                   (_fb(1086, "FlashAttentionBackend.init_forward_metadata", NEW),
+                    _fb(1591, "FlashAttentionBackend.forward_extend", NEW)), (OLD, NEW), BOTH),
     "TR-011": Rule("tree verify expand: one sequence per node, K = mask row sum, table = its allowed verify slots "
                    "first (page-1 view)", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"),
+                   (_fb(1166, "FlashAttentionBackend.init_forward_metadata", NEW),
                     pr(7725, "expand call on the page-size-1 view")), (OLD, NEW), BOTH),
     "TR-012": Rule("cascade merge: LSE-rescaled sum of prefix and expand equals attention over their union", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_decode"),
-                    sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.forward_extend"))),
+                   (_fb(2340, "FlashAttentionBackend.forward_decode", NEW), _fb(1865, "FlashAttentionBackend.forward_extend", NEW))),
     "TR-013": Rule("tree draft decode prefix: B*k rows packed k per request, K = L - (L mod P if P > 1)", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7725)), (OLD, NEW), BOTH),
+                   (_fb(946, "FlashAttentionBackend.init_forward_metadata", NEW),
+                    _fb(1341, "FlashAttentionBackend.init_forward_metadata", NEW), pr(7725)), (OLD, NEW), BOTH),
     "TR-014": Rule("tree draft decode expand: K = s + 1 (+ L mod P), table = the row's own step slots (P = 1) or "
                    "unique pages (P > 1)", U,
-                   (sgl(FA3B, T_FA3_TREE, None, "FlashAttentionBackend.init_forward_metadata"), pr(7239, "view(-1, S)"),
+                   (_fb(990, "FlashAttentionBackend.init_forward_metadata", NEW),
+                    _fb(1344, "FlashAttentionBackend.init_forward_metadata", NEW), pr(7239, "view(-1, S)"),
                     pr(7725), pr(15469, "unique consecutive pages")), (OLD, NEW), BOTH),
     "TR-015": Rule("branch KV layout: branch t owns a page-aligned region; the partial tail page is copied into "
                    "branches t >= 1", U,
-                   (sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "assign_draft_cache_locs"),
+                   (sgl(EWC, NEW, 241, "prepare_for_draft"), sgl(EWC, NEW, 65, "duplicate_prefix_tail_to_draft_branches"),
                     pr(4908, "P > 1 for top-k = 1 only"), pr(7725, "copies the real tail KV")), (NEW,), (NEW,)),
     "TR-016": Rule("the production tree (organize_draft_results, build_tree_efficient, VerifyTreeGreedy) equals "
                    "the rule", U,
-                   (sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "organize_draft_results"),
-                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "build_tree_kernel_efficient"),
-                    sgl(EAGLE_UTILS, T_EAGLE_UTILS_TREE, None, "verify_tree_greedy_func")), (NEW,), (NEW,)),
+                   (sgl(EAGLE_UTILS, NEW, 100, "organize_draft_results"), sgl(EAGLE_UTILS, NEW, 138, "build_tree_kernel_efficient"),
+                    sgl(SPEC_TREE, NEW, 480, "verify_tree_greedy_func")), (NEW,), (NEW,)),
     "TR-017": Rule("accepted-path compaction: path KV to the first a verify slots; whole pages from ceil_P(L + a) "
                    "freed, none leaked", U,
-                   (sgl("srt/speculative/eagle_info.py", T_EAGLE_INFO, None, "EagleVerifyInput.verify"),
-                    sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
+                   (sgl("srt/speculative/eagle_info.py", OLD, 236, "EagleVerifyInput.verify"),
+                    sgl(SPEC_UTILS, OLD, 411, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
     "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
                    "columns) equals eager", U,
                    (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469)), (NEW,), BOTH),
     "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
                    "page freed", U,
-                   (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
+                   (sgl(EAGLE_WORKER, OLD, 935, "EAGLEWorker.verify"),)),
     # --- the spec-v2 tree round (docs/spec/tree.md, "The v2 tree round") ------------------
     "TR-020": Rule("v2 tree KV: reserve L + alloc_len_per_decode before a round; the branch slots live in it, the "
                    "path KV moves to the first a verify slots, nothing is freed until the request finishes", U,
@@ -280,9 +269,7 @@ RULES: dict[str, Rule] = {
                     (doc("tolerance-policy.md"),),
                     upstream="upstream tests compare metadata exactly but outputs by accuracy thresholds"),
     "TOL-002": Rule("T1: low-precision error <= 2x the oracle's own low-precision error + a floor", K,
-                    (external("flash-attention/hopper/test_flash_attn.py",
-                              "https://github.com/Dao-AILab/flash-attention/blob/"
-                              "0251105a2fb19d2957484b7f023cd8c115286ced/hopper/test_flash_attn.py"),
+                    (fa3("test_flash_attn.py", 285, "test_flash_attn_output"),
                      doc("tolerance-policy.md"))),
     "TOL-003": Rule("T2: tokens equal except where the baseline's top-2 logit margin is below delta", H,
                     (doc("tolerance-policy.md"),),

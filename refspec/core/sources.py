@@ -23,8 +23,10 @@ from enum import Enum
 
 SGLANG = "https://github.com/sgl-project/sglang"
 FLASH_ATTN = "https://github.com/Dao-AILab/flash-attention"
-#: the FlashAttention commit whose ``hopper/`` sources the kernel-contract citations point to
-FA_COMMIT = "0251105a2fb19d2957484b7f023cd8c115286ced"
+#: the FlashAttention release tag whose ``hopper/`` (FA3) sources the kernel-contract citations
+#: point to; the tag is commit ``0251105a2fb19d2957484b7f023cd8c115286ced`` (2026-08-15), the
+#: commit docs/kernel-facts.md was read at (the FA4 release tags also carry ``hopper/``)
+FA_TAG = "fa4-v4.0.0.beta27"
 
 #: the release that matches 0bfe1d145 (#11874: v1 + eager v2, legacy capture/replay hooks)
 V_OLDEST = "v0.5.5"
@@ -113,9 +115,9 @@ def commit(sha: str, number: int | None = None) -> Source:
 
 
 def fa3(path: str, line: int, symbol: str) -> Source:
-    """A FlashAttention-3 source line at :data:`FA_COMMIT` (``path`` under ``hopper/``)."""
-    return Source(f"flash-attention/hopper/{path}:{symbol}@{FA_COMMIT[:8]}",
-                  f"{FLASH_ATTN}/blob/{FA_COMMIT}/hopper/{path}#L{line}")
+    """A FlashAttention-3 source line at the release tag :data:`FA_TAG` (``path`` under ``hopper/``)."""
+    return Source(f"flash-attention/hopper/{path}:{symbol}@{FA_TAG}",
+                  f"{FLASH_ATTN}/blob/{FA_TAG}/hopper/{path}#L{line}")
 
 
 def doc(page: str, anchor: str = "", label: str = "") -> Source:

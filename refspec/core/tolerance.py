@@ -36,6 +36,17 @@ class Verdict:
         return 100.0 * self.err / self.budget if self.budget > 0 else (0.0 if self.err == 0 else float("inf"))
 
     def __str__(self) -> str:
+        """``err 0.006 = 25.0% of budget 0.024``.  A zero budget (T0) reads ``bitwise equal`` or
+        ``not bitwise equal: max |diff| 0.5``; an infinite error (a NaN / inf in the output, or
+        another shape) says so instead of printing ``inf%``."""
+        finite = self.err != float("inf")
+        if self.budget == 0:
+            if self.ok:
+                return "bitwise equal"
+            return f"not bitwise equal: max |diff| {self.err:.3g}" if finite else \
+                "not bitwise equal: a NaN / inf, or another shape"
+        if not finite:
+            return f"err inf (a NaN / inf, or another shape), budget {self.budget:.3g}"
         return f"err {self.err:.3g} = {self.pct:.1f}% of budget {self.budget:.3g}"
 
 

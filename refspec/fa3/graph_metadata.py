@@ -116,7 +116,8 @@ class GraphMetadataMixin:
         Raises: ValueError (nothing captured for this mode and ``bs``), CG-008 (pages do not
         fit), and, with ``validate``: CG-001 (a captured tensor was rebound), the checks of
         :func:`refspec.fa3.validate.validate_batch` on the real rows, CG-003 / CG-004
-        (draft-extend layout over all ``bs`` rows) and every check of
+        (draft-extend layout over all ``bs`` rows), CG-006 (the frozen ``max_seqlen_q`` is below a
+        live request's query rows: named before PA-010, the kernel contract it then breaks) and every check of
         :mod:`refspec.fa3.validate` on the real rows.  Without ``validate`` a rebound tensor is
         silently stale, as on a real GPU.
         """
@@ -138,6 +139,7 @@ class GraphMetadataMixin:
                                      f"{t.data_ptr():#x}, now {now.data_ptr():#x})")
         if self.validate:
             _check_draft_extend_cu_q(md, fb, bs)
+            check_frozen_max_seqlen_q(md, fb, num_real)
             validate_metadata(md, fb, self.kv.req_to_token, self.page_size, num_real=num_real,
                               max_seqlen_q=md.max_seq_len_q)
         self.forward_metadata = md
@@ -166,6 +168,18 @@ def graph_table_width(req_to_token: torch.Tensor, page_size: int) -> int:
     instead is case B07's bug (sglang #35985, #29665).
     """
     return -(-req_to_token.shape[1] // page_size)
+
+
+def check_frozen_max_seqlen_q(md: FlashAttentionMetadata, fb: ForwardBatch, num_real: int) -> None:
+    """CG-006 at replay: the ``max_seqlen_q`` frozen at capture covers every live request's query rows.
+
+    The same numbers also break PA-010 (the kernel contract :mod:`refspec.fa3.validate` checks
+    next); the graph rule is the cause, so it is the ID raised.  Raises: InvariantError CG-006.
+    """
+    q = fb.q_lens_cpu()[:num_real]
+    require(not q or max(q) <= md.max_seq_len_q, "CG-006",
+            lambda: f"{fb.forward_mode.name} replay: query lens {q}, the graph froze max_seqlen_q = "
+            f"{md.max_seq_len_q} at capture")
 
 
 def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:

@@ -179,6 +179,19 @@ def draw_pool(ax, req_to_token, rows, lens, num_pages: int, page_size: int, titl
     ax.set_title(title, fontsize=TITLE_FONT)
 
 
+def draw_slot_arrows(ax, pairs, num_pages: int, page_size: int, color: str = "#c44e52") -> None:
+    """Arrows on a :func:`draw_pool` grid, one per ``(from_slot, to_slot)`` pair (flat slot ids),
+    e.g. from the slot that holds a position to the slot a wrong page table makes the kernel read."""
+    P = page_size
+
+    def centre(slot: int) -> tuple[float, float]:
+        return slot % P + 0.5, num_pages - 1 - slot // P + 0.5
+
+    for src, dst in pairs:
+        ax.annotate("", xy=centre(dst), xytext=centre(src),
+                    arrowprops=dict(arrowstyle="->", color=color, lw=1.2, connectionstyle="arc3,rad=0.25"))
+
+
 def draw_int_table(ax, values, row_labels, title: str = "", colors=None):
     """A small table of integers (e.g. ``req_to_token`` rows or a page table) as coloured cells.
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from refspec.core import batch as core_batch
+from refspec.core.invariants import require
 from refspec.fa3 import graph_metadata as gm
 from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
@@ -30,6 +31,10 @@ _orig = {
 def slots_as_pages(mdata, fb, req_to_token, strided_indices, max_k, page_size):
     """seed-page-table: verify and draft-decode replays copy token slots, not page ids."""
     if page_size > 1 and (fb.forward_mode.is_target_verify() or fb.is_draft_decode):
+        width = mdata.page_table.shape[1]
+        require(max_k <= width, "CG-008", lambda: f"seed-page-table: the replay copies max K = {max_k} token "
+                f"slots into the graph page table, which has {width} columns (one per page); an engine whose "
+                "req_to_token is at least P * max K wide holds them (refspec.mutants.sizing.roomy_sizes)")
         rows = req_to_token[fb.req_pool_indices[: mdata.page_table.shape[0]]]
         mdata.page_table[:, :max_k].copy_(rows[:, :max_k])  # 93470a141 (#5090): no ::P, no // P
         return

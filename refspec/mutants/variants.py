@@ -151,8 +151,8 @@ CHAIN_VARIANTS: dict[str, Variant] = {v.name: v for v in [
             ("PA-004",)),
     Variant("emulator-window-edge", emulator.visible_keys, R.window_edge_exclusive,
             "the emulator's left window edge is exclusive: key p visible iff p > t - w (w keys, not w + 1)",
-            "docs/spec/paging-attention.md#pa-004; https://github.com/Dao-AILab/flash-attention/blob/main/"
-            "hopper/flash_attn_interface.py (window_size: both edges inclusive)",
+            "docs/spec/paging-attention.md#pa-004; https://github.com/Dao-AILab/flash-attention/blob/"
+            "fa4-v4.0.0.beta27/hopper/flash_attn_interface.py#L1012 (window_size: both edges inclusive)",
             "on CPU the emulated FA3 drops the window's oldest key, so a wing with the real rule would "
             "look wrong next to it; no error",
             ("PA-004",)),

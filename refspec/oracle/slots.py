@@ -16,7 +16,8 @@ returns with ``return_softmax_lse=True`` and what ``merge_state_v2`` combines: f
 key sets A and B, ``o = (e^lse_A o_A + e^lse_B o_B) / (e^lse_A + e^lse_B)`` equals attention over
 A union B.  Upstream: ``FlashAttentionBackend.forward_decode`` / ``forward_extend`` (cascade
 prefix + expand, merged by ``merge_state_v2``) in
-https://github.com/sgl-project/sglang/blob/003e7b77aeee2fba80ff241c7f45dcb0e613164d/python/sglang/srt/layers/attention/flashattention_backend.py
+https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L2340
+(v0.5.23; ``forward_extend``'s merge is ``:1865``)
 """
 
 from __future__ import annotations

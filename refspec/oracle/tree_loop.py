@@ -25,19 +25,20 @@ the draft extend of the previous round left ``topk_p, topk_index`` and a hidden 
    children.  v2 runs all N rows at L..L+N-1 with the path compacted to the front (upstream
    ``_compact_accept_to_front``) and keeps row a - 1; rows >= a cannot reach it (SD-006).
 
-Upstream (sgl-project/sglang, at the commits read):
+Upstream (sgl-project/sglang, at the release tags linked):
 
-* https://github.com/sgl-project/sglang/blob/00559eacbf0841146db7e27e445d1971e35e6294/python/sglang/srt/speculative/eagle_worker.py
+* https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L935
+  (v1, last released in v0.5.12.post1)
   ``EAGLEWorker.draft_forward`` (the step loop, ``out_cache_loc`` ``[bs, topk, num_steps]``),
   ``EAGLEWorker.verify`` (``hidden_states[accepted_indices]``), ``forward_draft_extend_after_decode``,
   ``capture_for_decode`` (softmax, then top-k);
-* https://github.com/sgl-project/sglang/blob/003e7b77aeee2fba80ff241c7f45dcb0e613164d/python/sglang/srt/layers/attention/flashattention_backend.py
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L990
   ``FlashAttentionBackend.init_forward_metadata`` (draft decode, ``topk > 1``: prefix over
   ``seq_lens``, expand page table = the row's own ``cache_loc[:, :speculative_step_id + 1]``) and
   ``forward_decode`` / ``forward_extend`` (prefix + expand merged by ``merge_state_v2``).
 
-* https://github.com/sgl-project/sglang/blob/02a3cd954bab7765c272d17886e8af5ca7add79d/python/sglang/srt/speculative/eagle_worker_common.py
-  v2: ``_finalize_accept_tree_path`` / ``_compact_accept_to_front`` (path KV, predict and hidden
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_common.py#L524
+  v2: ``_compact_accept_to_front`` (path KV, predict and hidden
   to the front of the request's N-row block) and ``prepare_for_draft_extend``
   (``DRAFT_EXTEND_V2`` over the N window rows).
 

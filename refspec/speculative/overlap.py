@@ -60,15 +60,15 @@ every check of :mod:`refspec.fa3.validate` still runs, MD-006 as ``seq_lens <= s
 counted as ``"validation"``, never as result reads, and on a GPU they serialize the loop: use
 ``validate=False`` to measure overlap.
 
-**Sources** (sgl-project/sglang, paths under ``python/sglang/srt/``):
-`managers/scheduler.py <https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/scheduler.py>`_
+**Sources** (sgl-project/sglang v0.5.23, paths under ``python/sglang/srt/``):
+`managers/scheduler.py <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/managers/scheduler.py#L2061>`_
 (``event_loop_overlap``, ``_reqs_finishing_inflight``);
-`managers/overlap_utils.py <https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/overlap_utils.py>`_
+`managers/overlap_utils.py <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/managers/overlap_utils.py#L281>`_
 (``FutureMap``; indexed by ``req_pool_indices`` in `#25862 <https://github.com/sgl-project/sglang/pull/25862>`_,
 seq_lens through it in `#25879 <https://github.com/sgl-project/sglang/pull/25879>`_);
-`mem_cache/allocation_sizing.py <https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/mem_cache/allocation_sizing.py>`_
+`mem_cache/allocation_sizing.py <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/allocation_sizing.py#L64>`_
 (`#13478 <https://github.com/sgl-project/sglang/pull/13478>`_);
-`layers/attention/flashattention_backend.py <https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/layers/attention/flashattention_backend.py>`_
+`layers/attention/flashattention_backend.py <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L202>`_
 (``needs_cpu_seq_lens = False``); spec v2 overlap itself: `#11398 <https://github.com/sgl-project/sglang/pull/11398>`_.
 """
 
