@@ -39,10 +39,11 @@ check: venv
 mutants: venv
 	$(PY) -m refspec mutants
 
-# SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/)
+# SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
+# patched copies for the known-bug controls into .conformance-patched/)
 conformance: venv
 	$(PY) -m refspec conformance
-	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py
+	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py tests/test_conformance_controls.py
 
 # executes the tutorials while building, so their pages show outputs and figures (a few
 # minutes: 05 and 06 load the real model); make test's strict build does not execute them
@@ -54,4 +55,4 @@ lab:
 	$(VENV)/bin/jupyter lab tutorials/
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance
+	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance .conformance-patched

@@ -106,7 +106,7 @@ def test_table_cells_say_same_documented_differs_and_error():
     assert lines[4].endswith("ERROR")
     assert "cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[5] and "flashattention_backend.py:3170" in lines[5]
     assert "StubUsed at x.py:1: boom" in lines[6]
-    assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2}
+    assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2, "known_bug": 0}
     verbose = table(rows, "0.5.23", verbose=True)
     assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in verbose
 
@@ -212,8 +212,23 @@ def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_
     assert known.match("0.5.23", "tree_verify", "replay", "expand:cu_seqlens_k") is None  # verify rewrites it
     assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:cu_seqlens_k").key == k.key
     assert known.match("0.5.23", "tree_draft_decode", "replay", "expand:page_table[dead]") is None  # sliced there
-    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]").key == \
-        "tree-expand-unsliced-legacy"
+    # 0.5.12.post1's unsliced scatter is a known upstream bug (TR-018), never a documented difference
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]") is None
+
+
+def test_a_failing_row_is_a_known_upstream_bug_only_on_the_code_that_has_it():
+    wall = ("verify", "replay", ["page_table[live]"], None)
+    assert known.bug("0.5.23", *wall).rule == "CG-008"
+    assert known.bug("0.5.12.post1", *wall).key == "context-wall-page-table"
+    assert known.bug(known.WALL_FIXED, *wall) is None  # the #35985 change: any failure there is unexplained
+    assert known.bug("0.5.23", "verify", "replay", ["page_table[live]", "cu_seqlens_q"], None) is None  # more
+    assert known.bug("0.5.23", "verify", "replay", [], None) is None
+    err = "RuntimeError at sglang-0.5.12.post1/...flashattention_backend.py:3017: index 2 is out of bounds"
+    assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], err).rule == "TR-018"
+    assert known.bug("0.5.23", "tree_draft_decode", "replay", [], err) is None  # fixed there (#27360)
+    assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], "KeyError: x") is None
+    de = ("draft_extend_v2", "eager", ["cache_seqlens_int32", "cu_seqlens_k"], None)
+    assert known.bug("0.5.23", *de) is None and known.bug(known.DE_V2_DOUBLE_COUNT, *de).rule == "MD-008"
 
 
 def test_tree_rows_are_labelled_with_their_top_k():

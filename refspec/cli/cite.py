@@ -36,6 +36,9 @@ def render(inv_id: str, tests: list[str]) -> str:
         out.append(f"- **In SGLang:** {r.upstream}.")
     elif r.upstream:
         out.append(f"- **Earlier SGLang:** {r.upstream}.")
+    if r.violated_by:
+        out.append(f"- **Released SGLang breaks it:** {r.violated_by}. Quoting it against that code is a bug "
+                   "report.")
     if r.versions:
         out.append(f"- **Matches SGLang:** {', '.join(r.versions)}")
     if r.conformance:

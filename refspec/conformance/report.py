@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from refspec.conformance.compare import Diff
-from refspec.conformance.known import KNOWN, link, source
+from refspec.conformance.known import BUGS, KNOWN, link, source
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Row:
     step: int | None
     diffs: list[Diff] = field(default_factory=list)
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
+    bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
 
     @property
     def label(self) -> str:
@@ -37,12 +38,21 @@ class Row:
         return self.error is None and not self.undocumented
 
 
+def _bug_tag(rows: list[Row]) -> str:
+    """`` [RULE, upstream bug KEY]`` when every failing row of the cell is one known bug."""
+    keys = {r.bug for r in rows if not r.ok}
+    if len(keys) != 1 or None in keys:
+        return ""
+    b = next(x for x in BUGS if x.key in keys)
+    return f" [{b.rule}, upstream bug {b.key}]"
+
+
 def _cell(rows: list[Row]) -> str:
     if any(r.error for r in rows):
-        return "ERROR"
+        return "ERROR" + _bug_tag(rows)
     bad = sorted({d.field for r in rows for d in r.undocumented})
     if bad:
-        return "DIFFERS: " + ",".join(bad)
+        return "DIFFERS: " + ",".join(bad) + _bug_tag(rows)
     doc = sorted({d.documented for r in rows for d in r.diffs})
     return "same" + (f" (+{','.join(doc)})" if doc else "")
 
@@ -65,11 +75,15 @@ def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
         if verbose:
             lines += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
                       for d in r.diffs if d.documented]
+        tag = ""
+        if r.bug:
+            b = next(x for x in BUGS if x.key == r.bug)
+            tag = f" [{b.rule}{''.join(', ' + a for a in b.also)}: known upstream bug {b.key}]"
         if r.error:
-            lines.append(f"  ERROR {where}: {r.error}")
+            lines.append(f"  ERROR {where}: {r.error}{tag}")
         for d in r.undocumented:
             lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
-                         f"(upstream {source(r.pin, r.mode, r.phase, d.field)})")
+                         f"(upstream {source(r.pin, r.mode, r.phase, d.field)}){tag}")
     return "\n".join(lines)
 
 
@@ -77,7 +91,22 @@ def summary(rows: list[Row], pin: str) -> dict:
     mine = [r for r in rows if r.pin == pin]
     return {"cases": len(mine), "same": sum(not r.diffs and not r.error for r in mine),
             "documented": sum(bool(r.diffs) and r.ok for r in mine),
-            "undocumented": sum(not r.ok for r in mine)}
+            "undocumented": sum(not r.ok for r in mine), "known_bug": sum(bool(r.bug) for r in mine)}
+
+
+def bugs_table(keys: set[str]) -> str:
+    """The known upstream bugs ``keys``: rule, status (fixed by / open PR), what, upstream lines."""
+    lines = []
+    for b in BUGS:
+        if b.key not in keys:
+            continue
+        lines.append(f"  {b.key}: breaks {b.rule}" + (f" (also {', '.join(b.also)})" if b.also else "")
+                     + f" at {', '.join(b.pins)}")
+        lines.append(f"      {b.what}")
+        lines.append(f"      status: {b.status}")
+        for pin, f, line in b.upstream:
+            lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
+    return "\n".join(lines)
 
 
 def known_table(used: set[str] | None = None) -> str:

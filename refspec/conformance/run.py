@@ -59,7 +59,17 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
+        """Every row agrees (or differs only as documented): False on a known upstream bug too."""
         return all(r.ok for r in self.rows)
+
+    @property
+    def unexplained(self) -> list[report.Row]:
+        """Failing rows that no known upstream bug explains (what makes the CLI exit 1)."""
+        return [r for r in self.rows if not r.ok and r.bug is None]
+
+    def bugs(self) -> set[str]:
+        """The known upstream bugs (:data:`refspec.conformance.known.BUGS` keys) that rows showed."""
+        return {r.bug for r in self.rows if r.bug}
 
     def failing_fields(self) -> set[str]:
         return {d.field for r in self.rows for d in r.undocumented} | ({"ERROR"} if any(r.error for r in self.rows)
@@ -89,16 +99,23 @@ def run_worker(pin: str, path: list[str], jobs: list[cases.Job]) -> tuple[dict, 
     return out["results"], out["info"]
 
 
-def rows_for(pin: str, jobs: list[cases.Job], results: dict) -> list[report.Row]:
-    """Compare every (job, phase, step) of ``jobs`` with upstream's ``results``."""
+def rows_for(pin: str, jobs: list[cases.Job], results: dict, code: str | None = None) -> list[report.Row]:
+    """Compare every (job, phase, step) of ``jobs`` with upstream's ``results``.
+
+    ``pin`` is the release the code is (its documented differences, its adapter); ``code`` the
+    code that ran (default ``pin``; a patched copy: :func:`refspec.conformance.known.patched`),
+    against which a failing row is matched with the known upstream bugs (``Row.bug``).
+    """
+    code = code or pin
     rows = []
     for j in jobs:
         theirs = results.get(j.id, "no result from the worker")
         for (phase, step), ours in j.refspec.items():
             row = report.Row(pin, j.id, j.mode, j.page_size, j.shape, phase, step)
             got = theirs.get((phase, step)) if isinstance(theirs, dict) else None
-            if got is None:
-                row.error = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
+            if got is None or isinstance(got, str):  # a phase's own upstream error is its result
+                missing = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
+                row.error = got or missing
             else:
                 if "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
                     if pin not in OWN_TREE:
@@ -109,6 +126,9 @@ def rows_for(pin: str, jobs: list[cases.Job], results: dict) -> list[report.Row]
                 for d in raw:
                     k = known.match(pin, j.mode, phase, d.field)
                     row.diffs.append(d if k is None else type(d)(d.field, d.ours, d.theirs, k.key))
+            if not row.ok:
+                b = known.bug(code, j.mode, phase, [d.field for d in row.undocumented], row.error)
+                row.bug = None if b is None else b.key
             rows.append(row)
     return rows
 
@@ -153,8 +173,11 @@ def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str
         t = time.perf_counter()
         pm = [m for m in PIN_MODES[pin] if modes is None or m in modes]
         with _variant(variant):
-            jobs = cases.build_jobs([m for m in pm if m in cases.MODES], page_sizes, staged=pin in STAGED_REPLAY)
-            jobs += tree_cases.build_jobs([m for m in pm if m in tree_cases.MODES], page_sizes, topks)
+            flat, tree = [m for m in pm if m in cases.MODES], [m for m in pm if m in tree_cases.MODES]
+            jobs = cases.build_jobs(flat, page_sizes, staged=pin in STAGED_REPLAY)
+            jobs += cases.edge_jobs(flat, page_sizes, staged=pin in STAGED_REPLAY)
+            jobs += tree_cases.build_jobs(tree, page_sizes, topks)
+            jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
         results, info[pin] = _upstream(pin, paths[pin], jobs, cache)
         rows += rows_for(pin, jobs, results)
         seconds[pin] = round(time.perf_counter() - t, 1)
@@ -169,7 +192,8 @@ def render(out: Outcome, verbose: bool = False) -> str:
         s = report.summary(out.rows, pin)
         inf = out.info.get(pin, {})
         parts.append(f"== sglang {pin}: {s['cases']} cases, {s['same']} identical, {s['documented']} with only "
-                     f"documented differences, {s['undocumented']} failing "
+                     f"documented differences, {s['undocumented']} failing"
+                     + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else "") + " "
                      f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s)")
         for k, v in inf.items():
             if k.startswith(("replay kernels", "tree kernel")):
@@ -178,5 +202,9 @@ def render(out: Outcome, verbose: bool = False) -> str:
     used = {d.documented for r in out.rows for d in r.diffs if d.documented}
     parts.append("== documented differences (* = seen in this run)")
     parts.append(report.known_table(used))
-    parts.append(f"== {'OK' if out.ok else 'FAIL'}: timings {out.seconds}")
+    if out.bugs():
+        parts.append("== known upstream bugs reproduced (failing rows above, rule named)")
+        parts.append(report.bugs_table(out.bugs()))
+    verdict = "OK" if out.ok else "FAIL" if out.unexplained else "KNOWN UPSTREAM BUGS ONLY"
+    parts.append(f"== {verdict}: timings {out.seconds}")
     return "\n".join(parts)

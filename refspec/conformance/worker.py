@@ -29,6 +29,11 @@ def _where(exc: BaseException) -> str:
     return f"{f.filename.split('site-packages/')[-1].split('/.conformance/')[-1]}:{f.lineno}"
 
 
+def describe(exc: BaseException) -> str:
+    """``Type at file:line: message`` of an upstream exception (the text a result row carries)."""
+    return f"{type(exc).__name__} at {_where(exc)}: {exc}"
+
+
 def main(argv: list[str]) -> int:
     pin, jobs_path, out_path = argv
     spec = importlib.util.find_spec("sglang")
@@ -45,7 +50,7 @@ def main(argv: list[str]) -> int:
         try:
             results[job_id] = up.run(inputs)
         except Exception as e:  # noqa: BLE001 -- reported per job; the comparison counts it as an error
-            results[job_id] = f"{type(e).__name__} at {_where(e)}: {e}"
+            results[job_id] = describe(e)
     info = dict(up.info(), site=site, import_s=round(t_import, 1), run_s=round(time.perf_counter() - t0 - t_import, 1),
                 placeholders=len(stubs.handed_out()))
     torch.save({"results": results, "info": info}, out_path)

@@ -1,0 +1,133 @@
+"""Known upstream bugs as negative controls against real upstream code.
+
+Each :class:`Control` runs the same jobs on two pieces of upstream code: one that has the bug
+(a release, or a release with a stored PR diff applied: :mod:`refspec.conformance.patches`)
+and one that fixed it.  The control holds when the buggy code FAILS -- DIFFERS or an upstream
+ERROR, in exactly the (mode, phase) pairs listed, every failing row naming the rule of its
+:data:`refspec.conformance.known.BUGS` entry -- and the fixed code PASSES (every row identical
+or documented).  refspec's side is the same production code in both runs (no variant): only
+upstream's code changes.
+
+``tests/test_conformance_controls.py`` pins every control (``make conformance``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from refspec.conformance import cases, install, known, patches, report, tree_cases
+from refspec.conformance.run import STAGED_REPLAY, run_worker, rows_for
+
+
+@dataclass(frozen=True)
+class Code:
+    """Upstream code: release ``pin`` with stored ``patches`` applied in order."""
+
+    pin: str
+    patches: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return known.patched(self.pin, *self.patches)
+
+
+@dataclass(frozen=True)
+class Control:
+    key: str  #: the :data:`known.BUGS` entry
+    buggy: Code
+    fixed: Code
+    jobs: Callable[[Code], list[cases.Job]]
+    fails: frozenset  #: the (mode, phase) pairs that must fail on the buggy code
+
+    @property
+    def bug(self) -> known.Bug:
+        return next(b for b in known.BUGS if b.key == self.key)
+
+
+def _wall(code: Code) -> list[cases.Job]:
+    w = cases.WALL
+    return cases.build_jobs(("verify", "draft_extend_v2"), (w["page_size"],), ("B3/bs4",), seed=1000,
+                            staged=code.pin in STAGED_REPLAY, context_len=w["context_len"], extra=4 + cases.N,
+                            lens=w["lens"], tag="wall")
+
+
+def _long_tree(code: Code) -> list[cases.Job]:
+    return tree_cases.build_jobs(("tree_draft_decode",), (2,), (2,), num_steps=(6,))
+
+
+def _de_v2(code: Code) -> list[cases.Job]:
+    return cases.build_jobs(("draft_extend_v2",), (1, 4), ("B3/bs4",), staged=code.pin in STAGED_REPLAY)
+
+
+NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
+CONTROLS: tuple[Control, ...] = (
+    Control("context-wall-page-table", NEW, Code("0.5.23", ("pr35985-page-table-width",)), _wall,
+            frozenset({("verify", "capture"), ("verify", "replay"), ("draft_extend_v2", "capture"),
+                       ("draft_extend_v2", "replay"), ("draft_extend_v2", "replay-staged")})),
+    Control("draft-expand-unsliced-scatter", OLD, NEW, _long_tree, frozenset({("tree_draft_decode", "replay")})),
+    Control("draft-extend-v2-double-count", Code("0.5.23", ("pr26512-draft-extend-v2-double-count",)), NEW, _de_v2,
+            frozenset({("draft_extend_v2", "eager")})),
+)
+
+
+@dataclass
+class Result:
+    control: Control
+    buggy: list[report.Row]
+    fixed: list[report.Row]
+
+    def failing(self, rows) -> set[tuple[str, str]]:
+        return {(r.mode, r.phase) for r in rows if not r.ok}
+
+    def problems(self) -> list[str]:
+        """Why the control does not hold (empty: it holds)."""
+        c, out = self.control, []
+        got = self.failing(self.buggy)
+        if got != set(c.fails):
+            out.append(f"{c.buggy.label}: failing (mode, phase) {sorted(got)}, expected {sorted(c.fails)}")
+        unnamed = [f"{r.job} {r.phase}" for r in self.buggy if not r.ok and r.bug != c.key]
+        if unnamed:
+            out.append(f"{c.buggy.label}: rows failing without the {c.key} ({c.bug.rule}) attribution: {unnamed}")
+        bad = [f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}") for r in self.fixed if not r.ok]
+        if bad:
+            out.append(f"{c.fixed.label}: must pass, fails at {bad}")
+        return out
+
+
+def _path(code: Code, root: str | None, log) -> list[str]:
+    site, deps = install.ensure((code.pin,), root, log=log)[code.pin]
+    return [patches.patched_copy(site, code.patches, log=log), deps]
+
+
+def run_controls(controls=CONTROLS, root: str | None = None, log=print, workers: int = 2) -> list[Result]:
+    """Run every control; one upstream worker per distinct code (``workers`` at a time)."""
+    want: dict[Code, list[cases.Job]] = {}
+    for c in controls:
+        for code in (c.buggy, c.fixed):
+            want.setdefault(code, []).extend(c.jobs(code))
+    paths = {code: _path(code, root, log) for code in want}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {code: pool.submit(run_worker, code.pin, paths[code], jobs) for code, jobs in want.items()}
+        rows = {code: rows_for(code.pin, want[code], futures[code].result()[0], code.label) for code in want}
+    out = []
+    for c in controls:
+        ids = {j.id for j in c.jobs(c.buggy)}, {j.id for j in c.jobs(c.fixed)}
+        out.append(Result(c, [r for r in rows[c.buggy] if r.job in ids[0]],
+                          [r for r in rows[c.fixed] if r.job in ids[1]]))
+    return out
+
+
+def render(results: list[Result]) -> str:
+    """One paragraph per control: verdict, rule, both codes, the buggy code's failing rows."""
+    lines = []
+    for res in results:
+        c, b = res.control, res.control.bug
+        verdict = "holds" if not res.problems() else "DOES NOT HOLD"
+        lines.append(f"== control {c.key} [{b.rule}]: {verdict}: fails on {c.buggy.label} "
+                     f"({len([r for r in res.buggy if not r.ok])} rows), passes on {c.fixed.label} "
+                     f"({len([r for r in res.fixed if not r.ok])} failing of {len(res.fixed)})")
+        lines += [f"   {p}" for p in res.problems()]
+        lines.append(report.table(res.buggy, c.buggy.pin))
+    return "\n".join(lines)
