@@ -14,11 +14,11 @@ upstream's code changes.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from refspec.conformance import cases, install, known, patches, report, tree_cases
-from refspec.conformance.run import STAGED_REPLAY, run_worker, rows_for
+from refspec.conformance.run import run_worker, rows_for
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,22 @@ class Code:
     def label(self) -> str:
         return known.patched(self.pin, *self.patches)
 
+    def target(self, root: str | None = None, log=print) -> install.Target:
+        """The release resolved (installed if missing); with patches, a patched copy of it driven as a
+        source tree (its links point at the local files, not the release tag), labelled :attr:`label`."""
+        t = install.resolve(self.pin, root, log)
+        if not self.patches:
+            return t
+        tree = install.resolve(patches.patched_copy(t.site, self.patches, log=log), root, log)
+        return replace(tree, label=self.label, version=self.pin)
+
 
 @dataclass(frozen=True)
 class Control:
     key: str  #: the :data:`known.BUGS` entry
     buggy: Code
     fixed: Code
-    jobs: Callable[[Code], list[cases.Job]]
+    jobs: Callable[[install.Target], list[cases.Job]]
     fails: frozenset  #: the (mode, phase) pairs that must fail on the buggy code
 
     @property
@@ -46,19 +55,19 @@ class Control:
         return next(b for b in known.BUGS if b.key == self.key)
 
 
-def _wall(code: Code) -> list[cases.Job]:
+def _wall(t: install.Target) -> list[cases.Job]:
     w = cases.WALL
     return cases.build_jobs(("verify", "draft_extend_v2"), (w["page_size"],), ("B3/bs4",), seed=1000,
-                            staged=code.pin in STAGED_REPLAY, context_len=w["context_len"], extra=4 + cases.N,
-                            lens=w["lens"], tag="wall")
+                            staged=t.shape.staged, context_len=w["context_len"], extra=4 + cases.N, lens=w["lens"],
+                            tag="wall")
 
 
-def _long_tree(code: Code) -> list[cases.Job]:
+def _long_tree(t: install.Target) -> list[cases.Job]:
     return tree_cases.build_jobs(("tree_draft_decode",), (2,), (2,), num_steps=(6,))
 
 
-def _de_v2(code: Code) -> list[cases.Job]:
-    return cases.build_jobs(("draft_extend_v2",), (1, 4), ("B3/bs4",), staged=code.pin in STAGED_REPLAY)
+def _de_v2(t: install.Target) -> list[cases.Job]:
+    return cases.build_jobs(("draft_extend_v2",), (1, 4), ("B3/bs4",), staged=t.shape.staged)
 
 
 NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
@@ -96,24 +105,21 @@ class Result:
         return out
 
 
-def _path(code: Code, root: str | None, log) -> list[str]:
-    site, deps = install.ensure((code.pin,), root, log=log)[code.pin]
-    return [patches.patched_copy(site, code.patches, log=log), deps]
-
-
 def run_controls(controls=CONTROLS, root: str | None = None, log=print, workers: int = 2) -> list[Result]:
     """Run every control; one upstream worker per distinct code (``workers`` at a time)."""
-    want: dict[Code, list[cases.Job]] = {}
+    codes = list(dict.fromkeys(code for c in controls for code in (c.buggy, c.fixed)))
+    tgts = {code: code.target(root, log) for code in codes}
+    want: dict[Code, list[cases.Job]] = {code: [] for code in codes}
     for c in controls:
         for code in (c.buggy, c.fixed):
-            want.setdefault(code, []).extend(c.jobs(code))
-    paths = {code: _path(code, root, log) for code in want}
+            have = {j.id for j in want[code]}
+            want[code] += [j for j in c.jobs(tgts[code]) if j.id not in have]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {code: pool.submit(run_worker, code.pin, paths[code], jobs) for code, jobs in want.items()}
-        rows = {code: rows_for(code.pin, want[code], futures[code].result()[0], code.label) for code in want}
+        futures = {code: pool.submit(run_worker, tgts[code], jobs) for code, jobs in want.items()}
+        rows = {code: rows_for(tgts[code], want[code], futures[code].result()[0]) for code in codes}
     out = []
     for c in controls:
-        ids = {j.id for j in c.jobs(c.buggy)}, {j.id for j in c.jobs(c.fixed)}
+        ids = {j.id for j in c.jobs(tgts[c.buggy])}, {j.id for j in c.jobs(tgts[c.fixed])}
         out.append(Result(c, [r for r in rows[c.buggy] if r.job in ids[0]],
                           [r for r in rows[c.fixed] if r.job in ids[1]]))
     return out
@@ -129,5 +135,5 @@ def render(results: list[Result]) -> str:
                      f"({len([r for r in res.buggy if not r.ok])} rows), passes on {c.fixed.label} "
                      f"({len([r for r in res.fixed if not r.ok])} failing of {len(res.fixed)})")
         lines += [f"   {p}" for p in res.problems()]
-        lines.append(report.table(res.buggy, c.buggy.pin))
+        lines.append(report.table(res.buggy, c.buggy.label))
     return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""SGLang 0.5.12.post1 (worker subprocess only): the newest release with ``ForwardMode.DRAFT_EXTEND``
+"""The legacy-hooks adapter (worker subprocess only; written against SGLang 0.5.12.post1, chosen for
+any code whose shape has these hooks, :func:`refspec.conformance.install.detect`), 0.5.12.post1
+being the newest release with ``ForwardMode.DRAFT_EXTEND``
 (v1) *and* the legacy graph hooks ``init_forward_metadata_capture_cuda_graph`` /
 ``init_forward_metadata_replay_cuda_graph`` (0.5.13 dropped the hooks, 0.5.14 the v1 mode).
 
@@ -21,9 +23,6 @@ from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
 
-MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2",
-         "tree_verify", "tree_draft_decode")
-
 
 def _server_args(ServerArgs, **over):
     sa = ServerArgs.__new__(ServerArgs)
@@ -40,21 +39,20 @@ def _server_args(ServerArgs, **over):
 
 
 class Upstream:
-    def __init__(self, site: str):
+    def __init__(self, site: str, shape):
         uc.prepare(site)
         import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.configs.model_config import AttentionArch
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.server_args import (
-            ServerArgs,
-            set_global_server_args_for_scheduler,
-        )
+        import sglang.srt.server_args as server_args
 
         uc.finish_imports()
-        self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
-        self.ServerArgs, self.publish = ServerArgs, set_global_server_args_for_scheduler
+        self.fa, self.FM, self.arch, self.modes = fa, ForwardMode, AttentionArch, shape.modes
+        # older releases read the server args from the model runner only (no global to publish)
+        self.ServerArgs = server_args.ServerArgs
+        self.publish = getattr(server_args, "set_global_server_args_for_scheduler", lambda sa: None)
         self.kernels = {n: uc.interpreted(getattr(fa, n)) for n in
-                        ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa")}
+                        ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa") if hasattr(fa, n)}
 
     def info(self) -> dict:
         return {"replay kernels in Triton's interpreter": self.kernels}
@@ -62,8 +60,8 @@ class Upstream:
     def run(self, job: dict) -> dict:
         """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
-        if mode not in MODES:
-            raise ValueError(f"sglang 0.5.12.post1 is not compared on {mode!r}")
+        if mode not in self.modes:
+            raise ValueError(f"this code is not compared on {mode!r}")
         sa = _server_args(self.ServerArgs, page_size=P, speculative_algorithm="EAGLE",
                           speculative_eagle_topk=job.get("topk", 1), speculative_num_steps=Sd,
                           speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")

@@ -1,5 +1,7 @@
-"""SGLang 0.5.23 (worker subprocess only): capture = ``init_forward_metadata_out_graph(fb,
-in_capture=True)`` then ``init_forward_metadata_in_graph(fb)`` (the part a graph records);
+"""The graph-hooks adapter (worker subprocess only; written against SGLang 0.5.23, chosen for any
+code whose shape has these hooks, :func:`refspec.conformance.install.detect`): capture =
+``init_forward_metadata_out_graph(fb, in_capture=True)``
+then ``init_forward_metadata_in_graph(fb)`` (the part a graph records);
 replay = ``init_forward_metadata_out_graph(fb)`` then the in-graph part again (a graph replay
 re-runs it).  ``DRAFT_EXTEND`` (v1) no longer exists in this release.
 
@@ -17,13 +19,13 @@ from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
 
-MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle")
 
 
 class Upstream:
-    def __init__(self, site: str):
+    def __init__(self, site: str, shape):
+        import importlib
+
         uc.prepare(site)
-        import sglang.kernels.ops.attention.metadata as kmeta
         import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.configs.model_config import AttentionArch
         from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
@@ -33,15 +35,17 @@ class Upstream:
         from refspec.conformance.upstream_tree import TreeUpstream
 
         self.fa, self.FM = fa, ForwardMode
-        self.tree = TreeUpstream(self)  # imports upstream's tree code before the stubs are armed
+        # imports upstream's tree code before the stubs are armed
+        self.tree = TreeUpstream(self) if shape.own_tree else None
+        kmeta = importlib.import_module(uc.module_name(shape.kernels)) if shape.kernels else None
         uc.finish_imports()
         self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
         self.translator, self.context = KVIndexTranslator, get_context
         self.kernels = {n: uc.interpreted(getattr(kmeta, n)) for n in
-                        ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel")}
+                        ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel") if hasattr(kmeta, n)}
 
     def info(self) -> dict:
-        return {"replay kernels in Triton's interpreter": self.kernels, **self.tree.info()}
+        return {"replay kernels in Triton's interpreter": self.kernels, **(self.tree.info() if self.tree else {})}
 
     def _runner(self, R, P: int, ctx: int, draft: bool):
         pool = uc.KVPoolStub()
@@ -56,7 +60,7 @@ class Upstream:
     def run(self, job: dict) -> dict:
         """``{(phase, step): fields}`` for one job (``cases.Job.inputs``); tree jobs: :mod:`upstream_tree`."""
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
-        if mode in self.tree.modes:
+        if self.tree is not None and mode in self.tree.modes:
             return self.tree.run(job)
         override = self.context().override_server_args(
             page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=Sd,
@@ -84,7 +88,7 @@ class Upstream:
             be.init_forward_metadata_out_graph(fb, in_capture=phase == "capture")
             be.init_forward_metadata_in_graph(fb)
             out.update({(phase, s): uc.fields(b.forward_metadata) for s, b in steps})
-        if mode == "draft_extend_v2" and be.supports_draft_extend_metadata_staging:
+        if mode == "draft_extend_v2" and getattr(be, "supports_draft_extend_metadata_staging", False):
             out[("replay-staged", None)] = self._staged(mr, job, mode, N)
         return out
 

@@ -44,8 +44,29 @@ def prepare(site: str) -> None:
         stubs.replace_module(name)
 
 
+def module_name(rel: str) -> str:
+    """``sglang/kernels/ops/attention/metadata.py`` -> ``sglang.kernels.ops.attention.metadata``."""
+    return rel[:-len(".py")].replace("/", ".")
+
+
+def revert_fix() -> str | None:
+    """Revert the upstream fix named by ``REFSPEC_REVERT_FIX`` (a PR number) the way upstream does it:
+    ``sglang.srt.debug_utils.pr_fix_toggle._revert_pr_fix`` rewrites each patched function's source
+    from its registered YAML edits and swaps its ``__code__`` (what ``SGLANG_DEBUG_REVERT_PR`` does in
+    the scheduler).  Returns the name, or None when none is asked for."""
+    name = os.environ.get("REFSPEC_REVERT_FIX")
+    if not name:
+        return None
+    from sglang.srt.debug_utils.pr_fix_toggle import _revert_pr_fix
+
+    _revert_pr_fix(int(name))
+    return name
+
+
 def finish_imports() -> None:
-    """Bind the run-time names, then arm the stubs (any later use raises ``StubUsed``)."""
+    """Revert the asked-for upstream fix (:func:`revert_fix`), bind the run-time names, then arm the
+    stubs (any later use raises ``StubUsed``)."""
+    revert_fix()
     for name in KERNEL_NAMES:
         stubs.provide("sgl_kernel.flash_attn", name)
     for dotted, value in RUNTIME_SETTINGS.items():
