@@ -267,7 +267,9 @@ RULES: dict[str, Rule] = {
                     sgl(SPEC_UTILS, T_SPEC_UTILS_KV, None, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
     "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
                    "columns) equals eager", U,
-                   (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469)), (NEW,), BOTH),
+                   (pr(25077, "the bug family"), pr(27360, "the fix: the slice at the graph call site"),
+                    sgl("srt/debug_utils/pr_fix_toggle.py", NEW, 76, "_PR_REVERT_YAML_27360"), pr(15469)),
+                   (NEW,), BOTH),
     "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
                    "page freed", U,
                    (sgl(EAGLE_WORKER, T_EAGLE_WORKER, None, "EAGLEWorker.verify"),)),
