@@ -57,10 +57,10 @@ def test_a_source_tree_and_a_wheel_file_run_the_same_code_as_the_release(new, tm
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "sglang==0.5.23", "-d",
                     str(wheels)], check=True, capture_output=True)
     (whl,) = wheels.glob("*.whl")
-    root = tmp_path / "root"
-    wheel = install.resolve(str(whl), root=str(root), log=quiet)
+    wheel = install.resolve(str(whl), log=quiet)  # into .conformance/wheel-<sha256[:16]>, kept for the next run
     assert wheel.kind == "wheel" and wheel.version == "0.5.23" and wheel.shape == new.shape
-    assert install.resolve(str(whl), root=str(root), log=quiet).site == wheel.site  # keyed by content: reused
+    assert os.path.basename(wheel.site) == "wheel-" + install._file_hash(str(whl))[:16]
+    assert install.resolve(str(whl), log=quiet).site == wheel.site  # keyed by content: reused
     outs = [run.run(sglang=[t], **SMALL) for t in (new, tree, wheel)]
     assert all(o.ok for o in outs), [run.render(o) for o in outs if not o.ok]
     key = [[(r.job, r.phase, r.step, [d.field for d in r.diffs]) for r in o.rows] for o in outs]

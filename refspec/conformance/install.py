@@ -55,6 +55,9 @@ KERNEL_FILES = ("sglang/kernels/ops/attention/metadata.py", "sglang/srt/layers/a
 OWN_TREE_FILES = ("sglang/kernels/ops/speculative/spec_tree.py", "sglang/kernels/ops/speculative/cache_locs.py",
                   "sglang/srt/speculative/eagle_utils.py", "sglang/srt/speculative/eagle_worker_common.py",
                   "sglang/srt/speculative/eagle_info.py")
+#: the first release whose wheel has ``layers/attention/flashattention_backend.py`` (0.4.4 and
+#: 0.4.4.post1 have none): an older release is refused before anything is downloaded
+FIRST_FA3 = "0.4.4.post2"
 RELEASE = re.compile(r"^\d+\.\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 
 BASE_MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode")
@@ -134,14 +137,15 @@ def default_root() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".conformance")
 
 
-def _ensure(target: str, reqs: tuple[str, ...], log) -> bool:
-    """Install ``reqs`` into ``target`` unless its stamp already lists them; True if installed.
+def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> bool:
+    """Install ``reqs`` into ``target`` unless its stamp already lists them (or ``key``, e.g. a
+    wheel's content hash, when given); True if installed.
 
     Raises: RuntimeError if pip fails (with pip's stderr), or if ``target`` exists without a
     stamp (not a directory this function created: it is never removed).
     """
     stamp = os.path.join(target, STAMP)
-    want = "\n".join(reqs) + "\n"
+    want = (key if key is not None else "\n".join(reqs)) + "\n"
     if os.path.exists(stamp):
         with open(stamp) as f:
             if f.read() == want:
@@ -331,8 +335,9 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
     if spec.endswith(".whl"):
         if not os.path.isfile(path):
             raise UnsupportedSpec(f"wheel file {spec} does not exist")
-        site = os.path.join(root, f"wheel-{_file_hash(path)[:16]}")
-        _ensure(site, (path,), log)
+        digest = _file_hash(path)
+        site = os.path.join(root, f"wheel-{digest[:16]}")
+        _ensure(site, (path,), log, key=f"sha256:{digest}")
         version = _version_of(site)
         kind, label = "wheel", f"{os.path.basename(path)}"
     elif os.path.isdir(path):
@@ -342,6 +347,11 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
                                   f"source tree")
         kind, label, version = "tree", f"sglang @ {path}", None
     elif RELEASE.match(spec):
+        from packaging.version import Version
+
+        if Version(spec) < Version(FIRST_FA3):
+            raise UnsupportedSpec(f"sglang {spec!r} predates the FA3 backend (first in {FIRST_FA3}); the default "
+                                  f"releases are {','.join(PINS)}")
         site = install_release(spec, releases_root or root, log)
         kind, label, version = "release", spec, spec
     else:
