@@ -47,6 +47,7 @@ DEPS = ("triton==3.9.0", "msgspec==0.23.0", "pydantic==2.14.4", "pydantic-core==
 STAMP = ".installed"
 FA = "sglang/srt/layers/attention/flashattention_backend.py"
 FBI = "sglang/srt/model_executor/forward_batch_info.py"
+BASE = "sglang/srt/layers/attention/base_attn_backend.py"
 TOGGLES = "sglang/srt/debug_utils/pr_fix_toggle.py"
 #: where releases keep the Triton replay-metadata kernels (newest first)
 KERNEL_FILES = ("sglang/kernels/ops/attention/metadata.py", "sglang/srt/layers/attention/triton_ops/metadata.py", FA)
@@ -54,6 +55,9 @@ KERNEL_FILES = ("sglang/kernels/ops/attention/metadata.py", "sglang/srt/layers/a
 OWN_TREE_FILES = ("sglang/kernels/ops/speculative/spec_tree.py", "sglang/kernels/ops/speculative/cache_locs.py",
                   "sglang/srt/speculative/eagle_utils.py", "sglang/srt/speculative/eagle_worker_common.py",
                   "sglang/srt/speculative/eagle_info.py")
+#: the first release whose wheel has ``layers/attention/flashattention_backend.py`` (0.4.4 and
+#: 0.4.4.post1 have none): an older release is refused before anything is downloaded
+FIRST_FA3 = "0.4.4.post2"
 RELEASE = re.compile(r"^\d+\.\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 
 BASE_MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode")
@@ -65,13 +69,13 @@ ADAPTERS = {
                                   "init_forward_metadata_in_graph"),
         "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_out_graph",
                                            "init_forward_metadata_in_graph")},
-        ("sglang/srt/mem_cache/kv_index_translator.py", "sglang/srt/runtime_context.py")),
+        ("sglang/srt/runtime_context.py",)),
     "legacy": ("refspec.conformance.upstream_0512", {
         "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state",
-                                  "init_forward_metadata_capture_cuda_graph:bs,num_tokens,req_pool_indices,seq_lens,"
-                                  "encoder_lens,forward_mode,spec_info",
-                                  "init_forward_metadata_replay_cuda_graph:bs,req_pool_indices,seq_lens,seq_lens_sum,"
-                                  "encoder_lens,forward_mode,spec_info,seq_lens_cpu,out_cache_loc"),
+                                  "init_forward_metadata_capture_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"
+                                  "spec_info",
+                                  "init_forward_metadata_replay_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"
+                                  "spec_info"),
         "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_capture_cuda_graph",
                                            "init_forward_metadata_replay_cuda_graph")},
         ()),
@@ -97,6 +101,7 @@ class Shape:
     adapter: str | None = None  #: the adapter module that drives it, None if none can
     missing: str | None = None  #: why no adapter drives it (what is missing), None if one does
     modes: tuple = ()  #: the modes compared on this code
+    no_draft_decode: str | None = None  #: why draft decode is not compared (no multi-step backend), or None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -132,14 +137,15 @@ def default_root() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".conformance")
 
 
-def _ensure(target: str, reqs: tuple[str, ...], log) -> bool:
-    """Install ``reqs`` into ``target`` unless its stamp already lists them; True if installed.
+def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> bool:
+    """Install ``reqs`` into ``target`` unless its stamp already lists them (or ``key``, e.g. a
+    wheel's content hash, when given); True if installed.
 
     Raises: RuntimeError if pip fails (with pip's stderr), or if ``target`` exists without a
     stamp (not a directory this function created: it is never removed).
     """
     stamp = os.path.join(target, STAMP)
-    want = "\n".join(reqs) + "\n"
+    want = (key if key is not None else "\n".join(reqs)) + "\n"
     if os.path.exists(stamp):
         with open(stamp) as f:
             if f.read() == want:
@@ -217,10 +223,14 @@ def detect(site: str) -> Shape:
     if fa is None:
         return Shape(None, False, False, False, None, False, False, missing=f"no FA3 backend ({FA})")
     m = methods(fa)
-    be = m.get("FlashAttentionBackend", {})
-    hooks = "graph" if {"init_forward_metadata_out_graph", "init_forward_metadata_in_graph"} <= set(be) else \
-        "legacy" if {"init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"} <= set(be) \
-        else None
+    own = m.get("FlashAttentionBackend", {})
+    base = methods(_read(site, BASE) or "").get("AttentionBackend", {})
+    for cls in ("FlashAttentionBackend",):  # inherited defaults (e.g. a no-op init_forward_metadata_in_graph)
+        m[cls] = {**base, **m.get(cls, {})}
+    be = m["FlashAttentionBackend"]
+    legacy = {"init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"}
+    hooks = "graph" if "init_forward_metadata_out_graph" in own and "init_forward_metadata_in_graph" in be else \
+        "legacy" if legacy <= set(own) else None
     members = _enum_members(fbi, "ForwardMode") if fbi else set()
     kernels = next((f for f in KERNEL_FILES if re.search(r"^def normal_decode_set_metadata\b", _read(site, f) or "",
                                                          re.M)), None)
@@ -237,23 +247,28 @@ def detect(site: str) -> Shape:
         shape.missing = f"no ForwardMode enum in {FBI}"
         return shape
     module, needs, files = ADAPTERS[hooks]
+    multi_lacks = None
     for cls, names in needs.items():
         for need in names:
             name, _, params = need.partition(":")
+            lack = [p for p in params.split(",") if p and p not in m.get(cls, {}).get(name, ())]
+            why = None
             if name not in m.get(cls, {}):
-                shape.missing = f"{cls}.{name} is missing ({FA}; the {hooks}-hooks adapter calls it)"
-                return shape
-            lack = [p for p in params.split(",") if p and p not in m[cls][name]]
-            if lack:
-                shape.missing = (f"{cls}.{name} takes no {', '.join(lack)} ({FA}; the {hooks}-hooks adapter passes "
-                                 f"them)")
+                why = f"{cls}.{name} is missing ({FA}; the {hooks}-hooks adapter calls it)"
+            elif lack:
+                why = f"{cls}.{name} takes no {', '.join(lack)} ({FA}; the {hooks}-hooks adapter passes them)"
+            if why and cls == "FlashAttentionMultiStepBackend":  # only the draft-decode modes need it
+                multi_lacks = multi_lacks or why
+            elif why:
+                shape.missing = why
                 return shape
     for f in files:
         if not os.path.exists(os.path.join(site, f)):
             shape.missing = f"{f} is missing (the {hooks}-hooks adapter builds its model runner with it)"
             return shape
     shape.adapter = module
-    modes = list(BASE_MODES)
+    shape.no_draft_decode = multi_lacks
+    modes = [m_ for m_ in BASE_MODES if not (multi_lacks and m_ == "draft_decode")]
     if shape.draft_extend_v1:
         modes.append("draft_extend")
     if shape.draft_extend_v2:
@@ -261,7 +276,7 @@ def detect(site: str) -> Shape:
     if hooks == "graph":
         modes.append("idle")  # the legacy-hooks releases never build metadata for an empty batch (upstream_0512)
     if shape.topk and (hooks == "legacy" or shape.own_tree):
-        modes += TREE_MODES
+        modes += [m_ for m_ in TREE_MODES if not (multi_lacks and m_ == "tree_draft_decode")]
     shape.modes = tuple(modes)
     return shape
 
@@ -302,8 +317,10 @@ def install_release(version: str, root: str, log=print) -> str:
     return d
 
 
-def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | None = None) -> Target:
-    """Install (or locate) the code ``spec`` names and read its shape.
+def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | None = None,
+            releases_root: str | None = None) -> Target:
+    """Install (or locate) the code ``spec`` names and read its shape (``releases_root``: where a
+    release is installed, default ``root``; the shared dependencies always live in ``root/deps``).
 
     Raises: UnsupportedSpec (one line) for a spec that is neither a release, a wheel file nor a
     source tree, for code no adapter drives (the line names what is missing), and for a
@@ -318,8 +335,9 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
     if spec.endswith(".whl"):
         if not os.path.isfile(path):
             raise UnsupportedSpec(f"wheel file {spec} does not exist")
-        site = os.path.join(root, f"wheel-{_file_hash(path)[:16]}")
-        _ensure(site, (path,), log)
+        digest = _file_hash(path)
+        site = os.path.join(root, f"wheel-{digest[:16]}")
+        _ensure(site, (path,), log, key=f"sha256:{digest}")
         version = _version_of(site)
         kind, label = "wheel", f"{os.path.basename(path)}"
     elif os.path.isdir(path):
@@ -329,7 +347,12 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
                                   f"source tree")
         kind, label, version = "tree", f"sglang @ {path}", None
     elif RELEASE.match(spec):
-        site = install_release(spec, root, log)
+        from packaging.version import Version
+
+        if Version(spec) < Version(FIRST_FA3):
+            raise UnsupportedSpec(f"sglang {spec!r} predates the FA3 backend (first in {FIRST_FA3}); the default "
+                                  f"releases are {','.join(PINS)}")
+        site = install_release(spec, releases_root or root, log)
         kind, label, version = "release", spec, spec
     else:
         raise UnsupportedSpec(f"--sglang {spec!r} is neither a release version (e.g. 0.5.14), a wheel file nor an "

@@ -25,6 +25,7 @@ import torch
 from refspec.conformance import cases, install, known, report, rules, tree_cases
 from refspec.conformance.compare import compare, compare_parts
 
+WORKER_TIMEOUT: float | None = None  #: seconds a worker may run (None: no limit; the sweep sets one)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -107,8 +108,12 @@ def run_worker(target: install.Target, jobs: list[cases.Job]) -> tuple[dict, dic
         env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", PYTHONDONTWRITEBYTECODE="1",
                    PYTHONPATH=os.pathsep.join([*target.paths, REPO]), PYTHONWARNINGS="ignore",
                    REFSPEC_SHAPE=target.shape.to_json(), REFSPEC_REVERT_FIX=target.revert_fix or "")
-        proc = subprocess.run([sys.executable, "-m", "refspec.conformance.worker", target.label, jobs_path, out_path],
-                              env=env, capture_output=True, text=True, cwd=REPO, check=False)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "refspec.conformance.worker", target.label, jobs_path,
+                                   out_path], env=env, capture_output=True, text=True, cwd=REPO, check=False,
+                                  timeout=WORKER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"conformance worker for sglang {target.label} ran past {WORKER_TIMEOUT} s") from None
         if proc.returncode != 0 or not os.path.exists(out_path):
             raise RuntimeError(f"conformance worker for sglang {target.label} failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
@@ -202,6 +207,11 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
         raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
                       f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
                       f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
+    empty = [m for m in (modes or ()) if m not in {j.mode for j in jobs}]
+    if empty:
+        raise NoCases(f"sglang {target.label}: mode {', '.join(empty)} has no case at page sizes "
+                      f"{', '.join(map(str, page_sizes))} (tree modes compare page sizes "
+                      f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
     unused = [P for P in page_sizes if P not in {j.page_size for j in jobs}]
     if unused:
         raise NoCases(f"sglang {target.label}: page size {', '.join(map(str, unused))} has no case in modes "
@@ -218,6 +228,8 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
 
 def _why_not(target: install.Target, lack: list[str]) -> str:
     s, why = target.shape, []
+    if s.no_draft_decode and any(m in ("draft_decode", "tree_draft_decode") for m in lack):
+        why.append(s.no_draft_decode)
     if "draft_extend" in lack and not s.draft_extend_v1:
         why.append("ForwardMode has no DRAFT_EXTEND (v1)")
     if "draft_extend_v2" in lack and not s.draft_extend_v2:

@@ -19,9 +19,22 @@ builder would take the max of an empty ``seq_lens_cpu``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
+
+
+def call(fn, **kw):
+    """Call ``fn`` with the arguments its signature names (older releases take fewer, e.g. no
+    ``out_cache_loc``, or no ``is_draft_worker`` for ``KVIndexTranslator``): every parameter it
+    requires must be among ``kw``."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                  p.KEYWORD_ONLY)]
+    missing = [p.name for p in params if p.name not in kw and p.default is p.empty]
+    if missing:
+        raise TypeError(f"{fn.__qualname__} needs {', '.join(missing)}, which this adapter does not have")
+    return fn(**{p.name: kw[p.name] for p in params if p.name in kw})
 
 
 def _server_args(ServerArgs, **over):
@@ -74,7 +87,8 @@ class Upstream:
         mr = NS(server_args=sa, sliding_window_size=None,
                 model_config=uc.model_config(job["context_len"], self.arch.MHA),
                 device="cpu", req_to_token_pool=rows, token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None,
-                page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None)
+                page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None,
+                is_hybrid=False)  # (<= 0.5.5: the hybrid-SWA flag on the runner)
         multi = mode == "draft_decode"
         be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
             self.fa.FlashAttentionBackend(mr)
@@ -93,14 +107,16 @@ class Upstream:
         if multi:
             be.init_forward_metadata_capture_cuda_graph(cap)
         else:
-            be.init_forward_metadata_capture_cuda_graph(bs, job["capture"]["num_tokens"], cap.req_pool_indices,
-                                                        cap.seq_lens, None, cap.forward_mode, cap.spec_info)
+            call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
+                 req_pool_indices=cap.req_pool_indices, seq_lens=cap.seq_lens, encoder_lens=None,
+                 forward_mode=cap.forward_mode, spec_info=cap.spec_info)
         out.update({("capture", s): uc.fields(b.forward_metadata) for s, b in steps})
         if multi:
             be.init_forward_metadata_replay_cuda_graph(rep, bs)
         else:
-            be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
-                                                       rep.forward_mode, rep.spec_info, rep.seq_lens_cpu,
-                                                       rep.out_cache_loc)
+            call(be.init_forward_metadata_replay_cuda_graph, bs=bs, req_pool_indices=rep.req_pool_indices,
+                 seq_lens=rep.seq_lens, seq_lens_sum=rep.seq_lens_sum, encoder_lens=None,
+                 forward_mode=rep.forward_mode, spec_info=rep.spec_info, seq_lens_cpu=rep.seq_lens_cpu,
+                 out_cache_loc=rep.out_cache_loc)
         out.update({("replay", s): uc.fields(b.forward_metadata) for s, b in steps})
         return out

@@ -20,7 +20,11 @@ from refspec.conformance import stubs
 #: top-level packages imported somewhere on the import chain but never called on this path
 ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq", "tqdm", "IPython", "aiohttp",
           "transformers", "torchvision", "tvm_ffi", "huggingface_hub", "sentencepiece", "safetensors",
-          "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel")
+          "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel",
+          # the server stack older releases import at module level (0.4.6 .. 0.5.x ``srt/utils.py``: fastapi, ...)
+          "fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "outlines", "xgrammar", "llguidance", "decord",
+          "jinja2", "jsonschema", "httpx", "urllib3", "grpc", "grpc_health", "grpc_reflection", "polars", "google",
+          "openai_harmony", "filelock", "vllm")
 #: sglang modules whose class bodies need the real pydantic / openai types; never imported by
 #: the metadata path itself, only pulled in through ``sglang.srt.server_args``'s imports
 REPLACED = ("sglang.srt.entrypoints.openai.protocol", "sglang.srt.parser.reasoning_parser")
@@ -39,6 +43,7 @@ def prepare(site: str) -> None:
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (replay kernels run "
                            "in Triton's interpreter on CPU)")
     stubs.install(ABSENT)
+    _old_release_shims()
     stubs.bare_package("sglang", os.path.join(site, "sglang"))
     for name in REPLACED:
         stubs.replace_module(name)
@@ -61,6 +66,21 @@ def revert_fix() -> str | None:
 
     _revert_pr_fix(int(name))
     return name
+
+
+def _old_release_shims() -> None:
+    """Names older releases read at import time from an older torch / triton than the worker's
+    (never on the metadata path): ``triton.runtime.cache.default_cache_dir`` / ``default_dump_dir``
+    / ``default_override_dir`` (<= 0.4.x ``srt/utils.py``, cache paths) and
+    ``torch._C._cpu._is_amx_tile_supported`` (0.4.9 .. 0.5.x ``cpu_has_amx_support()``, the Intel
+    AMX probe: False here)."""
+    import triton.runtime.cache as cache
+
+    for name in ("cache", "dump", "override"):
+        if not hasattr(cache, f"default_{name}_dir"):
+            setattr(cache, f"default_{name}_dir", lambda n=name: os.path.join(os.path.expanduser("~"), ".triton", n))
+    if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
+        torch._C._cpu._is_amx_tile_supported = lambda: False
 
 
 def finish_imports() -> None:

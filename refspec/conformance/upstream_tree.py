@@ -211,7 +211,7 @@ def run_legacy(up, job: dict, server_args) -> dict:
     mr = uc.NS(server_args=server_args, sliding_window_size=None,
                model_config=uc.model_config(job["context_len"], up.arch.MHA), device="cpu", req_to_token_pool=rows,
                token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None, page_size=P, attn_cp_size=1, tp_size=1,
-               attention_chunk_size=None)
+               attention_chunk_size=None, is_hybrid=False)
     draft = mode == "tree_draft_decode"
     FM = up.FM["DECODE" if draft else "TARGET_VERIFY"]
 
