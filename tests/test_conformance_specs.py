@@ -221,7 +221,8 @@ def test_every_compared_field_maps_to_a_catalogue_rule_with_a_level():
                 assert rid in RULES and rules.level(rid) == str(RULES[rid].level)
     assert rules.rule_for("draft_extend_v2", "replay", "cache_seqlens_int32") == "MD-008"
     assert rules.rule_for("draft_extend_v2", "replay", "cu_seqlens_q") == "CG-004"
-    assert rules.rule_for("verify", "replay", "page_table[live]", short_table=True) == "PA-003"
+    assert rules.rule_for("verify", "replay", "page_table[live]", short_table=True) == "CG-008"  # graph buffer
+    assert rules.rule_for("verify", "eager", "page_table[live]", short_table=True) == "PA-003"
     assert rules.rule_for("tree_draft_decode", "replay", None) == "TR-018"
 
 

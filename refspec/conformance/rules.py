@@ -33,14 +33,15 @@ GRAPH_PHASES = ("capture", "replay", "replay-staged")
 def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
-    ceil(K_b / P) live pages (PA-003)."""
+    ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
+    defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID)."""
     graph = phase in GRAPH_PHASES
     if mode.startswith("tree_"):
         part, _, f = (field or "").rpartition(":")
         if part == "tree":
             return TREE_PART.get(f, "TR-016")
         if short_table:
-            return "PA-003"
+            return "CG-008" if graph else "PA-003"
         if graph or field is None:
             return "TR-018" if graph else {"tree_verify": "TR-010", "tree_draft_decode": "TR-013"}[mode]
         verify = mode == "tree_verify"
@@ -49,7 +50,7 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
         return Q_GRAPH_RULE.get(mode, "CG-002") if graph else K_RULE.get(mode, "MD-003")
     f = base_field(field)
     if f == "page_table[live]":
-        return "PA-003" if short_table else "PA-002"
+        return ("CG-008" if graph else "PA-003") if short_table else "PA-002"
     if f == "page_table[dead]":
         return "MD-007"
     if f == "cache_seqlens_int32":
