@@ -120,7 +120,10 @@ def test_the_sweep_measures_a_release_and_writes_its_row(tmp_path):
     """One release through the sweep: its cells come from the run, and the doc part is replaced
     between the markers (the full sweep: ``make sweep``)."""
     e = sweep.measure("0.5.12.post1", install.default_root(), log=quiet)
-    assert e["status"].endswith(", 0 failing") and e["rules"]["CG-003"] == "holds"
+    # 0.5.12.post1 predates #27360's slice: its one failing row at P = 1, 4 is that known upstream bug
+    # (tree draft-decode replay, expand dead columns; it raises at num_steps 6, P = 2: test_conformance_controls)
+    assert e["status"].endswith(", 1 failing") and e["rules"]["CG-003"] == "holds"
+    assert e["rules"]["TR-018"] == "differs: expand:page_table[dead]"
     doc = tmp_path / "versions.md"
     doc.write_text(f"# x\n\n{sweep.BEGIN}\nold\n{sweep.END}\n\nafter\n")
     sweep.write_doc([e], "python -m refspec conformance --sweep", 60.0, str(doc))
