@@ -128,4 +128,4 @@ def test_the_sweep_measures_a_release_and_writes_its_row(tmp_path):
     doc.write_text(f"# x\n\n{sweep.BEGIN}\nold\n{sweep.END}\n\nafter\n")
     sweep.write_doc([e], "python -m refspec conformance --sweep", 60.0, str(doc))
     text = doc.read_text()
-    assert "old" not in text and text.endswith("after\n") and "| 0.5.12.post1 | legacy hooks" in text
+    assert "\nold\n" not in text and text.endswith("after\n") and "| 0.5.12.post1 | legacy hooks" in text
