@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 DEMO_EXTRAS ?= real
 
-.PHONY: venv test demo check mutants conformance docs lab clean
+.PHONY: venv test demo check mutants conformance sweep docs lab clean
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
@@ -39,10 +39,17 @@ check: venv
 mutants: venv
 	$(PY) -m refspec mutants
 
-# SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/)
+# SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
+# patched copies for the known-bug controls into .conformance-patched/)
 conformance: venv
 	$(PY) -m refspec conformance
-	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py
+	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py tests/test_conformance_targets.py \
+		tests/test_conformance_controls.py
+
+# every release with the FA3 backend (0.4.4.post2 .. 0.5.23), one worker at a time; rewrites the
+# measured table of docs/versions.md (CPU-heavy: about 40 minutes on 2 cores; not part of CI)
+sweep: venv
+	$(PY) -m refspec conformance --sweep
 
 # executes the tutorials while building, so their pages show outputs and figures (a few
 # minutes: 05 and 06 load the real model); make test's strict build does not execute them
@@ -54,4 +61,4 @@ lab:
 	$(VENV)/bin/jupyter lab tutorials/
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance
+	rm -rf $(VENV) .pytest_cache .hypothesis site .conformance .conformance-patched

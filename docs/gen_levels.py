@@ -44,6 +44,9 @@ def level_paragraph(inv_id: str, docs_prefix: str = "../") -> str:
     else:
         parts.append(f"stricter than SGLang (in SGLang: {r.upstream}). Quoting it against SGLang code "
                      "is a suggestion, not a bug report.")
+    if r.violated_by:
+        parts.append(f"**Released SGLang breaks it:** {r.violated_by}. Quoting it against that code is a bug "
+                     "report.")
     if r.conformance:
         parts.append(f"Checked by {CONFORMANCE} against {', '.join(r.conformance)}.")
     parts.append("Sources: " + ", ".join(s.markdown(docs_prefix) for s in r.sources) + ".")

@@ -109,7 +109,9 @@ CASES = [
     (["mutants", "--only", "seed-page-table", "verify-as-decode"], ["unrecognized arguments", "comma-separated"]),
     (["mutants", "--device", "gpu"], ["'gpu'", "cpu", "cuda"]),
     # conformance (refused before anything is installed)
-    (["conformance", "--pins", "0.4.0"], ["'0.4.0'", "0.5.23", "0.5.12.post1"]),
+    (["conformance", "--pins", "0.4.0"], ["'0.4.0'", "predates the FA3 backend", "0.4.4.post2", "0.5.23"]),
+    (["conformance", "--sglang", "0.5.23,"], ["empty item", "comma-separated"]),
+    (["conformance", "--sglang", "no-such-thing"], ["'no-such-thing'", "release version", "source tree"]),
     (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,16,64"]),
     (["conformance", "--modes", "decode,prefill"], ["'prefill'", "draft_extend_v2"]),
     (["conformance", "--variant", "nope"], ["--variant", "'nope'", "seed-page-table"]),

@@ -92,23 +92,28 @@ def test_every_documented_difference_cites_an_upstream_line_of_its_pins():
         "flashattention_backend.py#L741")
 
 
-def test_table_cells_say_same_documented_differs_and_error():
+def test_table_cells_say_same_documented_differs_and_error_with_the_rule_and_its_level():
+    from refspec.conformance.report import find
+
     rows = [Row("0.5.23", "decode/P4/a", "decode", 4, "a", "eager", None),
             Row("0.5.23", "decode/P4/a", "decode", 4, "a", "replay", None,
                 [Diff("max_seq_len_k", "0", "320", "replay-max-k-context")]),
             Row("0.5.23", "verify/P4/a", "verify", 4, "a", "replay", None,
                 [Diff("cu_seqlens_q", "[0, 4]", "[0, 1]")]),
-            Row("0.5.23", "idle/P4/a", "idle", 4, "a", "eager", None, error="StubUsed at x.py:1: boom")]
-    lines = table(rows, "0.5.23").splitlines()
+            Row("0.5.23", "idle/P4/a", "idle", 4, "a", "eager", None, error="StubUsed at sglang/x.py:1: boom")]
+    for r in rows:
+        find(r)
+    lines = table(rows, "0.5.23", verbose=True).splitlines()
     assert lines[1].split()[-1] == "same"
     assert lines[2].endswith("same (+replay-max-k-context)")
-    assert lines[3].endswith("DIFFERS: cu_seqlens_q")
-    assert lines[4].endswith("ERROR")
-    assert "cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[5] and "flashattention_backend.py:3170" in lines[5]
-    assert "StubUsed at x.py:1: boom" in lines[6]
-    assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2}
-    verbose = table(rows, "0.5.23", verbose=True)
-    assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in verbose
+    assert lines[3].endswith("DIFFERS: cu_seqlens_q [CG-002]")
+    assert lines[4].endswith("ERROR [MD-003]")
+    assert "CG-002 (upstream behaviour) cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[6]
+    assert "MD-003 (upstream behaviour): StubUsed at sglang/x.py:1: boom (upstream sglang/x.py:1)" in lines[7]
+    assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in lines[5]
+    assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2, "known_bug": 0}
+    short = table(rows, "0.5.23").splitlines()  # default: only the failing groups and the findings
+    assert [x.split()[0] for x in short] == ["mode", "verify", "idle", "DIFFERS", "ERROR"]
 
 
 def test_stubs_hand_out_placeholders_at_import_and_raise_at_run_time():
@@ -212,8 +217,40 @@ def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_
     assert known.match("0.5.23", "tree_verify", "replay", "expand:cu_seqlens_k") is None  # verify rewrites it
     assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:cu_seqlens_k").key == k.key
     assert known.match("0.5.23", "tree_draft_decode", "replay", "expand:page_table[dead]") is None  # sliced there
-    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]").key == \
-        "tree-expand-unsliced-legacy"
+    # 0.5.12.post1's unsliced scatter is a known upstream bug (TR-018), never a documented difference
+    assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]") is None
+
+
+def test_a_failing_row_is_a_known_upstream_bug_only_on_the_code_that_has_it():
+    wall = ("verify", "replay", ["page_table[live]"], None)
+    assert known.bug("0.5.23", *wall).rule == "CG-008"
+    assert known.bug("0.5.12.post1", *wall).key == "context-wall-page-table"
+    assert known.bug(known.WALL_FIXED, *wall) is None  # the #35985 change: any failure there is unexplained
+    assert known.bug("0.5.23", "verify", "replay", ["page_table[live]", "cu_seqlens_q"], None) is None  # more
+    assert known.bug("0.5.23", "verify", "replay", [], None) is None
+    err = "RuntimeError at sglang-0.5.12.post1/...flashattention_backend.py:3017: index 2 is out of bounds"
+    assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], err).rule == "TR-018"
+    assert known.bug("0.5.23", "tree_draft_decode", "replay", [], err) is None  # fixed there (#27360)
+    assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], "KeyError: x") is None
+    de = ("draft_extend_v2", "eager", ["cache_seqlens_int32", "cu_seqlens_k"], None)
+    assert known.bug("0.5.23", *de) is None and known.bug(known.DE_V2_DOUBLE_COUNT, *de).rule == "MD-008"
+
+
+def test_a_known_bug_row_names_the_bugs_rule_in_its_findings_and_cell():
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import rows_for
+
+    t = torch.arange(4, dtype=torch.int32)
+    ours = {"cache_seqlens_int32": torch.tensor([65], dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 4]),
+            "cu_seqlens_k": torch.tensor([0, 65]), "max_seq_len_q": 4, "max_seq_len_k": 0,
+            "page_table": torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)}
+    theirs = dict(ours, page_table=torch.tensor([[1, 2, 3, 4]], dtype=torch.int32))
+    job = Job("verify/P16/B3/bs4/wall", "verify", 16, "B3/bs4", True, {"x": t}, {("replay", None): ours})
+    for code, rule in (("0.5.23", "CG-008"), (known.WALL_FIXED, None)):
+        (row,) = rows_for(code, [job], {job.id: {("replay", None): theirs}})
+        assert not row.ok and row.bug == (None if rule is None else "context-wall-page-table")
+        if rule:
+            assert {f.rule for f in row.findings} == {rule} and table([row], code).count("context-wall-page-table")
 
 
 def test_tree_rows_are_labelled_with_their_top_k():
@@ -261,13 +298,12 @@ def test_the_run_applies_a_tree_variant_by_name_and_rejects_an_unknown_one():
 
 def test_the_tree_part_is_compared_only_where_upstream_built_the_tree():
     from refspec.conformance.cases import Job
-    from refspec.conformance.run import OWN_TREE, rows_for
+    from refspec.conformance.run import rows_for
 
     expand = md([1, 2], [0, 1, 2], [[40, 41, 42], [40, 42, 41]])  # verify expand: slots (page size 1)
     ref = {("eager", None): tree_result(OURS, expand, {"positions": torch.tensor([5, 6])})}
     job = Job("tree_verify/k2/P4", "tree_verify", 4, "k2", True, {}, ref)
     results = {"tree_verify/k2/P4": {("eager", None): tree_result(OURS, expand)}}  # upstream gave no tree
-    assert OWN_TREE == ("0.5.23",)
     (new,) = rows_for("0.5.23", [job], results)
     (old,) = rows_for("0.5.12.post1", [job], results)
     assert [d.field for d in new.undocumented] == ["tree:positions"] and old.ok and not old.diffs

@@ -163,7 +163,26 @@ def test_every_rule_has_a_level_and_the_error_text_ends_with_it():
         assert INVARIANTS[inv_id] == rule.title
     e = InvariantError("CG-008", "replay needs 5 pages, the buffer has 4")
     assert str(e) == ("[CG-008] page-table buffers are sized from req_to_token.shape[1]; replay checks the pages "
-                      "fit: replay needs 5 pages, the buffer has 4 [refspec hardening]")
+                      "fit: replay needs 5 pages, the buffer has 4 [kernel contract]")
     assert e.rule is RULES["CG-008"] and e.inv_id == "CG-008"
     assert str(InvariantError("PA-003", "x")).endswith(": x [kernel contract]")
+    assert str(InvariantError("CG-009", "x")).endswith(": x [refspec hardening]")
     assert str(InvariantError("MD-008", "x")).endswith(": x [upstream behaviour]")
+
+
+def test_the_context_wall_is_one_defect_one_level_and_a_bug_report_against_released_code():
+    """CG-008 (the graph buffers) and PA-003 (the kernel's table) name the same defect: one level,
+    the same statement of which releases break it and which PR fixes it, cross-referenced; the
+    conformance run's known bug names CG-008 with PA-003."""
+    from refspec.conformance import known
+    from refspec.core.invariants import RULES
+    from refspec.core.sources import Level, Rule, doc
+
+    cg, pa = RULES["CG-008"], RULES["PA-003"]
+    assert cg.level is pa.level is Level.KERNEL
+    assert cg.violated_by == pa.violated_by and "v0.5.23" in cg.violated_by and "#35985" in cg.violated_by
+    assert "PA-003" in cg.violated_by and "CG-008" in pa.violated_by
+    b = next(b for b in known.BUGS if b.key == "context-wall-page-table")
+    assert (b.rule, b.also) == ("CG-008", ("PA-003",))
+    with pytest.raises(ValueError, match="not a bug"):
+        Rule("x", Level.HARDENING, (doc("versions.md"),), upstream="y", violated_by="z")

@@ -36,11 +36,17 @@
 #    oracle, which never looks at the switch);
 # 3. look up the rule, its source and its tests;
 # 4. write the review line, quoting the ID;
-# 5. add a regression test that cites the ID, and see refspec's spec index pick it up.
+# 5. add a regression test that cites the ID, and see refspec's spec index pick it up;
+# 6. run **upstream's own backend with the patch applied** (SGLang 0.5.23 plus the stored diff
+#    `refspec/conformance/patches/pr26512-draft-extend-v2-double-count.diff`) against refspec's
+#    metadata, read the rule-named failure, and finish the review line with upstream's values.
 #
-# CPU only, a few seconds.
+# CPU only. Sections 1-5 take a few seconds; section 6 starts SGLang in a worker process (about
+# 20 s; the first time on a machine it installs SGLang 0.5.23 and its few real dependencies into
+# `.conformance/` with the same cached installer `make conformance` uses).
 
 # %%
+import ast
 import textwrap
 import tempfile
 from pathlib import Path
@@ -100,7 +106,8 @@ print("\nID:", err.inv_id, "| detail:", err.detail)
 # Read it the way the kernel would: request 0 has `K = 13` but only 9 positions exist
 # (`L + N = 5 + 4`); the "last 4 keys" the kernel treats as this forward's tokens are positions
 # 9..12, whose `req_to_token` entries are 0 (never allocated: the dummy page). That is rule
-# **MD-005** (INV-TAIL), the general form of which MD-008 is the v2 instance.
+# **MD-005** (INV-TAIL), the general form of which MD-008 is the v2 instance: refspec's validator
+# checks INV-TAIL first, so MD-005 is the ID it raises; section 6 shows which one to quote.
 #
 # A check can be pedantic; this one is not. With validation off, the patched forward computes
 # something else than the oracle (NaN here: refspec fills unwritten pages with NaN so that a read
@@ -184,6 +191,49 @@ code = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.Pytest
 cited, problems = spec_index.scan_file(tmp / "test_review_26512.py", "test_review_26512.py")
 print("pytest exit code:", int(code))
 print("the spec index sees:", dict(cited))
+
+# %% [markdown]
+# ## 6. Upstream's own backend with the patch applied
+#
+# Everything above ran refspec's code with the patched rule switched on. The review is about
+# SGLang's code, so run that: `Code("0.5.23", (patch,)).target()` installs the release if it is
+# missing, applies the stored diff (its header names the PR and says where its text came from) to
+# a copy of the install, and resolves the copy as a source tree: the same thing
+# `python -m refspec conformance --sglang PATH` does with any checkout. `run()` then feeds
+# upstream's backend and refspec's production wing the same `req_to_token` and batches.
+
+# %%
+from refspec.conformance import controls, patches, run as conformance
+
+PATCH = "pr26512-draft-extend-v2-double-count"
+print(patches.load(PATCH).header["PR"])
+target = controls.Code("0.5.23", (PATCH,)).target()
+print("code under test:", target.label, "->", target.site)
+upstream = conformance.run([target], page_sizes=(4,), modes=("draft_extend_v2",), log=print)
+failing = [r for r in upstream.rows if not r.ok]
+finding = next(f for r in failing if r.phase == "eager" for f in r.findings if f.field == "cache_seqlens_int32")
+for r in failing:
+    for f in r.findings:
+        print(f"{r.job} {r.phase}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}")
+
+# %% [markdown]
+# Upstream's patched backend gives `cache_seqlens` `L + 2N` where refspec (and unpatched 0.5.23,
+# `tests/test_conformance_controls.py`) gives `L + N`, and the row names **MD-008**, the
+# DRAFT_EXTEND_V2 rule. Which ID to quote: **MD-008**. It is the rule the patch changes (`K_b =
+# seq_lens`, never `+ extend_seq_lens`), the one the conformance row names and the one whose
+# level (*upstream behaviour*) makes the line a regression report. MD-005 (INV-TAIL) is the same
+# defect seen from the KV side: refspec's validator checks it first, so a refspec run raises
+# MD-005; mention it as the symptom, not as the rule. The finished review line carries upstream's
+# own values and the line of the patched file they came from:
+
+# %%
+line = f"{finding.where[0]}:{finding.where[1]}" if finding.where else "flashattention_backend.py"
+review_upstream = (f"This violates MD-008 ({INVARIANTS['MD-008']}): with this change SGLang's FA3 backend gives "
+                   f"DRAFT_EXTEND_V2 cache_seqlens {finding.theirs} where the rule gives {finding.ours} (seq_lens "
+                   f"already counts the N draft tokens; refspec's validator reports the same defect as MD-005, "
+                   f"INV-TAIL). Measured with python -m refspec conformance --sglang on 0.5.23 + this diff "
+                   f"({line}); docs/spec/metadata.md#md-008.")
+print(textwrap.fill(review_upstream, 100))
 
 # %% [markdown]
 # ## Exercises
@@ -272,4 +322,9 @@ assert not verdict.ok                                                  # uncheck
 assert "MD-008" in review and INVARIANTS["MD-008"] in review
 assert int(code) == 0 and not problems
 assert {i for ids in cited.values() for i in ids} == {"MD-008", "MD-005"}  # the new tests cite the IDs
+# upstream's own patched backend: it fails, on cache_seqlens, named MD-008, by + N per request
+assert not upstream.ok and failing and {f.rule for r in failing for f in r.findings} == {"MD-008"}
+ours_k, theirs_k = ast.literal_eval(finding.ours), ast.literal_eval(finding.theirs)
+assert [t - o for o, t in zip(ours_k, theirs_k)] == [N] * len(ours_k)
+assert "MD-008" in review_upstream and INVARIANTS["MD-008"] in review_upstream
 print("all checks passed")

@@ -96,6 +96,9 @@ def render(inv_id: str, tests: list[str], fmt: str = "markdown", base_url: str =
         out.append(item("In SGLang", f"{r.upstream}."))
     elif r.upstream:
         out.append(item("Earlier SGLang", f"{r.upstream}."))
+    if r.violated_by:
+        out.append(item("Released SGLang breaks it", f"{r.violated_by}. Quoting it against that code is a bug "
+                        "report."))
     if r.versions:
         out.append(item("Matches SGLang", ", ".join(r.versions)))
     if r.conformance:

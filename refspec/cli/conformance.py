@@ -1,34 +1,53 @@
 """``python -m refspec conformance``: refspec's FA3 metadata vs SGLang's own backend, run on CPU.
 
-Installs the pinned SGLang releases (``--no-deps``, into ``.conformance/``), runs upstream's
+``--sglang SPEC[,SPEC...]`` names the code: a release on the package index (``0.5.14``), a wheel
+file, or a source tree (an SGLang checkout or its ``python/`` folder, used in place); the default
+is the pinned pair.  Installs (``--no-deps``, into ``.conformance/``) are reused; the backend's API
+shape is read from the code and picks the adapter and the modes.  Runs upstream's
 ``FlashAttentionBackend`` / ``FlashAttentionMultiStepBackend`` in a subprocess on the same
 ``req_to_token`` and batches as refspec's FA3 wing (Triton replay kernels in Triton's
-interpreter), and compares every kernel-read field bitwise.  Exit 1 on an undocumented
-difference or an upstream error.  See docs/conformance.md.
+interpreter), and compares every kernel-read field bitwise.  Every failing row names the rule
+(ID and level), both values and the upstream file:line it read.  Exit 1 on an undocumented
+difference or an upstream error that no known upstream bug explains (a row of a known bug,
+``known.BUGS``, is printed as failing with the rule it breaks and does not change the exit
+status); 2 on a usage error, on code whose API shape no adapter drives, and on a selection that
+compares nothing.  See docs/conformance.md.
 
 An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from refspec.cli._args import PROG, ArgumentParser, choice_list, int_list, run
+from refspec.cli._args import PROG, ArgumentParser, CLIError, choice_list, int_list, run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compare; 0 if every case agrees (or differs only as documented), 1 if not, 2 on a usage error."""
+    """Compare; 0 if every case agrees, differs only as documented or fails only on a known upstream
+    bug, 1 if not, 2 on a usage error."""
     return run(_main, argv, f"{PROG} conformance")
 
 
 def _main(argv) -> int:
     from refspec.mutants import tree_variants, variants
-    from refspec.conformance import cases, install, run as conformance, tree_cases
+    from refspec.conformance import cases, install, report, run as conformance, tree_cases
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
-    ap.add_argument("--pins", "--pin", type=choice_list(list(install.PINS), "SGLang releases"),
-                    default=list(install.PINS), metavar="V[,V...]",
-                    help=f"SGLang releases to compare against, comma-separated (default: {','.join(install.PINS)})")
+    ap.add_argument("--sglang", "--pins", "--pin", dest="sglang", type=_specs, default=list(install.PINS),
+                    metavar="SPEC[,SPEC...]",
+                    help=f"the SGLang code to compare against, comma-separated: a release (0.5.14), a wheel "
+                         f"file, or a source tree (a checkout or its python/ folder) (default: "
+                         f"{','.join(install.PINS)}; --pins is the old name)")
+    ap.add_argument("--revert-fix", metavar="NAME", default=None,
+                    help="run upstream with one of its registered fixes reverted (the PR numbers of "
+                         "sglang/srt/debug_utils/pr_fix_toggle.py, e.g. 27360)")
+    ap.add_argument("--report", metavar="FILE.md", default=None,
+                    help="also write the failures as a Markdown review comment (rules, values, upstream lines)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="run every release from 0.4.4.post2 to 0.5.23 and write the rule x release table "
+                         "into docs/versions.md (slow: make sweep)")
     ap.add_argument("--page-sizes", "--page-size", type=int_list(1, "page sizes"), default=list(cases.PAGE_SIZES),
                     metavar="P[,P...]",
                     help=f"page sizes, comma-separated, from {','.join(map(str, cases.PAGE_SIZES))} (default: all)")
@@ -45,17 +64,38 @@ def _main(argv) -> int:
                     metavar="NAME", default=None,
                     help="switch a refspec bug variant on (negative control: the run must fail)")
     ap.add_argument("-v", "--verbose", action="store_true",
-                    help="also print every documented difference with both values")
+                    help="print every group and finding, every documented difference with both values, and "
+                         "the documented-differences table")
     ap.add_argument("--root", default=None, help="install directory (default: <repo>/.conformance)")
     ns = ap.parse_args(argv)
-    bad = [p for p in ns.page_sizes if p not in cases.PAGE_SIZES]
+    sizes = sorted(set(cases.PAGE_SIZES) | set(tree_cases.PAGE_SIZES))
+    bad = [p for p in ns.page_sizes if p not in sizes]
     if bad:
-        ap.error(f"argument --page-sizes: {bad} not among the compared page sizes "
-                 f"{','.join(map(str, cases.PAGE_SIZES))}")
+        ap.error(f"argument --page-sizes: {bad} not among the compared page sizes {','.join(map(str, sizes))}")
     bad = [k for k in ns.topks if k not in tree_cases.TOPKS]
     if bad:
         ap.error(f"argument --topks: {bad} not among the compared top-k values {','.join(map(str, tree_cases.TOPKS))}")
-    out = conformance.run(ns.pins, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks))
+    if ns.sweep:
+        from refspec.conformance import sweep
+
+        return sweep.main(root=ns.root, argv=argv)
+    try:
+        out = conformance.run(ns.sglang, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks),
+                              revert_fix=ns.revert_fix)
+    except (install.UnsupportedSpec, conformance.NoCases) as e:
+        raise CLIError(str(e)) from None
     print(conformance.render(out, ns.verbose))
+    if ns.report:
+        with open(ns.report, "w") as f:
+            f.write(report.markdown(out, " ".join(["python -m refspec conformance", *argv])) + "\n")
+        print(f"wrote {ns.report}")
     sys.stdout.flush()
-    return 0 if out.ok else 1
+    return 0 if not out.unexplained else 1
+
+
+def _specs(text: str) -> list[str]:
+    """``--sglang`` items: comma-separated, none empty (a path with a comma is not supported)."""
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"empty item in {text!r} (comma-separated SPECs)")
+    return items

@@ -28,7 +28,7 @@ from refspec.core.modes import ForwardMode
 from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
 from refspec.graphs.runner import GraphRunner
 
-PAGE_SIZES = (1, 2, 4, 16, 64)
+PAGE_SIZES = (1, 2, 4, 8, 16, 64)
 N = 4  #: num_draft_tokens = Sd + 1
 SD = 3  #: speculative_num_steps; draft decode steps 0 .. SD - 2
 SHAPES = {"B3/bs4": (3, 4), "B5/bs8": (5, 8)}  #: live batch B, graph batch bs (> B: padded replay)
@@ -67,14 +67,17 @@ def lengths(page_size: int, B: int) -> list[int]:
     return [max(1, x) for x in (P - 1, P + 1, 2 * P, 2 * P + 1, 3 * P - 1, 4 * P, 4 * P + 1, P)][:B]
 
 
-def accepts(B: int) -> list[int]:
+def accepts(B: int, n: int = N) -> list[int]:
     """num_accept_tokens a = n + 1 per request (1 .. N, mixed; v1 draft extend only)."""
-    return [(1, 3, N, 2, 1, N, 2, 3)[b] for b in range(B)]
+    return [min(x, n) for x in (1, 3, n, 2, 1, n, 2, 3)][:B]
 
 
-def _cache(page_size: int, B: int, seed: int):
-    kv = KVCache(max_reqs=12, max_context=WIDTH, num_pages=WIDTH * 10 // page_size + 2, page_size=page_size,
-                 seed=seed)
+def _cache(page_size: int, B: int, seed: int, context_len: int = WIDTH, extra: int = 0):
+    """``req_to_token`` of ``context_len + extra`` columns (SGLang adds ``4 + N`` for speculative
+    decoding: ``model_runner_kv_cache_mixin``), pages shuffled, ``B`` rows in shuffled order."""
+    width = context_len + extra
+    kv = KVCache(max_reqs=12, max_context=context_len, extra=extra, num_pages=width * 10 // page_size + 2,
+                 page_size=page_size, seed=seed)
     taken = [kv.alloc_req() for _ in range(11)]
     g = torch.Generator().manual_seed(seed)
     rows = [taken[i] for i in torch.randperm(len(taken), generator=g)[:B].tolist()]  # shuffled rows
@@ -83,9 +86,10 @@ def _cache(page_size: int, B: int, seed: int):
     return kv, pool, rows
 
 
-def live_batch(mode: str, kv, rows, L) -> fbatch.ForwardBatch:
-    """The refspec batch of ``mode`` on committed lengths ``L`` (``refspec.core.batch`` builders)."""
-    B = len(rows)
+def live_batch(mode: str, kv, rows, L, sd: int = SD) -> fbatch.ForwardBatch:
+    """The refspec batch of ``mode`` on committed lengths ``L`` (``refspec.core.batch`` builders);
+    ``sd`` = speculative_num_steps, N = sd + 1."""
+    B, N = len(rows), sd + 1
     if mode == "decode":
         return fbatch.decode_batch(kv, rows, L)
     if mode == "extend":
@@ -96,9 +100,9 @@ def live_batch(mode: str, kv, rows, L) -> fbatch.ForwardBatch:
     if mode == "verify":
         return fbatch.verify_batch(kv, rows, L, N)
     if mode == "draft_decode":
-        return fbatch.draft_decode_steps_batch(kv, rows, L, SD)
+        return fbatch.draft_decode_steps_batch(kv, rows, L, sd)
     if mode == "draft_extend":
-        a = accepts(B)
+        a = accepts(B, N)
         return fbatch.draft_extend_batch(kv, rows, [x + y for x, y in zip(L, a)], a, num_draft_tokens=N)
     if mode == "draft_extend_v2":
         return fbatch.draft_extend_v2_batch(kv, rows, [x + N for x in L], N)
@@ -122,15 +126,15 @@ def snapshot_metadata(md) -> dict:
             for f in FIELDS}
 
 
-def _backends(mode: str, kv, pool):
+def _backends(mode: str, kv, pool, sd: int):
     common = {"validate": False}  # conformance compares raw builders
     if mode == "draft_decode":
-        return FlashAttentionMultiStepBackend(pool, kv, SD, **common).backends
+        return FlashAttentionMultiStepBackend(pool, kv, sd, **common).backends
     return [FlashAttentionBackend(pool, kv, **common)]
 
 
-def _eager(mode: str, kv, pool, live) -> dict:
-    backends = _backends(mode, kv, pool)
+def _eager(mode: str, kv, pool, live, sd: int) -> dict:
+    backends = _backends(mode, kv, pool, sd)
     if mode == "draft_decode":
         rows, L = live.req_pool_indices.tolist(), live.seq_lens_cpu.tolist()
         return {("eager", s): snapshot_metadata(be.init_forward_metadata(fbatch.draft_decode_batch(kv, rows, L, s)))
@@ -138,17 +142,17 @@ def _eager(mode: str, kv, pool, live) -> dict:
     return {("eager", None): snapshot_metadata(backends[0].init_forward_metadata(live))}
 
 
-def _graph(mode: str, kv, pool, live, bs: int, staged: bool) -> tuple[dict, dict, dict]:
+def _graph(mode: str, kv, pool, live, bs: int, staged: bool, sd: int) -> tuple[dict, dict, dict]:
     """Capture at ``bs`` then one padded replay of ``live``: (capture inputs, replay inputs, results)."""
-    m = MODES[mode][0]
-    backends = _backends(mode, kv, pool)
-    W = {"decode": 1, "verify": N, "draft_decode": SD - 1}.get(mode, N)
+    m, N = MODES[mode][0], sd + 1
+    backends = _backends(mode, kv, pool, sd)
+    W = {"decode": 1, "verify": N, "draft_decode": sd - 1}.get(mode, N)
     split = None
     if mode == "draft_decode":
-        split = lambda fb: [fbatch.draft_step_view(fb, s, SD) for s in range(SD - 1)]
+        split = lambda fb: [fbatch.draft_step_view(fb, s, sd) for s in range(sd - 1)]
     runner = GraphRunner(m, backends, lambda fb, x: fb.positions.clone(), kv=kv, capture_bs=[bs],
                          tokens_per_req=W, num_draft_tokens=N, split=split)
-    steps = list(range(SD - 1)) if mode == "draft_decode" else [None]
+    steps = list(range(sd - 1)) if mode == "draft_decode" else [None]
     res = {}
     cap_in = snapshot_batch(runner.static[bs])
     for s, be in zip(steps, backends):
@@ -163,31 +167,73 @@ def _graph(mode: str, kv, pool, live, bs: int, staged: bool) -> tuple[dict, dict
     return cap_in, rep_in, res
 
 
-def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0, staged: bool = False) -> list[Job]:
+def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0, staged: bool = False,
+               num_steps: int = SD, context_len: int = WIDTH, extra: int = 0, lens=None, tag: str = "") -> list[Job]:
     """Every job for ``modes`` x ``page_sizes`` x ``shapes`` (IDLE once per page size).
 
     ``staged``: also expect upstream's staged DRAFT_EXTEND_V2 replay (phase ``replay-staged``,
-    compared with refspec's one replay rule; 0.5.23 only).
+    compared with refspec's one replay rule; 0.5.23 only).  ``num_steps`` = speculative_num_steps
+    Sd (N = Sd + 1 draft tokens); ``req_to_token`` has ``context_len + extra`` columns and upstream
+    is given ``context_len``; ``lens`` (shape -> committed lengths) replaces :func:`lengths`;
+    ``tag`` is appended to the job ids (``/tag``).
     """
-    jobs = []
+    jobs, N = [], num_steps + 1
     for P in page_sizes:
         for si, shape in enumerate(shapes):
             B, bs = SHAPES[shape]
             for mode in modes:
                 if mode == "idle" and si:
                     continue
-                kv, pool, rows = _cache(P, B, seed + 7 * P + si)
-                L = lengths(P, B)
+                kv, pool, rows = _cache(P, B, seed + 7 * P + si, context_len, extra)
+                L = list(lens[shape]) if lens else lengths(P, B)
                 alloc = [x + N for x in L]  # room for every mode's K (L + N at most)
                 kv.alloc_extend(rows, [0] * B, alloc)
-                live = live_batch(mode, kv, rows, L)
+                live = live_batch(mode, kv, rows, L, num_steps)
                 graphed = MODES[mode][1]
-                inputs = {"req_to_token": kv.req_to_token.clone(), "page_size": P, "context_len": WIDTH,
-                          "num_draft_tokens": N, "num_steps": SD, "eager": snapshot_batch(live)}
-                ref = _eager(mode, kv, pool, live)
+                inputs = {"req_to_token": kv.req_to_token.clone(), "page_size": P, "context_len": context_len,
+                          "num_draft_tokens": N, "num_steps": num_steps, "eager": snapshot_batch(live)}
+                ref = _eager(mode, kv, pool, live, num_steps)
                 if graphed:
-                    inputs["capture"], inputs["replay"], g = _graph(mode, kv, pool, live, bs, staged)
+                    inputs["capture"], inputs["replay"], g = _graph(mode, kv, pool, live, bs, staged, num_steps)
                     inputs["bs"] = bs
                     ref.update(g)
-                jobs.append(Job(f"{mode}/P{P}/{shape}", mode, P, shape, graphed, inputs, ref))
+                jobs.append(Job(f"{mode}/P{P}/{shape}" + (f"/{tag}" if tag else ""), mode, P, shape, graphed,
+                                inputs, ref))
     return jobs
+
+
+#: the context wall: upstream's ``context_len`` 64 with ``req_to_token`` rows 4 + N wider (SGLang's
+#: speculative headroom), P = 16 (a context-sized table has 4 columns); committed lengths at
+#: (64), just under (63) and near (61) the limit, so verify / draft extend / draft decode reach
+#: K > 64: five live pages
+WALL = {"context_len": 64, "page_size": 16, "lens": {"B3/bs4": [61, 20, 30], "B5/bs8": [64, 63, 61, 1, 17]}}
+#: long draft chains: speculative_num_steps 6 (N = 7, draft steps 0 .. 4) at small pages, with
+#: lengths past 4P + 1 (many pages per request) in a mixed batch
+LONG = {"num_steps": 6, "page_sizes": (2, 8)}
+EDGE_MODES = ("decode", "verify", "draft_decode", "draft_extend", "draft_extend_v2")
+
+
+def long_lengths(page_size: int, B: int) -> list[int]:
+    """Mixed committed lengths for the long-chain jobs: short, at a page boundary, and past 4P + 1."""
+    P = page_size
+    return [max(1, x) for x in (9 * P + 3, P - 1, 4 * P + 2, 1, 6 * P)][:B]
+
+
+def edge_jobs(modes, page_sizes=PAGE_SIZES, seed: int = 0, staged: bool = False) -> list[Job]:
+    """The jobs past the plain grid (:data:`WALL`, :data:`LONG`) for ``modes`` among
+    :data:`EDGE_MODES`: the context wall where P = 16 is selected, the long chains at the
+    selected page sizes of ``LONG``."""
+    modes = [m for m in modes if m in EDGE_MODES]
+    jobs = []
+    if modes and WALL["page_size"] in page_sizes:
+        N = SD + 1
+        jobs += build_jobs(modes, (WALL["page_size"],), seed=seed + 1000, staged=staged,
+                           context_len=WALL["context_len"], extra=4 + N, lens=WALL["lens"], tag="wall")
+    for P in LONG["page_sizes"]:
+        if modes and P in page_sizes:
+            Sd = LONG["num_steps"]
+            jobs += build_jobs(modes, (P,), seed=seed + 2000, staged=staged, num_steps=Sd,
+                               context_len=WIDTH, lens={sh: long_lengths(P, SHAPES[sh][0]) for sh in SHAPES},
+                               tag=f"S{Sd}")
+    return jobs
+

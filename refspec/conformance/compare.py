@@ -45,6 +45,7 @@ class Diff:
     ours: str
     theirs: str
     documented: str | None = None  #: the :data:`KNOWN` key that explains it, None if undocumented
+    short_table: bool = False  #: upstream's page table has fewer than ceil(K_b / P) columns (PA-003)
 
 
 def _show(x) -> str:
@@ -91,7 +92,11 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
         r = live_bad[0]
         m = live_pages(ours["cache_seqlens_int32"][r], page_size)
         theirs_row = _show(b[r, :m]) if b.shape[0] > r else "missing"
-        diffs.append(Diff("page_table[live]", f"row {r}: {_show(a[r, :m])}", f"row {r}: {theirs_row}"))
+        short = b.shape[1] < m
+        if short:
+            theirs_row += f" ({b.shape[1]} columns < {m} live pages)"
+        diffs.append(Diff("page_table[live]", f"row {r}: {_show(a[r, :m])}", f"row {r}: {theirs_row}",
+                          short_table=short))
     if dead_bad or a.shape[1] != b.shape[1]:
         diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
                           f"width {b.shape[1]}"))
@@ -103,7 +108,8 @@ def compare_parts(ours: dict, theirs: dict, page_size: int, expand_page_size: in
     ``part:field``), then the ``tree`` part exactly (shape and values)."""
     diffs = []
     for part, P in zip(PARTS, (page_size, expand_page_size)):
-        diffs += [Diff(f"{part}:{d.field}", d.ours, d.theirs) for d in compare(ours[part], theirs[part], P)]
+        diffs += [Diff(f"{part}:{d.field}", d.ours, d.theirs, short_table=d.short_table)
+                  for d in compare(ours[part], theirs[part], P)]
     for f, a in ours.get("tree", {}).items():
         b = theirs.get("tree", {}).get(f)
         if b is None or a.shape != b.shape or not torch.equal(a.long(), b.long()):

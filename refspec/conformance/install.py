@@ -1,29 +1,137 @@
-"""Install the pinned upstream releases next to the repository, never into the main venv.
+"""Resolve what ``--sglang SPEC`` names, install it next to the repository (never into the main
+venv) and read its API shape from the code.
 
-``.conformance/deps`` holds the few real packages upstream's metadata path imports (shared by
-both pins); ``.conformance/sglang-<pin>`` holds one SGLang wheel each.  All are
-``pip install --no-deps --target``: SGLang's declared dependencies (CUDA kernels, a server
+A SPEC is one of
+
+* a release on the package index (``0.5.14``): ``pip install --no-deps --target
+  <root>/sglang-<V>`` (reused while its stamp lists the same requirement);
+* a wheel file (``sglang-*.whl``): installed into ``<root>/wheel-<sha256[:16]>`` (keyed by the
+  file's content, so the same file is installed once);
+* a source tree: an SGLang checkout or its ``python/`` folder (e.g. a PR branch).  It is used
+  *in place*: its ``python/`` folder goes on the worker's path, nothing is copied, nothing is
+  written into it (the worker runs with ``PYTHONDONTWRITEBYTECODE=1``).
+
+``<root>/deps`` holds the few real packages upstream's metadata path imports (shared by every
+target).  All installs are ``--no-deps``: SGLang's declared dependencies (CUDA kernels, a server
 stack, a newer torch) are *not* installed; what the metadata path imports but never calls is
 stubbed in the worker (:mod:`refspec.conformance.stubs`).  torch and numpy come from the
-running interpreter.  A directory is reused while its stamp lists the same requirements, so a
-second run installs nothing.
+running interpreter.  :func:`_ensure` only ever replaces a directory under ``root`` that carries
+its own stamp file (one it created); a directory a user pointed at is never removed.
+
+:func:`detect` reads the backend's API shape from the source files (no import): which graph hooks
+``FlashAttentionBackend`` has, whether ``ForwardMode.DRAFT_EXTEND`` (v1) exists, top-k > 1
+support, where the replay kernels live, the staged draft-extend replay, whether upstream builds
+its own verify tree, and the fix toggles of ``sglang/srt/debug_utils/pr_fix_toggle.py``.  The
+adapter and the compared modes follow from the shape, never from a version string.
 
 An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations
 
+import ast
+import glob
+import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 
-PINS = ("0.5.23", "0.5.12.post1")  #: newest release; newest with DRAFT_EXTEND v1 + legacy hooks
+#: the default targets: the newest release; the newest with DRAFT_EXTEND v1 + legacy hooks
+PINS = ("0.5.23", "0.5.12.post1")
 #: real dependencies of the metadata path (``pip download --no-deps`` served these here)
 DEPS = ("triton==3.9.0", "msgspec==0.23.0", "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0",
         "typing-inspection==0.4.5", "typing-extensions==4.16.0", "dill==0.4.1", "packaging==26.4")
 STAMP = ".installed"
+FA = "sglang/srt/layers/attention/flashattention_backend.py"
+FBI = "sglang/srt/model_executor/forward_batch_info.py"
+BASE = "sglang/srt/layers/attention/base_attn_backend.py"
+TOGGLES = "sglang/srt/debug_utils/pr_fix_toggle.py"
+#: where releases keep the Triton replay-metadata kernels (newest first)
+KERNEL_FILES = ("sglang/kernels/ops/attention/metadata.py", "sglang/srt/layers/attention/triton_ops/metadata.py", FA)
+#: what :mod:`refspec.conformance.upstream_tree` imports to let upstream build its own tree
+OWN_TREE_FILES = ("sglang/kernels/ops/speculative/spec_tree.py", "sglang/kernels/ops/speculative/cache_locs.py",
+                  "sglang/srt/speculative/eagle_utils.py", "sglang/srt/speculative/eagle_worker_common.py",
+                  "sglang/srt/speculative/eagle_info.py")
+#: the first release whose wheel has ``layers/attention/flashattention_backend.py`` (0.4.4 and
+#: 0.4.4.post1 have none): an older release is refused before anything is downloaded
+FIRST_FA3 = "0.4.4.post2"
+RELEASE = re.compile(r"^\d+\.\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
+
+BASE_MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode")
+TREE_MODES = ("tree_verify", "tree_draft_decode")
+#: what each adapter calls on the backend; a missing one makes the code undrivable (name it)
+ADAPTERS = {
+    "graph": ("refspec.conformance.upstream_0523", {
+        "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state", "init_forward_metadata_out_graph",
+                                  "init_forward_metadata_in_graph"),
+        "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_out_graph",
+                                           "init_forward_metadata_in_graph")},
+        ("sglang/srt/runtime_context.py",)),
+    "legacy": ("refspec.conformance.upstream_0512", {
+        "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state",
+                                  "init_forward_metadata_capture_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"
+                                  "spec_info",
+                                  "init_forward_metadata_replay_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"
+                                  "spec_info"),
+        "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_capture_cuda_graph",
+                                           "init_forward_metadata_replay_cuda_graph")},
+        ()),
+}
+
+
+class UnsupportedSpec(ValueError):
+    """A SPEC that names nothing installable, or code whose API shape no adapter drives (one line)."""
+
+
+@dataclass
+class Shape:
+    """The API shape of one SGLang tree's FA3 backend, read from its files (:func:`detect`)."""
+
+    hooks: str | None  #: "graph" (init_forward_metadata_out_graph / _in_graph), "legacy" (capture / replay), None
+    draft_extend_v1: bool  #: ForwardMode.DRAFT_EXTEND exists
+    draft_extend_v2: bool  #: ForwardMode.DRAFT_EXTEND_V2 exists
+    topk: bool  #: the backend has the top-k > 1 (cascade prefix + expand) path
+    kernels: str | None  #: file holding the replay-metadata kernel ``normal_decode_set_metadata`` (None: PyTorch)
+    staged: bool  #: FlashAttentionBackend.stage_draft_extend_metadata (staged draft-extend replay)
+    own_tree: bool  #: upstream's tree builder and draft-slot kernels are all present (OWN_TREE_FILES)
+    toggles: dict = field(default_factory=dict)  #: fix toggle name -> the functions it patches
+    adapter: str | None = None  #: the adapter module that drives it, None if none can
+    missing: str | None = None  #: why no adapter drives it (what is missing), None if one does
+    modes: tuple = ()  #: the modes compared on this code
+    no_draft_decode: str | None = None  #: why draft decode is not compared (no multi-step backend), or None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Shape:
+        d = json.loads(text)
+        d["modes"] = tuple(d["modes"])
+        return cls(**d)
+
+
+@dataclass
+class Target:
+    """One code under test: what ``--sglang SPEC`` resolved to."""
+
+    spec: str
+    kind: str  #: "release", "wheel", "tree"
+    label: str  #: shown in rows: "0.5.23", "sglang @ /path", "0.5.23 -fix 27360"
+    site: str  #: the folder holding ``sglang/``
+    paths: list[str]  #: the worker's sys.path entries (site, deps)
+    shape: Shape
+    version: str | None = None  #: release version (a release or a wheel's metadata); None for a tree
+    revert_fix: str | None = None  #: the upstream fix toggle reverted in the worker
+
+    @property
+    def tag(self) -> str | None:
+        """The release tag links go to (``v0.5.23``), None for a local tree."""
+        return f"v{self.version}" if self.kind == "release" and self.version else None
 
 
 def default_root() -> str:
@@ -31,20 +139,29 @@ def default_root() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".conformance")
 
 
-def _ensure(target: str, reqs: tuple[str, ...], log) -> bool:
-    """Install ``reqs`` into ``target`` unless its stamp already lists them; True if installed."""
+def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> bool:
+    """Install ``reqs`` into ``target`` unless its stamp already lists them (or ``key``, e.g. a
+    wheel's content hash, when given); True if installed.
+
+    Raises: RuntimeError if pip fails (with pip's stderr), or if ``target`` exists without a
+    stamp (not a directory this function created: it is never removed).
+    """
     stamp = os.path.join(target, STAMP)
-    want = "\n".join(reqs) + "\n"
+    want = (key if key is not None else "\n".join(reqs)) + "\n"
     if os.path.exists(stamp):
         with open(stamp) as f:
             if f.read() == want:
                 return False
+    elif os.path.exists(target) and os.listdir(target):
+        raise RuntimeError(f"{target} exists and was not installed by refspec (no {STAMP}); not touching it: "
+                           f"move it away or pass another --root")
     if os.path.exists(target):
         shutil.rmtree(target)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "--target", target, *reqs]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
+        shutil.rmtree(target, ignore_errors=True)
         raise RuntimeError(f"pip install into {target} failed ({' '.join(reqs)}):\n{proc.stderr[-2000:]}")
     with open(stamp, "w") as f:
         f.write(want)
@@ -52,20 +169,211 @@ def _ensure(target: str, reqs: tuple[str, ...], log) -> bool:
     return True
 
 
-def ensure(pins=PINS, root: str | None = None, log=print) -> dict[str, list[str]]:
-    """Install what is missing; return ``{pin: [sglang dir, deps dir]}`` (the worker's path).
+def _read(site: str, rel: str) -> str | None:
+    p = os.path.join(site, rel)
+    if not os.path.exists(p):
+        return None
+    with open(p, encoding="utf-8") as f:
+        return f.read()
 
-    Raises: RuntimeError if pip fails (the message carries pip's stderr); ValueError for an
-    unknown pin.
+
+def methods(text: str) -> dict[str, dict[str, list[str]]]:
+    """``{class: {method: [parameter names]}}`` of a module's source (top-level classes)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {f.name: [a.arg for a in (*f.args.args, *f.args.kwonlyargs)]
+                              for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return out
+
+
+def _enum_members(text: str, cls: str) -> set[str]:
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return set()
+
+
+def toggles(site: str) -> dict[str, list[str]]:
+    """The fix toggles of ``pr_fix_toggle.py``: ``{PR number: [patched function, ...]}`` (empty: none).
+
+    Read from the module's ``_PR_FIX_REVERT_YAML`` dict literal and the ``target:`` lines of the
+    YAML strings it maps to; upstream applies one with ``_revert_pr_fix(pr_num)``
+    (``SGLANG_DEBUG_REVERT_PR``), which rewrites the targets' source and swaps their ``__code__``.
     """
-    root = root or default_root()
+    text = _read(site, TOGGLES)
+    if text is None:
+        return {}
+    tree = ast.parse(text)
+    strings = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+               and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+    out = {}
+    for n in tree.body:
+        target = n.target if isinstance(n, ast.AnnAssign) else (n.targets[0] if isinstance(n, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "_PR_FIX_REVERT_YAML" and isinstance(n.value, ast.Dict):
+            for k, v in zip(n.value.keys, n.value.values):
+                if isinstance(k, ast.Constant) and isinstance(v, ast.Name):
+                    out[str(k.value)] = re.findall(r"^\s*-?\s*target:\s*(\S+)", strings.get(v.id, ""), re.M)
+    return out
+
+
+def detect(site: str) -> Shape:
+    """The API shape of the SGLang code under ``site`` (the folder holding ``sglang/``), from its
+    source text; ``shape.adapter`` None with ``shape.missing`` saying what is missing."""
+    fa = _read(site, FA)
+    fbi = _read(site, FBI)
+    if fa is None:
+        return Shape(None, False, False, False, None, False, False, missing=f"no FA3 backend ({FA})")
+    m = methods(fa)
+    own = m.get("FlashAttentionBackend", {})
+    base = methods(_read(site, BASE) or "").get("AttentionBackend", {})
+    for cls in ("FlashAttentionBackend",):  # inherited defaults (e.g. a no-op init_forward_metadata_in_graph)
+        m[cls] = {**base, **m.get(cls, {})}
+    be = m["FlashAttentionBackend"]
+    legacy = {"init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"}
+    hooks = "graph" if "init_forward_metadata_out_graph" in own and "init_forward_metadata_in_graph" in be else \
+        "legacy" if legacy <= set(own) else None
+    members = _enum_members(fbi, "ForwardMode") if fbi else set()
+    kernels = next((f for f in KERNEL_FILES if re.search(r"^def normal_decode_set_metadata\b", _read(site, f) or "",
+                                                         re.M)), None)
+    shape = Shape(hooks=hooks, draft_extend_v1="DRAFT_EXTEND" in members, draft_extend_v2="DRAFT_EXTEND_V2" in members,
+                  topk="forward_metadata_spec_decode_expand" in fa, kernels=kernels,
+                  staged="stage_draft_extend_metadata" in be,
+                  own_tree=all(os.path.exists(os.path.join(site, f)) for f in OWN_TREE_FILES), toggles=toggles(site))
+    if hooks is None:
+        shape.missing = (f"FlashAttentionBackend has neither the graph hooks init_forward_metadata_out_graph / "
+                         f"_in_graph nor the legacy init_forward_metadata_capture_cuda_graph / _replay_cuda_graph "
+                         f"({FA})")
+        return shape
+    if fbi is None or "DECODE" not in members:
+        shape.missing = f"no ForwardMode enum in {FBI}"
+        return shape
+    module, needs, files = ADAPTERS[hooks]
+    multi_lacks = None
+    for cls, names in needs.items():
+        for need in names:
+            name, _, params = need.partition(":")
+            lack = [p for p in params.split(",") if p and p not in m.get(cls, {}).get(name, ())]
+            why = None
+            if name not in m.get(cls, {}):
+                why = f"{cls}.{name} is missing ({FA}; the {hooks}-hooks adapter calls it)"
+            elif lack:
+                why = f"{cls}.{name} takes no {', '.join(lack)} ({FA}; the {hooks}-hooks adapter passes them)"
+            if why and cls == "FlashAttentionMultiStepBackend":  # only the draft-decode modes need it
+                multi_lacks = multi_lacks or why
+            elif why:
+                shape.missing = why
+                return shape
+    for f in files:
+        if not os.path.exists(os.path.join(site, f)):
+            shape.missing = f"{f} is missing (the {hooks}-hooks adapter builds its model runner with it)"
+            return shape
+    shape.adapter = module
+    shape.no_draft_decode = multi_lacks
+    modes = [m_ for m_ in BASE_MODES if not (multi_lacks and m_ == "draft_decode")]
+    if shape.draft_extend_v1:
+        modes.append("draft_extend")
+    if shape.draft_extend_v2:
+        modes.append("draft_extend_v2")
+    if hooks == "graph":
+        modes.append("idle")  # the legacy-hooks releases never build metadata for an empty batch (upstream_0512)
+    if shape.topk and (hooks == "legacy" or shape.own_tree):
+        modes += [m_ for m_ in TREE_MODES if not (multi_lacks and m_ == "tree_draft_decode")]
+    shape.modes = tuple(modes)
+    return shape
+
+
+def _version_of(site: str) -> str | None:
+    """The version in an installed ``sglang-*.dist-info`` next to ``sglang/``, else None."""
+    for d in sorted(glob.glob(os.path.join(site, "sglang-*.dist-info"))):
+        return os.path.basename(d)[len("sglang-"):-len(".dist-info")]
+    return None
+
+
+def _deps(root: str, log) -> str:
     deps = os.path.join(root, "deps")
     _ensure(deps, DEPS, log)
-    out = {}
-    for pin in pins:
-        if pin not in PINS:
-            raise ValueError(f"unknown pin {pin!r}; pinned releases: {PINS}")
-        d = os.path.join(root, f"sglang-{pin}")
-        _ensure(d, (f"sglang=={pin}",), log)
-        out[pin] = [d, deps]
-    return out
+    return deps
+
+
+def _file_hash(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_site(path: str) -> str | None:
+    """The folder holding ``sglang/`` for a checkout (``python/sglang``) or its ``python/`` folder."""
+    for cand in (os.path.join(path, "python"), path):
+        if os.path.isfile(os.path.join(cand, "sglang", "__init__.py")):
+            return cand
+    return None
+
+
+def install_release(version: str, root: str, log=print) -> str:
+    """``<root>/sglang-<version>`` with that release installed (``--no-deps``); its path."""
+    d = os.path.join(root, f"sglang-{version}")
+    _ensure(d, (f"sglang=={version}",), log)
+    return d
+
+
+def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | None = None,
+            releases_root: str | None = None) -> Target:
+    """Install (or locate) the code ``spec`` names and read its shape (``releases_root``: where a
+    release is installed, default ``root``; the shared dependencies always live in ``root/deps``).
+
+    Raises: UnsupportedSpec (one line) for a spec that is neither a release, a wheel file nor a
+    source tree, for code no adapter drives (the line names what is missing), and for a
+    ``revert_fix`` the code does not register (the line lists the names it has); RuntimeError if
+    pip fails.
+    """
+    root = root or default_root()
+    spec = spec.strip()
+    if not spec:
+        raise UnsupportedSpec("empty --sglang spec")
+    path = os.path.abspath(os.path.expanduser(spec))
+    if spec.endswith(".whl"):
+        if not os.path.isfile(path):
+            raise UnsupportedSpec(f"wheel file {spec} does not exist")
+        digest = _file_hash(path)
+        site = os.path.join(root, f"wheel-{digest[:16]}")
+        _ensure(site, (path,), log, key=f"sha256:{digest}")
+        version = _version_of(site)
+        kind, label = "wheel", f"{os.path.basename(path)}"
+    elif os.path.isdir(path):
+        site = tree_site(path)
+        if site is None:
+            raise UnsupportedSpec(f"{spec} is a folder without sglang/__init__.py (nor python/sglang/): not an SGLang "
+                                  f"source tree")
+        kind, label, version = "tree", f"sglang @ {path}", None
+    elif RELEASE.match(spec):
+        from packaging.version import Version
+
+        if Version(spec) < Version(FIRST_FA3):
+            raise UnsupportedSpec(f"sglang {spec!r} predates the FA3 backend (first in {FIRST_FA3}); the default "
+                                  f"releases are {','.join(PINS)}")
+        site = install_release(spec, releases_root or root, log)
+        kind, label, version = "release", spec, spec
+    else:
+        raise UnsupportedSpec(f"--sglang {spec!r} is neither a release version (e.g. 0.5.14), a wheel file nor an "
+                              f"SGLang source tree")
+    shape = detect(site)
+    if shape.adapter is None:
+        raise UnsupportedSpec(f"sglang {label}: cannot drive this API shape: {shape.missing}")
+    if revert_fix is not None:
+        name = revert_fix.lstrip("#")
+        if not shape.toggles:
+            raise UnsupportedSpec(f"sglang {label} has no fix toggles ({TOGGLES} absent or empty); --revert-fix needs "
+                                  f"them")
+        if name not in shape.toggles:
+            raise UnsupportedSpec(f"sglang {label} registers no fix {revert_fix!r}; its fix toggles: "
+                                  f"{', '.join(sorted(shape.toggles, key=int))}")
+        revert_fix, label = name, f"{label} -fix {name}"
+    return Target(spec, kind, label, site, [site, _deps(root, log)], shape, version, revert_fix)
+
+
+def ensure(pins=PINS, root: str | None = None, log=print) -> dict[str, list[str]]:
+    """``{spec: worker path}`` for each spec (kept for callers of the pinned-pair API)."""
+    return {p: resolve(p, root, log).paths for p in pins}

@@ -159,13 +159,80 @@ KNOWN: tuple[Known, ...] = (
           unread="FA3 reads cu_seqlens_k_new only when new K/V are passed (flash_api.cpp:929), which SGLang "
                  "never does (docs/kernel-facts.md#cu-seqlens-k-new, measured on the H200 for the top-k = 1 "
                  "calls; tests/test_gpu_tree_cu_seqlens_k.py makes this expand call with the stale value)"),
-    Known("tree-expand-unsliced-legacy", ("expand:page_table[dead]",), ("tree_draft_decode",), ("replay",), OLD,
-          (("0.5.12.post1", FA, 1975), ("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 1452)),
-          "feeds cache_loc[:, :s + 1] to the unique-pages scatter (TR-018, the #25077 fix; 0.5.23 :3084)",
-          "0.5.12.post1 feeds the whole num_steps-wide cache_loc row, so the pages of later steps land in "
-          "columns at or past ceil(K / P), never read (PA-007) -- here, where a branch spans at most s + 2 "
-          "pages; with more, its scatter writes past the s + 2 wide buffer: sgl-project/sglang#25077"),
 )
+
+
+@dataclass(frozen=True)
+class Bug:
+    """A known upstream bug: code that breaks rule ``rule``, as the comparison sees it.
+
+    A failing row of code ``pins`` (a release, or a release plus stored patches:
+    :func:`refspec.conformance.patches.patched_copy`) in ``modes`` x ``phases`` is this bug when
+    every field that differs undocumented is one of ``fields`` (and at least one does), or when
+    upstream raised an error containing ``error``.  Such a row still fails (it is upstream's
+    bug, reported with the rule); the run's verdict separates it from an unexplained failure.
+    """
+
+    key: str
+    rule: str  #: the rule ID a review quotes (``python -m refspec cite ID``)
+    also: tuple[str, ...]  #: rules the same defect breaks too (cross-references)
+    pins: tuple[str, ...]
+    modes: tuple[str, ...]
+    phases: tuple[str, ...]
+    fields: tuple[str, ...]
+    error: str
+    upstream: tuple[tuple[str, str, int], ...]  #: (pin, file, line) of the defect
+    status: str  #: fixed by / open PR / reverted
+    what: str
+
+    def matches(self, code: str, mode: str, phase: str, undocumented: list[str], error: str | None) -> bool:
+        if code not in self.pins or mode not in self.modes or phase not in self.phases:
+            return False
+        if error is not None:
+            return bool(self.error) and self.error in error
+        return bool(undocumented) and set(undocumented) <= set(self.fields)
+
+
+#: the patched code a stored diff makes (``refspec/conformance/patches/``): base pin + patch name
+def patched(pin: str, *names: str) -> str:
+    return "+".join((pin, *names))
+
+
+DE_V2_DOUBLE_COUNT = patched("0.5.23", "pr26512-draft-extend-v2-double-count")
+WALL_FIXED = patched("0.5.23", "pr35985-page-table-width")
+PFT = "python/sglang/srt/debug_utils/pr_fix_toggle.py"
+BUGS: tuple[Bug, ...] = (
+    Bug("context-wall-page-table", "CG-008", ("PA-003",), BOTH + (DE_V2_DOUBLE_COUNT,),
+        ("decode", "verify", "draft_decode", "draft_extend", "draft_extend_v2"), ("capture", "replay", "replay-staged"),
+        ("page_table[live]", "page_table[dead]"), "",
+        (("0.5.23", FA, 196), ("0.5.23", FA, 2432), ("0.5.12.post1", FA, 1338)),
+        "open: sglang#35985 (https://github.com/sgl-project/sglang/pull/35985); #29665 proposed the same and was "
+        "closed",
+        "the graph page tables have ceil(context_len / P) columns while req_to_token rows are wider (speculative "
+        "headroom): a request near the context limit (L = 61, P = 16, context 64) verifies K = L + N = 65 keys = 5 "
+        "pages, and replay writes 4: the kernel is handed a table without the request's last live page"),
+    Bug("draft-expand-unsliced-scatter", "TR-018", (), OLD, ("tree_draft_decode",), ("replay",),
+        ("expand:page_table[dead]",), "out of bounds",
+        (("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 3017), ("0.5.23", PFT, 76), ("0.5.23", FA, 3084)),
+        "fixed by sglang#27360 (https://github.com/sgl-project/sglang/pull/27360; 0.5.23's pr_fix_toggle.py "
+        "registers the slice cache_loc[:, :decode_length] in _apply_cuda_graph_metadata as #27360's fix)",
+        "the top-k > 1 draft-decode replay feeds the whole num_steps-wide cache_loc row to the unique-pages "
+        "scatter into the decode_length + 1 wide expand table: with few distinct pages (S = 3) the extra pages "
+        "land in dead columns; once a branch spans more pages than that (num_steps = 6, P = 2) the scatter "
+        "raises 'index 2 is out of bounds' (the #25077 family)"),
+    Bug("draft-extend-v2-double-count", "MD-008", ("MD-003",), (DE_V2_DOUBLE_COUNT,), ("draft_extend_v2",),
+        ("eager", "replay"), ("cache_seqlens_int32", "cu_seqlens_k", "max_seq_len_k", "page_table[dead]"), "",
+        (),
+        "merged as sglang#26512 (https://github.com/sgl-project/sglang/pull/26512), reverted by #26628; "
+        "#26651 fixed the test fixture instead",
+        "DRAFT_EXTEND_V2's seq_lens already counts the N draft tokens (eagle_info_v2 adds them before the "
+        "backend runs); #26512 adds extend_seq_lens again, so K_b = L + 2N"),
+)
+
+
+def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | None) -> Bug | None:
+    """The known upstream bug a failing row of ``code`` shows, or None (an unexplained failure)."""
+    return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error)), None)
 
 
 def match(pin: str, mode: str, phase: str, field: str) -> Known | None:

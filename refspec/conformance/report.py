@@ -1,15 +1,39 @@
-"""Result rows and the printed table (mode x P x phase -> same / differs).
+"""Result rows, their findings (rule ID, level, both values, the upstream line) and the printed
+and Markdown reports.
 
 An instrument: a learner reading the reference can skip this module.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from refspec.conformance import rules
 from refspec.conformance.compare import Diff
-from refspec.conformance.known import KNOWN, link, source
+from refspec.conformance.known import BUGS, KNOWN, link
+
+#: the refspec spec pages a finding links to (repository-relative)
+SPEC_BASE = "docs/spec"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One failure a reviewer can paste: the rule broken, its level, both values, upstream's line."""
+
+    rule: str
+    level: str
+    field: str | None  #: None: upstream raised
+    ours: str
+    theirs: str
+    where: tuple[str, int] | None  #: (file relative to the folder holding sglang/, line) in the code under test
+    url: str | None  #: permalink at the release tag, or the local file:line
+
+    @property
+    def spec(self) -> str:
+        from refspec.cli.cite import spec_link
+        return spec_link(self.rule)
 
 
 @dataclass
@@ -25,6 +49,8 @@ class Row:
     step: int | None
     diffs: list[Diff] = field(default_factory=list)
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
+    findings: list[Finding] = field(default_factory=list)  #: one per undocumented diff / the error (:func:`find`)
+    bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
 
     @property
     def label(self) -> str:
@@ -40,39 +66,136 @@ class Row:
         return self.error is None and not self.undocumented
 
 
+_AT = re.compile(r" at ((?:\S*/)?sglang/\S+?\.py):(\d+)")
+
+
+def find(row: Row, target=None) -> None:
+    """Fill ``row.findings``: each undocumented diff and the upstream error with its rule ID and
+    level (:func:`rules.rule_for`) and the upstream line read from ``target``'s code (the
+    traceback's line for an error; :func:`rules.locate` for a field)."""
+    row.findings.clear()
+    shape = getattr(target, "shape", None)
+    files = (rules.FA, *((shape.kernels,) if shape and shape.kernels and shape.kernels != rules.FA else ()))
+
+    def where(fld):
+        if target is None:
+            return None
+        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld)
+
+    def url(w):
+        return rules.link(target, *w) if w else None
+
+    if row.error:
+        m = _AT.search(row.error)
+        w = (m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))) if m else where(None)
+        rid = rules.rule_for(row.mode, row.phase, None)
+        row.findings.append(Finding(rid, rules.level(rid), None, "a result", row.error, w, url(w)))
+    for d in row.undocumented:
+        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
+        w = where(d.field)
+        row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w)))
+
+
 def _cell(rows: list[Row]) -> str:
+    ids = sorted({f.rule for r in rows for f in r.findings})
+    bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
+    tag = f" [{','.join(ids)}{''.join(', upstream bug ' + b for b in bugs)}]" if ids else ""
     if any(r.error for r in rows):
-        return "ERROR"
+        return "ERROR" + tag
     bad = sorted({d.field for r in rows for d in r.undocumented})
     if bad:
-        return "DIFFERS: " + ",".join(bad)
+        return "DIFFERS: " + ",".join(bad) + tag
     doc = sorted({d.documented for r in rows for d in r.diffs})
     return "same" + (f" (+{','.join(doc)})" if doc else "")
 
 
-def table(rows: list[Row], pin: str, verbose: bool = False) -> str:
-    """One line per (mode, step, P, phase), shapes merged; then every failure in full (and, with
-    ``verbose``, every documented difference with both values)."""
+def finding_line(r: Row, f: Finding) -> str:
+    """``DIFFERS decode/P4/B3/bs4 replay: MD-003 (upstream behaviour) cache_seqlens_int32: refspec .. |
+    upstream .. (upstream sglang/...py:123)``."""
+    where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
+    at = f" (upstream {f.where[0]}:{f.where[1]})" if f.where else ""
+    bug = f" [known upstream bug {r.bug}]" if r.bug else ""
+    if f.field is None:
+        return f"  ERROR {where}: {f.rule} ({f.level}): {f.theirs}{at}{bug}"
+    return f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}{at}{bug}"
+
+
+def table(rows: list[Row], pin: str, verbose: bool = False, target=None, limit: int = 12) -> str:
+    """Default: one line per failing (mode, step, P, phase) group, then up to ``limit`` findings
+    (rule, level, values, upstream line).  ``verbose``: every group, every finding, and every
+    documented difference with both values."""
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         if r.pin == pin:
             groups[(r.label, r.page_size, r.phase)].append(r)
-    w = max([len(k[0]) for k in groups] + [4])
+    shown = {k: v for k, v in groups.items() if verbose or not all(r.ok for r in v)}
+    if not shown:
+        return ""
+    w = max([len(k[0]) for k in shown] + [4])
     lines = [f"{'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result"]
-    for (label, P, phase), rs in groups.items():
+    for (label, P, phase), rs in shown.items():
         lines.append(f"{label:<{w}}  {P:>3}  {phase:<13} {len(rs):>5}  {_cell(rs)}")
+    out = []
     for r in rows:
         if r.pin != pin or (r.ok and not (verbose and r.diffs)):
             continue
-        where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
         if verbose:
-            lines += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
-                      for d in r.diffs if d.documented]
-        if r.error:
-            lines.append(f"  ERROR {where}: {r.error}")
-        for d in r.undocumented:
-            lines.append(f"  DIFFERS {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} "
-                         f"(upstream {source(r.pin, r.mode, r.phase, d.field)})")
+            where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
+            out += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
+                    for d in r.diffs if d.documented]
+        out += [finding_line(r, f) for f in r.findings]
+    n_find = sum(len(r.findings) for r in rows if r.pin == pin)
+    if not verbose and n_find > limit:
+        out = [x for x in out if not x.startswith("  documented")][:limit]
+        out.append(f"  ... {n_find - limit} more findings (-v prints all, --report FILE.md writes them)")
+    return "\n".join(lines + out)
+
+
+def markdown(out, command: str = "") -> str:
+    """A review comment: per target, the rules broken (ID, level, spec link), then each distinct
+    finding with both values and the upstream line (a permalink for a release)."""
+    lines = ["### refspec conformance", ""]
+    if command:
+        lines += [f"`{command}`", ""]
+    labels = list(dict.fromkeys(r.pin for r in out.rows))
+    for label in labels:
+        s = summary(out.rows, label)
+        lines.append(f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing "
+                     f"({s['same']} identical, {s['documented']} with only documented differences).")
+        lines.append("")
+        mine = [r for r in out.rows if r.pin == label and r.findings]
+        if not mine:
+            continue
+        by_rule: dict[str, list] = defaultdict(list)
+        for r in mine:
+            for f in r.findings:
+                by_rule[f.rule].append((r, f))
+        lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
+        for rid, items in sorted(by_rule.items()):
+            f0 = items[0][1]
+            fields = sorted({f.field or "upstream error" for _, f in items})
+            lines.append(f"| [{rid}]({f0.spec}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
+                         f"{', '.join(fields)} |")
+        lines.append("")
+        seen = set()
+        for rid, items in sorted(by_rule.items()):
+            for r, f in items:
+                key = (rid, f.field, f.where, r.mode, r.phase)
+                if key in seen:
+                    continue
+                seen.add(key)
+                at = f"[`{f.where[0]}:{f.where[1]}`]({f.url})" if f.where and f.url and f.url.startswith("http") \
+                    else (f"`{f.url}`" if f.url else "unknown line")
+                what = "upstream raised" if f.field is None else f"`{f.field}`"
+                lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}"
+                             f"{'' if r.step is None else f' step {r.step}'} (`{r.job}`): {what}: "
+                             f"refspec `{f.ours}`, upstream `{f.theirs}`; upstream line {at}")
+        lines.append("")
+        verb = "does not follow" if any(f.level == "refspec hardening" for items in by_rule.values()
+                                        for _, f in items) else "violates"
+        lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in sorted(by_rule)) +
+                     " (`python -m refspec cite ID` prints each rule with its sources).")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -80,7 +203,22 @@ def summary(rows: list[Row], pin: str) -> dict:
     mine = [r for r in rows if r.pin == pin]
     return {"cases": len(mine), "same": sum(not r.diffs and not r.error for r in mine),
             "documented": sum(bool(r.diffs) and r.ok for r in mine),
-            "undocumented": sum(not r.ok for r in mine)}
+            "undocumented": sum(not r.ok for r in mine), "known_bug": sum(bool(r.bug) for r in mine)}
+
+
+def bugs_table(keys: set[str]) -> str:
+    """The known upstream bugs ``keys``: rule, status (fixed by / open PR), what, upstream lines."""
+    lines = []
+    for b in BUGS:
+        if b.key not in keys:
+            continue
+        lines.append(f"  {b.key}: breaks {b.rule}" + (f" (also {', '.join(b.also)})" if b.also else "")
+                     + f" at {', '.join(b.pins)}")
+        lines.append(f"      {b.what}")
+        lines.append(f"      status: {b.status}")
+        for pin, f, line in b.upstream:
+            lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
+    return "\n".join(lines)
 
 
 def known_table(used: set[str] | None = None) -> str:

@@ -1,7 +1,11 @@
-"""Orchestration: install the pins, build the jobs, run upstream in a worker, compare, report.
+"""Orchestration: resolve the targets, build the jobs, run upstream in a worker, compare, report.
 
 :func:`run` is the API (the CLI and the tests call it); it returns :class:`Outcome` whose
-``ok`` is False on any undocumented difference or upstream error.
+``ok`` is False on any undocumented difference or upstream error.  Each target's modes, its
+staged draft-extend replay and whether upstream builds its own verify tree come from its
+:class:`~refspec.conformance.install.Shape` (read from the code), never from a version string.
+A selection that compares nothing for a target (a mode it lacks, a page size or top-k no case
+of it uses) raises :class:`NoCases`.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -16,25 +20,14 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from refspec.conformance import cases, install, known, report, tree_cases
+from refspec.conformance import cases, install, known, report, rules, tree_cases
 from refspec.conformance.compare import compare, compare_parts
 
-#: conformance modes per pin (0.5.23 has no DRAFT_EXTEND v1)
-PIN_MODES = {
-    "0.5.23": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle",
-               *tree_cases.MODES),
-    "0.5.12.post1": ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend",
-                     "draft_extend_v2", *tree_cases.MODES),  # no IDLE: upstream_0512 module doc
-}
-#: pins whose backend has the staged draft-extend replay (``stage_draft_extend_metadata``)
-STAGED_REPLAY = ("0.5.23",)
-#: pins where upstream builds the verify tree itself (its Triton tree kernel); elsewhere the worker
-#: uses the job's tree and the ``tree`` part is not compared (``upstream_tree.run_legacy``)
-OWN_TREE = ("0.5.23",)
+WORKER_TIMEOUT: float | None = None  #: seconds a worker may run (None: no limit; the sweep sets one)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -53,64 +46,112 @@ def _variant(name: str | None):
     return variants.enabled(name)
 
 
+class NoCases(ValueError):
+    """The selection compares nothing (or asks for a mode / page size / top-k a target has no case of)."""
+
+
+#: the documented differences (:data:`refspec.conformance.known.KNOWN`) were established per adapter
+#: on the release it was written against; other code driven by that adapter is matched against them
+KNOWN_AS = {"graph": install.PINS[0], "legacy": install.PINS[1]}
+
+
+def known_as(target) -> str:
+    """The pin whose documented differences apply to ``target`` (a Target, or a pin string)."""
+    return target if isinstance(target, str) else KNOWN_AS[target.shape.hooks]
+
+
+def _label(target) -> str:
+    return target if isinstance(target, str) else target.label
+
+
+def _own_tree(target) -> bool:
+    return target == install.PINS[0] if isinstance(target, str) else target.shape.own_tree
+
+
 @dataclass
 class Outcome:
     rows: list[report.Row]
-    info: dict  #: pin -> worker info (import / run seconds, interpreter check, ...)
-    seconds: dict  #: install / pin timings
+    info: dict  #: target label -> worker info (import / run seconds, interpreter check, ...)
+    seconds: dict  #: install / per-target timings
+    targets: dict = field(default_factory=dict)  #: label -> install.Target
 
     @property
     def ok(self) -> bool:
+        """Every row agrees (or differs only as documented): False on a known upstream bug too."""
         return all(r.ok for r in self.rows)
+
+    @property
+    def unexplained(self) -> list[report.Row]:
+        """Failing rows that no known upstream bug (:data:`known.BUGS`) explains: the CLI's exit 1."""
+        return [r for r in self.rows if not r.ok and r.bug is None]
+
+    def bugs(self) -> set[str]:
+        """The known upstream bugs (:data:`known.BUGS` keys) that rows showed."""
+        return {r.bug for r in self.rows if r.bug}
 
     def failing_fields(self) -> set[str]:
         return {d.field for r in self.rows for d in r.undocumented} | ({"ERROR"} if any(r.error for r in self.rows)
                                                                         else set())
 
 
-def run_worker(pin: str, path: list[str], jobs: list[cases.Job]) -> tuple[dict, dict]:
-    """Run upstream ``pin`` on ``jobs`` in a subprocess; ``(results by job id, worker info)``.
+def run_worker(target: install.Target, jobs: list[cases.Job]) -> tuple[dict, dict]:
+    """Run upstream ``target`` on ``jobs`` in a subprocess; ``(results by job id, worker info)``.
 
     The worker runs with ``TRITON_INTERPRET=1`` (Triton kernels in the interpreter) and
     ``TORCHDYNAMO_DISABLE=1`` (upstream's ``@torch.compile`` functions, e.g.
-    ``draft_decode_set_expand_metadata``, run as the plain PyTorch they are written in).
+    ``draft_decode_set_expand_metadata``, run as the plain PyTorch they are written in), and
+    ``PYTHONDONTWRITEBYTECODE=1`` (nothing is written into a source tree used in place).
 
     Raises: RuntimeError with the worker's stderr if it fails as a whole (import error, ...).
     """
     with tempfile.TemporaryDirectory(prefix="refspec-conformance-") as tmp:
         jobs_path, out_path = os.path.join(tmp, "jobs.pt"), os.path.join(tmp, "out.pt")
         torch.save([(j.id, dict(j.inputs, mode=j.mode)) for j in jobs], jobs_path)
-        env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", PYTHONPATH=os.pathsep.join([*path, REPO]),
-                   PYTHONWARNINGS="ignore")
-        proc = subprocess.run([sys.executable, "-m", "refspec.conformance.worker", pin, jobs_path, out_path],
-                              env=env, capture_output=True, text=True, cwd=REPO, check=False)
+        env = dict(os.environ, TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1", PYTHONDONTWRITEBYTECODE="1",
+                   PYTHONPATH=os.pathsep.join([*target.paths, REPO]), PYTHONWARNINGS="ignore",
+                   REFSPEC_SHAPE=target.shape.to_json(), REFSPEC_REVERT_FIX=target.revert_fix or "")
+        try:
+            proc = subprocess.run([sys.executable, "-m", "refspec.conformance.worker", target.label, jobs_path,
+                                   out_path], env=env, capture_output=True, text=True, cwd=REPO, check=False,
+                                  timeout=WORKER_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"conformance worker for sglang {target.label} ran past {WORKER_TIMEOUT} s") from None
         if proc.returncode != 0 or not os.path.exists(out_path):
-            raise RuntimeError(f"conformance worker for sglang {pin} failed (exit {proc.returncode}):\n"
+            raise RuntimeError(f"conformance worker for sglang {target.label} failed (exit {proc.returncode}):\n"
                                f"{proc.stderr[-4000:]}")
         out = torch.load(out_path, weights_only=False)
     return out["results"], out["info"]
 
 
-def rows_for(pin: str, jobs: list[cases.Job], results: dict) -> list[report.Row]:
-    """Compare every (job, phase, step) of ``jobs`` with upstream's ``results``."""
+def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
+    """Compare every (job, phase, step) of ``jobs`` with upstream's ``results`` (``target``: an
+    :class:`install.Target`, or a pinned release's version string)."""
     rows = []
+    pin, label = known_as(target), _label(target)
     for j in jobs:
         theirs = results.get(j.id, "no result from the worker")
         for (phase, step), ours in j.refspec.items():
-            row = report.Row(pin, j.id, j.mode, j.page_size, j.shape, phase, step)
+            row = report.Row(label, j.id, j.mode, j.page_size, j.shape, phase, step)
             got = theirs.get((phase, step)) if isinstance(theirs, dict) else None
-            if got is None:
-                row.error = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
+            if got is None or isinstance(got, str):  # a phase's own upstream error is its result
+                missing = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
+                row.error = got or missing
             else:
                 if "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
-                    if pin not in OWN_TREE:
+                    if not _own_tree(target):
                         ours = {part: v for part, v in ours.items() if part != "tree"}
                     raw = compare_parts(ours, got, j.page_size, 1 if j.mode == "tree_verify" else j.page_size)
                 else:
                     raw = compare(ours, got, j.page_size)
                 for d in raw:
                     k = known.match(pin, j.mode, phase, d.field)
-                    row.diffs.append(d if k is None else type(d)(d.field, d.ours, d.theirs, k.key))
+                    row.diffs.append(d if k is None else replace(d, documented=k.key))
+            report.find(row, target if not isinstance(target, str) else None)
+            if not row.ok:  # a known upstream bug on this code: its rule names the row
+                b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error)
+                if b is not None:
+                    row.bug = b.key
+                    row.findings = [replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
             rows.append(row)
     return rows
 
@@ -122,63 +163,141 @@ def digest(inputs: dict) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def _upstream(pin: str, path: list[str], jobs: list[cases.Job], cache: dict | None) -> tuple[dict, dict]:
+def _upstream(target: install.Target, jobs: list[cases.Job], cache: dict | None) -> tuple[dict, dict]:
     """Upstream's results for ``jobs``; with ``cache``, a job whose inputs are byte-identical to
-    one already run on ``pin`` reuses that result (upstream sees only the inputs); ``info`` is
-    then the last worker's for that pin, plus ``reused`` (how many jobs did not run again)."""
+    one already run on ``target`` reuses that result (upstream sees only the inputs); ``info`` is
+    then the last worker's for that target, plus ``reused`` (how many jobs did not run again)."""
     if cache is None:
-        return run_worker(pin, path, jobs)
+        return run_worker(target, jobs)
+    pin = (target.site, target.revert_fix)
     keys = {j.id: (pin, digest(dict(j.inputs, mode=j.mode))) for j in jobs}
     todo = [j for j in jobs if keys[j.id] not in cache]
     info = dict(cache.get(("worker info", pin), {}), reused=len(jobs) - len(todo))
     if todo:
-        results, fresh = run_worker(pin, path, todo)
+        results, fresh = run_worker(target, todo)
         cache[("worker info", pin)] = fresh
         info.update(fresh)
         cache.update({keys[j.id]: results[j.id] for j in todo if j.id in results})
     return {j.id: cache[keys[j.id]] for j in jobs if keys[j.id] in cache}, info
 
 
-def run(pins=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
-        root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS) -> Outcome:
-    """The whole comparison.  ``modes`` restricts every pin's mode list (None: all it has);
-    ``topks`` the top-k values of the tree modes.
+def targets(sglang, root: str | None = None, log=print, revert_fix: str | None = None) -> list[install.Target]:
+    """Resolve SPEC strings (or :class:`install.Target` objects, kept as they are)."""
+    return [t if isinstance(t, install.Target) else install.resolve(t, root, log, revert_fix) for t in sglang]
+
+
+def select(target: install.Target, page_sizes, modes, topks, variant: str | None = None) -> list[cases.Job]:
+    """The jobs of ``target``'s modes (restricted to ``modes`` if given) at ``page_sizes`` / ``topks``.
+
+    Raises: NoCases naming what was asked for and what the code has, when a given mode is not
+    compared on this code, or a page size / top-k yields no case, or nothing is selected at all.
+    """
+    have = target.shape.modes
+    if modes is not None:
+        lack = [m for m in modes if m not in have]
+        if lack:
+            raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
+                          f"{_why_not(target, lack)})")
+    pm = [m for m in have if modes is None or m in modes]
+    with _variant(variant):
+        flat, tree = [m for m in pm if m in cases.MODES], [m for m in pm if m in tree_cases.MODES]
+        jobs = cases.build_jobs(flat, page_sizes, staged=target.shape.staged)
+        jobs += cases.edge_jobs(flat, page_sizes, staged=target.shape.staged)
+        jobs += tree_cases.build_jobs(tree, page_sizes, topks)
+        jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
+    if not jobs:
+        raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
+                      f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
+                      f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
+    empty = [m for m in (modes or ()) if m not in {j.mode for j in jobs}]
+    if empty:
+        raise NoCases(f"sglang {target.label}: mode {', '.join(empty)} has no case at page sizes "
+                      f"{', '.join(map(str, page_sizes))} (tree modes compare page sizes "
+                      f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
+    unused = [P for P in page_sizes if P not in {j.page_size for j in jobs}]
+    if unused:
+        raise NoCases(f"sglang {target.label}: page size {', '.join(map(str, unused))} has no case in modes "
+                      f"{', '.join(pm)} (tree modes compare page sizes {', '.join(map(str, tree_cases.PAGE_SIZES))})")
+    if any(m in tree_cases.MODES for m in pm):
+        used = {j.shape for j in jobs if j.mode in tree_cases.MODES}
+        unused = [k for k in topks if f"k{k}" not in used]
+        if unused:
+            raise NoCases(f"sglang {target.label}: top-k {', '.join(map(str, unused))} has no tree case at page "
+                          f"sizes {', '.join(map(str, page_sizes))} (top-k values: "
+                          f"{', '.join(map(str, tree_cases.TOPKS))})")
+    return jobs
+
+
+def _why_not(target: install.Target, lack: list[str]) -> str:
+    s, why = target.shape, []
+    if s.no_draft_decode and any(m in ("draft_decode", "tree_draft_decode") for m in lack):
+        why.append(s.no_draft_decode)
+    if "draft_extend" in lack and not s.draft_extend_v1:
+        why.append("ForwardMode has no DRAFT_EXTEND (v1)")
+    if "draft_extend_v2" in lack and not s.draft_extend_v2:
+        why.append("ForwardMode has no DRAFT_EXTEND_V2")
+    if "idle" in lack and s.hooks == "legacy":
+        why.append("the legacy-hooks releases build no metadata for an empty batch")
+    if any(m in tree_cases.MODES for m in lack):
+        why.append("no top-k > 1 path" if not s.topk else "upstream's own tree builder is missing")
+    return "; " + "; ".join(why) if why else ""
+
+
+def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
+        root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
+        revert_fix: str | None = None, pins=None) -> Outcome:
+    """The whole comparison, for each SPEC of ``sglang`` (:func:`install.resolve`: a release,
+    a wheel file or a source tree; or an already resolved Target).  ``modes`` restricts every
+    target's mode list (None: all its shape has); ``topks`` the top-k values of the tree modes;
+    ``revert_fix`` an upstream fix toggle reverted on every target; ``pins`` is the old name of
+    ``sglang``.
 
     ``cache`` (a dict kept by the caller) lets several runs share upstream's results for
     byte-identical inputs: a refspec variant that leaves the inputs unchanged costs no worker.
+
+    Raises: install.UnsupportedSpec (a spec it cannot install or drive), NoCases (module doc).
     """
     t0 = time.perf_counter()
-    paths = install.ensure(pins, root, log=log)
+    tgts = targets(pins if pins is not None else sglang, root, log, revert_fix)
     seconds = {"install": round(time.perf_counter() - t0, 1)}
+    plans = [(t, select(t, page_sizes, modes, topks, variant)) for t in tgts]  # every NoCases before any worker
     rows, info = [], {}
-    for pin in pins:
-        t = time.perf_counter()
-        pm = [m for m in PIN_MODES[pin] if modes is None or m in modes]
-        with _variant(variant):
-            jobs = cases.build_jobs([m for m in pm if m in cases.MODES], page_sizes, staged=pin in STAGED_REPLAY)
-            jobs += tree_cases.build_jobs([m for m in pm if m in tree_cases.MODES], page_sizes, topks)
-        results, info[pin] = _upstream(pin, paths[pin], jobs, cache)
-        rows += rows_for(pin, jobs, results)
-        seconds[pin] = round(time.perf_counter() - t, 1)
+    for t, jobs in plans:
+        tt = time.perf_counter()
+        results, info[t.label] = _upstream(t, jobs, cache)
+        rows += rows_for(t, jobs, results)
+        seconds[t.label] = round(time.perf_counter() - tt, 1)
     seconds["total"] = round(time.perf_counter() - t0, 1)
-    return Outcome(rows, info, seconds)
+    return Outcome(rows, info, seconds, {t.label: t for t in tgts})
 
 
 def render(out: Outcome, verbose: bool = False) -> str:
-    """Every pin's table and summary, then the documented differences that occurred."""
+    """Every target's summary line and table, each failing row with its rule, level, both values
+    and the upstream line; with ``verbose`` also the documented-differences table."""
     parts = []
-    for pin in dict.fromkeys(r.pin for r in out.rows):
-        s = report.summary(out.rows, pin)
-        inf = out.info.get(pin, {})
-        parts.append(f"== sglang {pin}: {s['cases']} cases, {s['same']} identical, {s['documented']} with only "
-                     f"documented differences, {s['undocumented']} failing "
-                     f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s)")
-        for k, v in inf.items():
-            if k.startswith(("replay kernels", "tree kernel")):
-                parts.append(f"   {k}: {v}")
-        parts.append(report.table(out.rows, pin, verbose))
-    used = {d.documented for r in out.rows for d in r.diffs if d.documented}
-    parts.append("== documented differences (* = seen in this run)")
-    parts.append(report.known_table(used))
-    parts.append(f"== {'OK' if out.ok else 'FAIL'}: timings {out.seconds}")
+    for label in dict.fromkeys(r.pin for r in out.rows):
+        s = report.summary(out.rows, label)
+        inf = out.info.get(label, {})
+        t = out.targets.get(label)
+        how = f", {t.shape.hooks} hooks" if t is not None else ""
+        parts.append(f"== sglang {label}: {s['cases']} cases, {s['same']} identical, {s['documented']} with only "
+                     f"documented differences, {s['undocumented']} failing"
+                     + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else "") + " "
+                     f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s{how})")
+        if verbose:
+            for k, v in inf.items():
+                if k.startswith(("replay kernels", "tree kernel")):
+                    parts.append(f"   {k}: {v}")
+        tab = report.table(out.rows, label, verbose, out.targets.get(label))
+        if tab:
+            parts.append(tab)
+    if verbose:
+        used = {d.documented for r in out.rows for d in r.diffs if d.documented}
+        parts.append("== documented differences (* = seen in this run)")
+        parts.append(report.known_table(used))
+    if out.bugs():
+        parts.append("== known upstream bugs reproduced (their rows above name the rule)")
+        parts.append(report.bugs_table(out.bugs()))
+    verdict = "OK" if out.ok else "FAIL" if out.unexplained else "KNOWN UPSTREAM BUGS ONLY"
+    parts.append(f"== {verdict}: timings {out.seconds}")
     return "\n".join(parts)

@@ -43,7 +43,7 @@ from refspec.speculative.tree.graphs import TreeGraphRunner
 from refspec.speculative.tree.runners import tree_draft_batch, tree_verify_batch
 
 TOPKS = (2, 4, 8)
-PAGE_SIZES = (1, 4, 16, 64)
+PAGE_SIZES = (1, 2, 4, 8, 16, 64)
 S = 3  #: speculative_num_steps (draft steps 0 and 1, as the top-k = 1 cases)
 B, BS = 3, 4  #: live requests, graph batch (padded replay)
 MODES = ("tree_verify", "tree_draft_decode")
@@ -55,7 +55,7 @@ def num_draft_tokens(topk: int) -> int:
     return 2 * topk
 
 
-def _width(mode: str, Ls: list[int], k: int, P: int) -> int:
+def _width(mode: str, Ls: list[int], k: int, P: int, S: int = S) -> int:
     """req_to_token columns (= upstream ``context_len``): what the mode allocates, rounded up to 64."""
     need = [L + num_draft_tokens(k) for L in Ls] if mode == "tree_verify" else \
         [tree_kv.draft_alloc_len(L, k, S, P) for L in Ls]
@@ -71,7 +71,7 @@ def _cache(width: int, P: int, seed: int):
     return kv, pool, rows
 
 
-def draw_tree(k: int, seed: int) -> dict:
+def draw_tree(k: int, seed: int, S: int = S) -> dict:
     """SGLang's draft-side tree inputs for B requests from random draft probabilities.
 
     ``select_top_k_tokens_first`` on the root's k children, then S - 1 expansions
@@ -113,7 +113,7 @@ def greedy_targets(parents: list[list[int]], tokens: torch.Tensor, N: int, seed:
     return tp
 
 
-def snapshot_tree(organized, built: dict, target_predict: torch.Tensor, N: int) -> dict:
+def snapshot_tree(organized, built: dict, target_predict: torch.Tensor, N: int, S: int = S) -> dict:
     """The ``tree`` part: refspec's ``organize_draft_results`` (``parent_list``,
     ``top_scores_index``), its ``build_tree`` outputs (upstream's ``build_tree_kernel_efficient``
     returns the same six) and ``verify_tree_greedy`` on them (``predicts``, ``accept_index``,
@@ -127,7 +127,7 @@ def snapshot_tree(organized, built: dict, target_predict: torch.Tensor, N: int) 
     return dict(out, **dict(zip(("predicts", "accept_index", "accept_token_num"), acc)))
 
 
-def snapshot_branches(kv, rows, Ls, k: int, loc: torch.Tensor) -> dict:
+def snapshot_branches(kv, rows, Ls, k: int, loc: torch.Tensor, S: int = S) -> dict:
     """The draft ``tree`` part: the branch slots (TR-015) and the tail copies, ``(target, source)``
     slot pairs sorted by target (``refspec.speculative.tree.kv``)."""
     src, tgt = tree_kv.tail_copy_slots(kv, rows, Ls, k, S)
@@ -154,7 +154,7 @@ class _Runners:
     """What :class:`TreeGraphRunner` reads of a ``TreeRunners``: the backends and a forward that
     runs no model (the graph is captured for its metadata buffers only)."""
 
-    def __init__(self, kv, k, N, backends, verify: bool):
+    def __init__(self, kv, k, N, backends, verify: bool, S: int = S):
         self.kv, self.topk, self.Sd, self.num_draft_tokens = kv, k, S, N
         self.tree_verify_be = backends[0] if verify else None
         self.tree_step_bes = [] if verify else backends
@@ -162,17 +162,18 @@ class _Runners:
         self._tree_verify_fn = self._tree_draft_fn = lambda fb, x: (fb.positions.clone(),)
 
 
-def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
-    N = num_draft_tokens(k)
+def _job(mode: str, k: int, P: int, seed: int, num_steps: int = S) -> cases.Job:
+    """One tree job (module doc); ``num_steps`` = speculative_num_steps (draft steps 0 .. num_steps - 2)."""
+    N, Sd = num_draft_tokens(k), num_steps
     Ls = cases.lengths(P, B)
-    width = _width(mode, Ls, k, P)
+    width = _width(mode, Ls, k, P, Sd)
     kv, pool, rows = _cache(width, P, seed)
-    inputs = {"page_size": P, "context_len": width, "topk": k, "num_steps": S, "num_draft_tokens": N, "bs": BS}
+    inputs = {"page_size": P, "context_len": width, "topk": k, "num_steps": Sd, "num_draft_tokens": N, "bs": BS}
     kv.alloc_extend(rows, [0] * B, Ls)
     ref: dict = {}
     if mode == "tree_verify":
         kv.alloc_extend(rows, Ls, [L + N for L in Ls])
-        tree = draw_tree(k, seed)
+        tree = draw_tree(k, seed, Sd)
         organized = tree_build.organize_draft_results(tree["score_list"], tree["token_list"], tree["parents_list"], N)
         built = tree_build.build_tree(tree["verified_id"], *organized, torch.tensor(Ls), k, N)
         live = tree_verify_batch(kv, rows, Ls, N, k, built["positions"], built["custom_mask"])
@@ -181,23 +182,23 @@ def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
         inputs["tree"] = tree
         x = {"ids": torch.zeros(B * N, dtype=torch.long)}
     else:
-        kv.alloc_extend(rows, Ls, [tree_kv.draft_alloc_len(L, k, S, P) for L in Ls])
-        loc = tree_kv.assign_draft_cache_locs(kv, rows, Ls, k, S)
-        live = tree_draft_batch(kv, rows, Ls, k, S, loc)
-        backends = [FlashAttentionTreeBackend(pool, kv, topk=k, num_steps=S, speculative_step_id=s, validate=False)
-                    for s in range(S - 1)]
+        kv.alloc_extend(rows, Ls, [tree_kv.draft_alloc_len(L, k, Sd, P) for L in Ls])
+        loc = tree_kv.assign_draft_cache_locs(kv, rows, Ls, k, Sd)
+        live = tree_draft_batch(kv, rows, Ls, k, Sd, loc)
+        backends = [FlashAttentionTreeBackend(pool, kv, topk=k, num_steps=Sd, speculative_step_id=s, validate=False)
+                    for s in range(Sd - 1)]
         x = {"topk_p": torch.zeros(B, k), "topk_index": torch.zeros(B, k, dtype=torch.long)}
-    steps = [None] if mode == "tree_verify" else list(range(S - 1))
+    steps = [None] if mode == "tree_verify" else list(range(Sd - 1))
     inputs["req_to_token"] = kv.req_to_token.clone()
     inputs["eager"] = snapshot_batch(live)
     for s, be in zip(steps, backends):
         be.init_forward_metadata(live)
         ref[("eager", s)] = snapshot(be)
     if mode == "tree_verify":
-        ref[("eager", None)]["tree"] = snapshot_tree(organized, built, tree["target_predict"], N)
+        ref[("eager", None)]["tree"] = snapshot_tree(organized, built, tree["target_predict"], N, Sd)
     else:
-        ref[("eager", 0)]["tree"] = snapshot_branches(kv, rows, Ls, k, loc)
-    runner = TreeGraphRunner(_Runners(kv, k, N, backends, mode == "tree_verify"),
+        ref[("eager", 0)]["tree"] = snapshot_branches(kv, rows, Ls, k, loc, Sd)
+    runner = TreeGraphRunner(_Runners(kv, k, N, backends, mode == "tree_verify", Sd),
                              "verify" if mode == "tree_verify" else "draft", [BS], torch.float32)
     inputs["capture"] = snapshot_batch(runner.static[BS][0])
     for s, be in zip(steps, backends):
@@ -206,11 +207,27 @@ def _job(mode: str, k: int, P: int, seed: int) -> cases.Job:
     inputs["replay"] = snapshot_batch(runner.static[BS][0])
     for s, be in zip(steps, backends):
         ref[("replay", s)] = snapshot(be)
-    return cases.Job(f"{mode}/k{k}/P{P}", mode, P, f"k{k}", True, inputs, ref)
+    shape = f"k{k}" if Sd == S else f"k{k} S{Sd}"
+    return cases.Job(f"{mode}/{shape.replace(' ', '/')}/P{P}", mode, P, shape, True, inputs, ref)
 
 
-def build_jobs(modes=MODES, page_sizes=PAGE_SIZES, topks=TOPKS, seed: int = 0) -> list[cases.Job]:
-    """Every tree job for ``modes`` x ``topks`` x ``page_sizes`` (page sizes outside
+def build_jobs(modes=MODES, page_sizes=PAGE_SIZES, topks=TOPKS, seed: int = 0, num_steps=(S,)) -> list[cases.Job]:
+    """Every tree job for ``modes`` x ``topks`` x ``page_sizes`` x ``num_steps`` (page sizes outside
     :data:`PAGE_SIZES` are skipped: the tree wing is compared at the sizes it is built for)."""
-    return [_job(m, k, P, seed + 7 * P + k) for m in modes if m in MODES for k in topks for P in page_sizes
-            if P in PAGE_SIZES]
+    return [_job(m, k, P, seed + 7 * P + k + 101 * (Sd - S), Sd) for m in modes if m in MODES for Sd in num_steps
+            for k in topks for P in page_sizes if P in PAGE_SIZES]
+
+
+#: long draft chains (top-k > 1): speculative_num_steps 6 (draft steps 0 .. 4) at small pages,
+#: where a branch's steps span more pages than the expand table's decode_length + 1 columns
+#: unless the scatter is sliced to decode_length (TR-018)
+LONG = {"num_steps": 6, "page_sizes": (2, 8), "topks": (2,)}
+
+
+def edge_jobs(modes=MODES, page_sizes=PAGE_SIZES, topks=TOPKS, seed: int = 0) -> list[cases.Job]:
+    """The long-chain draft-decode jobs (:data:`LONG`) at the selected page sizes and top-k values."""
+    if "tree_draft_decode" not in modes:
+        return []
+    return build_jobs(("tree_draft_decode",), [P for P in LONG["page_sizes"] if P in page_sizes],
+                      [k for k in LONG["topks"] if k in topks], seed=seed, num_steps=(LONG["num_steps"],))
+

@@ -1,4 +1,6 @@
-"""SGLang 0.5.12.post1 (worker subprocess only): the newest release with ``ForwardMode.DRAFT_EXTEND``
+"""The legacy-hooks adapter (worker subprocess only; written against SGLang 0.5.12.post1, chosen for
+any code whose shape has these hooks, :func:`refspec.conformance.install.detect`), 0.5.12.post1
+being the newest release with ``ForwardMode.DRAFT_EXTEND``
 (v1) *and* the legacy graph hooks ``init_forward_metadata_capture_cuda_graph`` /
 ``init_forward_metadata_replay_cuda_graph`` (0.5.13 dropped the hooks, 0.5.14 the v1 mode).
 
@@ -19,12 +21,22 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
 
-MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2",
-         "tree_verify", "tree_draft_decode")
+
+def call(fn, **kw):
+    """Call ``fn`` with the arguments its signature names (older releases take fewer, e.g. no
+    ``out_cache_loc``, or no ``is_draft_worker`` for ``KVIndexTranslator``): every parameter it
+    requires must be among ``kw``."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                                                  p.KEYWORD_ONLY)]
+    missing = [p.name for p in params if p.name not in kw and p.default is p.empty]
+    if missing:
+        raise TypeError(f"{fn.__qualname__} needs {', '.join(missing)}, which this adapter does not have")
+    return fn(**{p.name: kw[p.name] for p in params if p.name in kw})
 
 
 def _server_args(ServerArgs, **over):
@@ -42,21 +54,20 @@ def _server_args(ServerArgs, **over):
 
 
 class Upstream:
-    def __init__(self, site: str):
+    def __init__(self, site: str, shape):
         uc.prepare(site)
         import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.configs.model_config import AttentionArch
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.server_args import (
-            ServerArgs,
-            set_global_server_args_for_scheduler,
-        )
+        import sglang.srt.server_args as server_args
 
         uc.finish_imports()
-        self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
-        self.ServerArgs, self.publish = ServerArgs, set_global_server_args_for_scheduler
+        self.fa, self.FM, self.arch, self.modes = fa, ForwardMode, AttentionArch, shape.modes
+        # older releases read the server args from the model runner only (no global to publish)
+        self.ServerArgs = server_args.ServerArgs
+        self.publish = getattr(server_args, "set_global_server_args_for_scheduler", lambda sa: None)
         self.kernels = {n: uc.interpreted(getattr(fa, n)) for n in
-                        ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa")}
+                        ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa") if hasattr(fa, n)}
 
     def info(self) -> dict:
         return {"replay kernels in Triton's interpreter": self.kernels}
@@ -64,8 +75,8 @@ class Upstream:
     def run(self, job: dict) -> dict:
         """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
-        if mode not in MODES:
-            raise ValueError(f"sglang 0.5.12.post1 is not compared on {mode!r}")
+        if mode not in self.modes:
+            raise ValueError(f"this code is not compared on {mode!r}")
         sa = _server_args(self.ServerArgs, page_size=P, speculative_algorithm="EAGLE",
                           speculative_eagle_topk=job.get("topk", 1), speculative_num_steps=Sd,
                           speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
@@ -78,7 +89,8 @@ class Upstream:
         mr = NS(server_args=sa, sliding_window_size=None,
                 model_config=uc.model_config(job["context_len"], self.arch.MHA),
                 device="cpu", req_to_token_pool=rows, token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None,
-                page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None)
+                page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None,
+                is_hybrid=False)  # (<= 0.5.5: the hybrid-SWA flag on the runner)
         multi = mode == "draft_decode"
         be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
             self.fa.FlashAttentionBackend(mr)
@@ -97,14 +109,16 @@ class Upstream:
         if multi:
             be.init_forward_metadata_capture_cuda_graph(cap)
         else:
-            be.init_forward_metadata_capture_cuda_graph(bs, job["capture"]["num_tokens"], cap.req_pool_indices,
-                                                        cap.seq_lens, None, cap.forward_mode, cap.spec_info)
+            call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
+                 req_pool_indices=cap.req_pool_indices, seq_lens=cap.seq_lens, encoder_lens=None,
+                 forward_mode=cap.forward_mode, spec_info=cap.spec_info)
         out.update({("capture", s): uc.fields(b.forward_metadata) for s, b in steps})
         if multi:
             be.init_forward_metadata_replay_cuda_graph(rep, bs)
         else:
-            be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
-                                                       rep.forward_mode, rep.spec_info, rep.seq_lens_cpu,
-                                                       rep.out_cache_loc)
+            call(be.init_forward_metadata_replay_cuda_graph, bs=bs, req_pool_indices=rep.req_pool_indices,
+                 seq_lens=rep.seq_lens, seq_lens_sum=rep.seq_lens_sum, encoder_lens=None,
+                 forward_mode=rep.forward_mode, spec_info=rep.spec_info, seq_lens_cpu=rep.seq_lens_cpu,
+                 out_cache_loc=rep.out_cache_loc)
         out.update({("replay", s): uc.fields(b.forward_metadata) for s, b in steps})
         return out

@@ -1,5 +1,7 @@
-"""SGLang 0.5.23 (worker subprocess only): capture = ``init_forward_metadata_out_graph(fb,
-in_capture=True)`` then ``init_forward_metadata_in_graph(fb)`` (the part a graph records);
+"""The graph-hooks adapter (worker subprocess only; written against SGLang 0.5.23, chosen for any
+code whose shape has these hooks, :func:`refspec.conformance.install.detect`): capture =
+``init_forward_metadata_out_graph(fb, in_capture=True)``
+then ``init_forward_metadata_in_graph(fb)`` (the part a graph records);
 replay = ``init_forward_metadata_out_graph(fb)`` then the in-graph part again (a graph replay
 re-runs it).  ``DRAFT_EXTEND`` (v1) no longer exists in this release.
 
@@ -18,51 +20,73 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from refspec.conformance import upstream_common as uc
+from refspec.conformance.upstream_0512 import _server_args, call
 
-MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle")
 
 
 class Upstream:
-    def __init__(self, site: str):
+    def __init__(self, site: str, shape):
+        import importlib
+
         uc.prepare(site)
-        import sglang.kernels.ops.attention.metadata as kmeta
         import sglang.srt.layers.attention.flashattention_backend as fa
+        import sglang.srt.runtime_context as runtime_context
+        import sglang.srt.server_args as server_args
         from sglang.srt.configs.model_config import AttentionArch
-        from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.runtime_context import get_context
+        try:  # 0.5.20 on; older graph-hook releases read model_runner.server_args and build no translator
+            from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+        except ImportError:
+            KVIndexTranslator = None
 
         from refspec.conformance.upstream_tree import TreeUpstream
 
         self.fa, self.FM = fa, ForwardMode
-        self.tree = TreeUpstream(self)  # imports upstream's tree code before the stubs are armed
+        # imports upstream's tree code before the stubs are armed
+        self.tree = TreeUpstream(self) if shape.own_tree else None
+        kmeta = importlib.import_module(uc.module_name(shape.kernels)) if shape.kernels else None
         uc.finish_imports()
         self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
-        self.translator, self.context = KVIndexTranslator, get_context
+        self.translator = KVIndexTranslator
+        ctx = runtime_context.get_context()
+        self.context = runtime_context.get_context if hasattr(ctx, "override_server_args") else None
+        self.ServerArgs = server_args.ServerArgs
+        self.publish = getattr(server_args, "set_global_server_args_for_scheduler", lambda sa: None)
         self.kernels = {n: uc.interpreted(getattr(kmeta, n)) for n in
-                        ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel")}
+                        ("_fused_decode_metadata_kernel", "_draft_extend_metadata_kernel") if hasattr(kmeta, n)}
 
     def info(self) -> dict:
-        return {"replay kernels in Triton's interpreter": self.kernels, **self.tree.info()}
+        return {"replay kernels in Triton's interpreter": self.kernels, **(self.tree.info() if self.tree else {})}
 
-    def _runner(self, R, P: int, ctx: int, draft: bool):
+    def _runner(self, R, P: int, ctx: int, draft: bool, sa=None):
+        """The model-runner namespace; ``sa``: the ServerArgs of a release that reads
+        ``model_runner.server_args`` (no ``runtime_context`` override), else None."""
         pool = uc.KVPoolStub()
         rows = NS(req_to_token=R, size=R.shape[0] - 1)
-        return NS(sliding_window_size=None, model_config=uc.model_config(ctx, self.arch.MHA), device="cpu",
-                  req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
-                  page_size=P, is_draft_worker=draft, attention_chunk_size=None,
-                  kv_index_translator=self.translator(req_to_token=R, token_to_kv_pool_allocator=None,
-                                                      token_to_kv_pool=pool, page_size=P, device="cpu",
-                                                      is_draft_worker=draft))
+        mr = NS(sliding_window_size=None, model_config=uc.model_config(ctx, self.arch.MHA), device="cpu",
+                req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
+                page_size=P, is_draft_worker=draft, attention_chunk_size=None, attn_cp_size=1, tp_size=1,
+                is_hybrid=False)
+        if sa is not None:
+            mr.server_args = sa
+        if self.translator is not None:
+            mr.kv_index_translator = call(self.translator, req_to_token=R, token_to_kv_pool_allocator=None,
+                                          token_to_kv_pool=pool, page_size=P, device="cpu", is_draft_worker=draft)
+        return mr
 
     def run(self, job: dict) -> dict:
         """``{(phase, step): fields}`` for one job (``cases.Job.inputs``); tree jobs: :mod:`upstream_tree`."""
         P, N, Sd, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["mode"]
-        if mode in self.tree.modes:
+        if self.tree is not None and mode in self.tree.modes:
             return self.tree.run(job)
-        override = self.context().override_server_args(
-            page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=Sd,
-            speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        over = dict(page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=Sd,
+                    speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        if self.context is None:  # an older graph-hook release: server args on the model runner, published
+            self.sa = _server_args(self.ServerArgs, **over)
+            self.publish(self.sa)
+            return self._run(job, mode, P, N, Sd)
+        self.sa = None
+        override = self.context().override_server_args(**over)
         override.install()
         try:
             return self._run(job, mode, P, N, Sd)
@@ -70,7 +94,7 @@ class Upstream:
             override.restore()
 
     def _run(self, job, mode, P, N, Sd) -> dict:
-        mr = self._runner(job["req_to_token"], P, job["context_len"], mode in uc.DRAFT_MODES)
+        mr = self._runner(job["req_to_token"], P, job["context_len"], mode in uc.DRAFT_MODES, self.sa)
         multi = mode == "draft_decode"
         be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
             self.fa.FlashAttentionBackend(mr)
@@ -86,7 +110,7 @@ class Upstream:
             be.init_forward_metadata_out_graph(fb, in_capture=phase == "capture")
             be.init_forward_metadata_in_graph(fb)
             out.update({(phase, s): uc.fields(b.forward_metadata) for s, b in steps})
-        if mode == "draft_extend_v2" and be.supports_draft_extend_metadata_staging:
+        if mode == "draft_extend_v2" and getattr(be, "supports_draft_extend_metadata_staging", False):
             out[("replay-staged", None)] = self._staged(mr, job, mode, N)
         return out
 

@@ -22,7 +22,11 @@ from refspec.conformance import stubs
 #: top-level packages imported somewhere on the import chain but never called on this path
 ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq", "tqdm", "IPython", "aiohttp",
           "transformers", "torchvision", "tvm_ffi", "huggingface_hub", "sentencepiece", "safetensors",
-          "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel")
+          "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel",
+          # the server stack older releases import at module level (0.4.6 .. 0.5.x ``srt/utils.py``: fastapi, ...)
+          "fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "outlines", "xgrammar", "llguidance", "decord",
+          "jinja2", "jsonschema", "httpx", "urllib3", "grpc", "grpc_health", "grpc_reflection", "polars", "google",
+          "openai_harmony", "filelock", "vllm")
 #: sglang modules whose class bodies need the real pydantic / openai types; never imported by
 #: the metadata path itself, only pulled in through ``sglang.srt.server_args``'s imports
 REPLACED = ("sglang.srt.entrypoints.openai.protocol", "sglang.srt.parser.reasoning_parser")
@@ -41,13 +45,50 @@ def prepare(site: str) -> None:
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (replay kernels run "
                            "in Triton's interpreter on CPU)")
     stubs.install(ABSENT)
+    _old_release_shims()
     stubs.bare_package("sglang", os.path.join(site, "sglang"))
     for name in REPLACED:
         stubs.replace_module(name)
 
 
+def module_name(rel: str) -> str:
+    """``sglang/kernels/ops/attention/metadata.py`` -> ``sglang.kernels.ops.attention.metadata``."""
+    return rel[:-len(".py")].replace("/", ".")
+
+
+def revert_fix() -> str | None:
+    """Revert the upstream fix named by ``REFSPEC_REVERT_FIX`` (a PR number) the way upstream does it:
+    ``sglang.srt.debug_utils.pr_fix_toggle._revert_pr_fix`` rewrites each patched function's source
+    from its registered YAML edits and swaps its ``__code__`` (what ``SGLANG_DEBUG_REVERT_PR`` does in
+    the scheduler).  Returns the name, or None when none is asked for."""
+    name = os.environ.get("REFSPEC_REVERT_FIX")
+    if not name:
+        return None
+    from sglang.srt.debug_utils.pr_fix_toggle import _revert_pr_fix
+
+    _revert_pr_fix(int(name))
+    return name
+
+
+def _old_release_shims() -> None:
+    """Names older releases read at import time from an older torch / triton than the worker's
+    (never on the metadata path): ``triton.runtime.cache.default_cache_dir`` / ``default_dump_dir``
+    / ``default_override_dir`` (<= 0.4.x ``srt/utils.py``, cache paths) and
+    ``torch._C._cpu._is_amx_tile_supported`` (0.4.9 .. 0.5.x ``cpu_has_amx_support()``, the Intel
+    AMX probe: False here)."""
+    import triton.runtime.cache as cache
+
+    for name in ("cache", "dump", "override"):
+        if not hasattr(cache, f"default_{name}_dir"):
+            setattr(cache, f"default_{name}_dir", lambda n=name: os.path.join(os.path.expanduser("~"), ".triton", n))
+    if not hasattr(torch._C._cpu, "_is_amx_tile_supported"):
+        torch._C._cpu._is_amx_tile_supported = lambda: False
+
+
 def finish_imports() -> None:
-    """Bind the run-time names, then arm the stubs (any later use raises ``StubUsed``)."""
+    """Revert the asked-for upstream fix (:func:`revert_fix`), bind the run-time names, then arm the
+    stubs (any later use raises ``StubUsed``)."""
+    revert_fix()
     for name in KERNEL_NAMES:
         stubs.provide("sgl_kernel.flash_attn", name)
     for dotted, value in RUNTIME_SETTINGS.items():

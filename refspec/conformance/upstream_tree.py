@@ -202,7 +202,9 @@ def run_legacy(up, job: dict, server_args) -> dict:
     which the 0.5.23 jobs check bitwise against upstream's own tree kernel -- in a namespace with
     the fields the metadata path reads (``custom_mask``, ``positions``, ``topk``; for draft decode
     ``is_draft_input``), as the top-k = 1 cases do.  Capture / replay: the legacy
-    ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks.
+    ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks.  An error in the
+    replay hook is that phase's result (the error text, as the worker reports a failed job), so
+    the same job's eager and capture results are still compared.
     """
     P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
     up.publish(server_args)
@@ -211,7 +213,7 @@ def run_legacy(up, job: dict, server_args) -> dict:
     mr = uc.NS(server_args=server_args, sliding_window_size=None,
                model_config=uc.model_config(job["context_len"], up.arch.MHA), device="cpu", req_to_token_pool=rows,
                token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None, page_size=P, attn_cp_size=1, tp_size=1,
-               attention_chunk_size=None)
+               attention_chunk_size=None, is_hybrid=False)
     draft = mode == "tree_draft_decode"
     FM = up.FM["DECODE" if draft else "TARGET_VERIFY"]
 
@@ -241,10 +243,16 @@ def run_legacy(up, job: dict, server_args) -> dict:
     else:
         be.init_forward_metadata_capture_cuda_graph(bs, T, cap.req_pool_indices, cap.seq_lens, None, FM, cap.spec_info)
     out.update({("capture", s): TreeUpstream.parts(b) for s, b in steps})
-    if draft:
-        be.init_forward_metadata_replay_cuda_graph(rep, bs)
-    else:
-        be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None, FM,
-                                                   rep.spec_info, rep.seq_lens_cpu, rep.out_cache_loc)
+    try:
+        if draft:
+            be.init_forward_metadata_replay_cuda_graph(rep, bs)
+        else:
+            be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
+                                                       FM, rep.spec_info, rep.seq_lens_cpu, rep.out_cache_loc)
+    except Exception as e:  # noqa: BLE001 -- the replay's own error; eager and capture results stand
+        from refspec.conformance.worker import describe
+
+        out.update({("replay", s): describe(e) for s, _ in steps})
+        return out
     out.update({("replay", s): TreeUpstream.parts(b) for s, b in steps})
     return out

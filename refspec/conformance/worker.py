@@ -1,11 +1,14 @@
-"""``python -m refspec.conformance.worker PIN JOBS OUT``: run upstream on the jobs, save results.
+"""``python -m refspec.conformance.worker LABEL JOBS OUT``: run upstream on the jobs, save results.
 
-Started by :func:`refspec.conformance.run.run_pin` in a subprocess whose ``PYTHONPATH`` is the
-pin's install directory, the shared dependency directory and the repository (for this package
-only), with ``TRITON_INTERPRET=1``.  ``JOBS`` is a ``torch.save`` of ``[(job id, inputs)]``;
-``OUT`` receives ``{"results": {job id: {(phase, step): fields} | "error text"}, "info": ...}``.
-A job whose upstream call raises (a stub used at run time included) is reported with the
-exception, never as a result.
+Started by :func:`refspec.conformance.run.run_worker` in a subprocess whose ``PYTHONPATH`` is the
+target's folder holding ``sglang/``, the shared dependency directory and the repository (for this
+package only), with ``TRITON_INTERPRET=1``.  ``REFSPEC_SHAPE`` carries the target's
+:class:`refspec.conformance.install.Shape` (JSON): its ``adapter`` is the module that drives
+this code.  ``REFSPEC_REVERT_FIX`` (optional) names an upstream fix toggle to revert
+(:func:`refspec.conformance.upstream_common.finish_imports`).  ``JOBS`` is a ``torch.save`` of
+``[(job id, inputs)]``; ``OUT`` receives ``{"results": {job id: {(phase, step): fields} |
+"error text"}, "info": ...}``.  A job whose upstream call raises (a stub used at run time
+included) is reported with the exception, never as a result.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -21,24 +24,32 @@ import traceback
 
 import torch
 
-ADAPTERS = {"0.5.23": "refspec.conformance.upstream_0523", "0.5.12.post1": "refspec.conformance.upstream_0512"}
-
 
 def _where(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "sglang" in f.filename] or \
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/sglang/" in f.filename] or \
         traceback.extract_tb(exc.__traceback__)
     f = frames[-1]
-    return f"{f.filename.split('site-packages/')[-1].split('/.conformance/')[-1]}:{f.lineno}"
+    name = f.filename
+    i = name.rfind("/sglang/")
+    return f"{name[i + 1:] if i >= 0 else name}:{f.lineno}"
+
+
+def describe(exc: BaseException) -> str:
+    """``Type at file:line: message`` of an upstream exception (the text a result row carries)."""
+    return f"{type(exc).__name__} at {_where(exc)}: {exc}"
 
 
 def main(argv: list[str]) -> int:
-    pin, jobs_path, out_path = argv
+    from refspec.conformance.install import Shape
+
+    label, jobs_path, out_path = argv
+    shape = Shape.from_json(os.environ["REFSPEC_SHAPE"])
     spec = importlib.util.find_spec("sglang")
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"sglang {pin} is not on this worker's path (PYTHONPATH={os.environ.get('PYTHONPATH')})")
+        raise RuntimeError(f"sglang {label} is not on this worker's path (PYTHONPATH={os.environ.get('PYTHONPATH')})")
     site = os.path.dirname(os.path.dirname(spec.origin))
     t0 = time.perf_counter()
-    up = importlib.import_module(ADAPTERS[pin]).Upstream(site)
+    up = importlib.import_module(shape.adapter).Upstream(site, shape)
     t_import = time.perf_counter() - t0
     from refspec.conformance import stubs
 
@@ -47,7 +58,7 @@ def main(argv: list[str]) -> int:
         try:
             results[job_id] = up.run(inputs)
         except Exception as e:  # noqa: BLE001 -- reported per job; the comparison counts it as an error
-            results[job_id] = f"{type(e).__name__} at {_where(e)}: {e}"
+            results[job_id] = describe(e)
     info = dict(up.info(), site=site, import_s=round(t_import, 1), run_s=round(time.perf_counter() - t0 - t_import, 1),
                 placeholders=len(stubs.handed_out()))
     torch.save({"results": results, "info": info}, out_path)

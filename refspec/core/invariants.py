@@ -34,6 +34,15 @@ SPEC_TREE, EAGLE_WORKER = "kernels/ops/speculative/spec_tree.py", "srt/speculati
 EWC = "srt/speculative/eagle_worker_common.py"
 
 
+#: the one context-wall defect (CG-008 and PA-003: one level, cross-referenced)
+CONTEXT_WALL = ("at the context wall: v0.5.5 to v0.5.23 size the CUDA-graph page tables "
+                 "from context_len, narrower than the req_to_token rows, so a request near the limit replays "
+                 "without its last live page (context 64, P = 16, L = 61: K = 65 needs 5 pages, the table has 4; "
+                 "python -m refspec conformance shows it as the known upstream bug context-wall-page-table at "
+                 "v0.5.12.post1 and v0.5.23). Open fix: sglang#35985 (#29665, the same change, was closed). One "
+                 "defect: CG-008 is the graph-buffer form of PA-003")
+
+
 def _fb(line: int, symbol: str, version: str = V55):
     return sgl(FA3B, version, line, symbol)
 
@@ -46,7 +55,9 @@ RULES: dict[str, Rule] = {
                    (_fb(645, "FlashAttentionBackend.init_forward_metadata"), commit("188f0955f", 5318),
                     pr(5090, "pre-fix")), ALL, BOTH),
     "PA-003": Rule("page_table has at least ceil(K_b / P) columns for every request", K,
-                   (fa3("flash_api.cpp", 768, "mha_fwd"), doc(FACTS, "page-table-columns"))),
+                   (fa3("flash_api.cpp", 768, "mha_fwd"), doc(FACTS, "page-table-columns"),
+                    external("sglang#35985", "https://github.com/sgl-project/sglang/pull/35985")),
+                   violated_by=CONTEXT_WALL),
     "PA-004": Rule("bottom-right causal: query row i of request b sees key p iff p <= i + K_b - q_b", K,
                    (fa3("flash_attn_interface.py", 998, "flash_attn_with_kvcache"), doc(FACTS, "measured-semantics"))),
     "PA-005": Rule("a query row with no visible key outputs exactly 0", K, (doc(FACTS, "measured-semantics"),)),
@@ -150,12 +161,11 @@ RULES: dict[str, Rule] = {
                    ALL, BOTH),
     "CG-007": Rule("replay picks the smallest captured batch size >= the live batch; larger batches run eagerly", U,
                    (sgl("srt/model_executor/cuda_graph_runner.py", V55, 756, "CudaGraphRunner.replay_prepare"),), ALL),
-    "CG-008": Rule("page-table buffers are sized from req_to_token.shape[1]; replay checks the pages fit", H,
+    "CG-008": Rule("page-table buffers are sized from req_to_token.shape[1]; replay checks the pages fit", K,
                    (_fb(1245, "FlashAttentionBackend.init_cuda_graph_state"),
                     sgl(FA3B, NEW, 2432, "FlashAttentionBackend.init_cuda_graph_state"),
-                    pr(29665, "closed"), external("sglang#35985", "https://github.com/sgl-project/sglang/issues/35985")),
-                   upstream="the graph page tables have ceil(context_len / P) columns, narrower than req_to_token rows "
-                            "(context_len + 4 + N); #29665 proposed sizing from req_to_token and was closed"),
+                    pr(29665, "closed"), pr(35985, "open"), doc(FACTS, "page-table-columns")),
+                   conformance=BOTH, violated_by=CONTEXT_WALL),
     "CG-009": Rule("real-row outputs do not depend on the padded batch size", H,
                    (doc(FACTS, "split-kv-and-graph-replay"),),
                    upstream="no such promise: FA3's split-KV heuristic sees the padded batch, so on a GPU real rows "
@@ -246,7 +256,9 @@ RULES: dict[str, Rule] = {
                     sgl(SPEC_UTILS, OLD, 411, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
     "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
                    "columns) equals eager", U,
-                   (pr(25077, "fix"), pr(27360, "slice at the graph call site"), pr(15469)), (NEW,), BOTH),
+                   (pr(25077, "the bug family"), pr(27360, "the fix: the slice at the graph call site"),
+                    sgl("srt/debug_utils/pr_fix_toggle.py", NEW, 76, "_PR_REVERT_YAML_27360"), pr(15469)),
+                   (NEW,), BOTH),
     "TR-019": Rule("lossless FA3 tree loop: production top-k loop == plain greedy == the oracle tree loop, every "
                    "page freed", U,
                    (sgl(EAGLE_WORKER, OLD, 935, "EAGLEWorker.verify"),)),

@@ -77,7 +77,9 @@ class Rule:
     (empty for a kernel contract or a pure refspec policy). ``conformance``: the pinned releases
     at which ``python -m refspec conformance`` compares the rule's fields with upstream.
     ``upstream``: for a hardening rule, what SGLang does instead (required); for an upstream rule,
-    how older SGLang versions differed (optional).
+    how older SGLang versions differed (optional).  ``violated_by``: released SGLang code that
+    breaks the rule -- which releases, the open or merged PR, how the conformance run shows it
+    (``refspec.conformance.known.BUGS``); quoting the rule against that code is a bug report.
     """
 
     title: str
@@ -86,6 +88,7 @@ class Rule:
     versions: tuple[str, ...] = ()
     conformance: tuple[str, ...] = ()
     upstream: str = ""
+    violated_by: str = ""
 
     def __post_init__(self):
         if not isinstance(self.level, Level):
@@ -94,6 +97,9 @@ class Rule:
             raise ValueError(f"rule {self.title!r} has no source")
         if self.level is Level.HARDENING and not self.upstream:
             raise ValueError(f"hardening rule {self.title!r} must say what upstream does (Rule.upstream)")
+        if self.level is Level.HARDENING and self.violated_by:
+            raise ValueError(f"hardening rule {self.title!r}: code that breaks a rule SGLang does not promise is "
+                             "not a bug; a rule released code violates is a kernel contract or upstream rule")
 
 
 # ---------------------------------------------------------------- link builders

@@ -23,8 +23,8 @@ draft decode s    q = k rows, K = L - lp        K = s + 1 + lp; table: P = 1 the
 Upstream: ``python/sglang/srt/layers/attention/flashattention_backend.py``,
 ``FlashAttentionBackend.init_forward_metadata`` (the ``topk > 1`` branches of draft decode and
 TARGET_VERIFY) and the module function ``draft_decode_set_expand_metadata``; P > 1 added by
-sgl-project/sglang#7725, the unique-consecutive expand table by #15469 (its replay slice: #25077,
-#27360).  Each rule below is one named function: the seams a reviewer cites and a wrong
+sgl-project/sglang#7725, the unique-consecutive expand table by #15469 (its replay slice: #27360, the
+fix of the #25077 family).  Each rule below is one named function: the seams a reviewer cites and a wrong
 variant (:mod:`refspec.mutants.tree_variants`) replaces.
 
 Shapes: B requests, k = topk, N = num_draft_tokens, S = speculative_num_steps, P = page size.

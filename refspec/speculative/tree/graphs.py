@@ -17,7 +17,8 @@ rule's metadata for the padded batch with the eager functions of
 :mod:`refspec.fa3.tree_metadata` and *writes it into* the captured buffers (CG-001), except
 the draft expand table, which replay fills the way upstream's ``_apply_cuda_graph_metadata``
 does: ``draft_decode_set_expand_metadata`` on ``cache_loc[:, :s+1]`` into the ``s + 2``-wide
-buffer (sgl-project/sglang#25077: unsliced, its ``scatter_`` writes past the buffer).  The draft
+buffer (unsliced, as at 0.5.12.post1 before sgl-project/sglang#27360's slice, its ``scatter_``
+writes past the buffer: the #25077 family).  The draft
 extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2 DRAFT_EXTEND_V2
 at N rows (:func:`capture_tree_graphs`).
 """

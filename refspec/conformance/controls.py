@@ -1,0 +1,139 @@
+"""Known upstream bugs as negative controls against real upstream code.
+
+Each :class:`Control` runs the same jobs on two pieces of upstream code: one that has the bug
+(a release, or a release with a stored PR diff applied: :mod:`refspec.conformance.patches`)
+and one that fixed it.  The control holds when the buggy code FAILS -- DIFFERS or an upstream
+ERROR, in exactly the (mode, phase) pairs listed, every failing row naming the rule of its
+:data:`refspec.conformance.known.BUGS` entry -- and the fixed code PASSES (every row identical
+or documented).  refspec's side is the same production code in both runs (no variant): only
+upstream's code changes.
+
+``tests/test_conformance_controls.py`` pins every control (``make conformance``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from refspec.conformance import cases, install, known, patches, report, tree_cases
+from refspec.conformance.run import run_worker, rows_for
+
+
+@dataclass(frozen=True)
+class Code:
+    """Upstream code: release ``pin`` with stored ``patches`` applied in order."""
+
+    pin: str
+    patches: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return known.patched(self.pin, *self.patches)
+
+    def target(self, root: str | None = None, log=print) -> install.Target:
+        """The release resolved (installed if missing); with patches, a patched copy of it driven as a
+        source tree (its links point at the local files, not the release tag), labelled :attr:`label`."""
+        t = install.resolve(self.pin, root, log)
+        if not self.patches:
+            return t
+        tree = install.resolve(patches.patched_copy(t.site, self.patches, log=log), root, log)
+        return replace(tree, label=self.label, version=self.pin)
+
+
+@dataclass(frozen=True)
+class Control:
+    key: str  #: the :data:`known.BUGS` entry
+    buggy: Code
+    fixed: Code
+    jobs: Callable[[install.Target], list[cases.Job]]
+    fails: frozenset  #: the (mode, phase) pairs that must fail on the buggy code
+
+    @property
+    def bug(self) -> known.Bug:
+        return next(b for b in known.BUGS if b.key == self.key)
+
+
+def _wall(t: install.Target) -> list[cases.Job]:
+    w = cases.WALL
+    return cases.build_jobs(("verify", "draft_extend_v2"), (w["page_size"],), ("B3/bs4",), seed=1000,
+                            staged=t.shape.staged, context_len=w["context_len"], extra=4 + cases.N, lens=w["lens"],
+                            tag="wall")
+
+
+def _long_tree(t: install.Target) -> list[cases.Job]:
+    return tree_cases.build_jobs(("tree_draft_decode",), (2,), (2,), num_steps=(6,))
+
+
+def _de_v2(t: install.Target) -> list[cases.Job]:
+    return cases.build_jobs(("draft_extend_v2",), (1, 4), ("B3/bs4",), staged=t.shape.staged)
+
+
+NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
+CONTROLS: tuple[Control, ...] = (
+    Control("context-wall-page-table", NEW, Code("0.5.23", ("pr35985-page-table-width",)), _wall,
+            frozenset({("verify", "capture"), ("verify", "replay"), ("draft_extend_v2", "capture"),
+                       ("draft_extend_v2", "replay"), ("draft_extend_v2", "replay-staged")})),
+    Control("draft-expand-unsliced-scatter", OLD, NEW, _long_tree, frozenset({("tree_draft_decode", "replay")})),
+    Control("draft-extend-v2-double-count", Code("0.5.23", ("pr26512-draft-extend-v2-double-count",)), NEW, _de_v2,
+            frozenset({("draft_extend_v2", "eager")})),
+)
+
+
+@dataclass
+class Result:
+    control: Control
+    buggy: list[report.Row]
+    fixed: list[report.Row]
+
+    def failing(self, rows) -> set[tuple[str, str]]:
+        return {(r.mode, r.phase) for r in rows if not r.ok}
+
+    def problems(self) -> list[str]:
+        """Why the control does not hold (empty: it holds)."""
+        c, out = self.control, []
+        got = self.failing(self.buggy)
+        if got != set(c.fails):
+            out.append(f"{c.buggy.label}: failing (mode, phase) {sorted(got)}, expected {sorted(c.fails)}")
+        unnamed = [f"{r.job} {r.phase}" for r in self.buggy if not r.ok and r.bug != c.key]
+        if unnamed:
+            out.append(f"{c.buggy.label}: rows failing without the {c.key} ({c.bug.rule}) attribution: {unnamed}")
+        bad = [f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}") for r in self.fixed if not r.ok]
+        if bad:
+            out.append(f"{c.fixed.label}: must pass, fails at {bad}")
+        return out
+
+
+def run_controls(controls=CONTROLS, root: str | None = None, log=print, workers: int = 2) -> list[Result]:
+    """Run every control; one upstream worker per distinct code (``workers`` at a time)."""
+    codes = list(dict.fromkeys(code for c in controls for code in (c.buggy, c.fixed)))
+    tgts = {code: code.target(root, log) for code in codes}
+    want: dict[Code, list[cases.Job]] = {code: [] for code in codes}
+    for c in controls:
+        for code in (c.buggy, c.fixed):
+            have = {j.id for j in want[code]}
+            want[code] += [j for j in c.jobs(tgts[code]) if j.id not in have]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {code: pool.submit(run_worker, tgts[code], jobs) for code, jobs in want.items()}
+        rows = {code: rows_for(tgts[code], want[code], futures[code].result()[0]) for code in codes}
+    out = []
+    for c in controls:
+        ids = {j.id for j in c.jobs(tgts[c.buggy])}, {j.id for j in c.jobs(tgts[c.fixed])}
+        out.append(Result(c, [r for r in rows[c.buggy] if r.job in ids[0]],
+                          [r for r in rows[c.fixed] if r.job in ids[1]]))
+    return out
+
+
+def render(results: list[Result]) -> str:
+    """One paragraph per control: verdict, rule, both codes, the buggy code's failing rows."""
+    lines = []
+    for res in results:
+        c, b = res.control, res.control.bug
+        verdict = "holds" if not res.problems() else "DOES NOT HOLD"
+        lines.append(f"== control {c.key} [{b.rule}]: {verdict}: fails on {c.buggy.label} "
+                     f"({len([r for r in res.buggy if not r.ok])} rows), passes on {c.fixed.label} "
+                     f"({len([r for r in res.fixed if not r.ok])} failing of {len(res.fixed)})")
+        lines += [f"   {p}" for p in res.problems()]
+        lines.append(report.table(res.buggy, c.buggy.label))
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""Which rule a conformance difference breaks, and where the code under test produced the field.
+
+:func:`rule_for` maps a compared field of a (mode, phase) to the invariant that governs it
+(``docs/spec/metadata.md``, ``graphs.md``, ``paging-attention.md``, ``tree.md``); its level is the
+catalogue's (:data:`refspec.core.invariants.RULES`, read at run time).  :func:`locate` reads the
+installed upstream file and returns the line of the function that builds that (mode, phase) where
+the field is written, so a failing row points at the code under test, not at a table.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from functools import lru_cache
+
+from refspec.conformance.compare import base_field
+from refspec.core.invariants import RULES
+
+#: K_b (cache_seqlens) per mode: MD-003's formula, or the mode's own rule
+K_RULE = {"decode": "MD-003", "extend": "MD-003", "extend_prefix": "MD-003", "idle": "MD-003", "verify": "MD-011",
+          "draft_decode": "MD-010", "draft_extend": "MD-003", "draft_extend_v2": "MD-008"}
+#: cu_seqlens_q (q_b) per mode at eager
+Q_RULE = {"verify": "MD-011", "draft_decode": "MD-010", "draft_extend": "MD-009"}
+#: cu_seqlens_q at capture / replay
+Q_GRAPH_RULE = {"draft_extend": "CG-003", "draft_extend_v2": "CG-004"}
+TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "TR-003", "retrive_next_token": "TR-003",
+             "retrive_next_sibling": "TR-003", "draft_tokens": "TR-002", "parent_list": "TR-002",
+             "top_scores_index": "TR-002", "out_cache_loc": "TR-015", "tail_copy": "TR-015"}
+GRAPH_PHASES = ("capture", "replay", "replay-staged")
+
+
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False) -> str:
+    """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
+    in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
+    ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
+    defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID)."""
+    graph = phase in GRAPH_PHASES
+    if mode.startswith("tree_"):
+        part, _, f = (field or "").rpartition(":")
+        if part == "tree":
+            return TREE_PART.get(f, "TR-016")
+        if short_table:
+            return "CG-008" if graph else "PA-003"
+        if graph or field is None:
+            return "TR-018" if graph else {"tree_verify": "TR-010", "tree_draft_decode": "TR-013"}[mode]
+        verify = mode == "tree_verify"
+        return ("TR-011" if verify else "TR-014") if part == "expand" else ("TR-010" if verify else "TR-013")
+    if field is None:
+        return Q_GRAPH_RULE.get(mode, "CG-002") if graph else K_RULE.get(mode, "MD-003")
+    f = base_field(field)
+    if f == "page_table[live]":
+        return ("CG-008" if graph else "PA-003") if short_table else "PA-002"
+    if f == "page_table[dead]":
+        return "MD-007"
+    if f == "cache_seqlens_int32":
+        return K_RULE.get(mode, "MD-003")
+    if f == "cu_seqlens_q":
+        return Q_GRAPH_RULE.get(mode, "CG-002") if graph else Q_RULE.get(mode, "MD-002")
+    if f == "max_seq_len_q":
+        return "CG-006" if graph else "PA-010"
+    if f in ("cu_seqlens_k", "max_seq_len_k"):
+        return "MD-006"
+    return "CG-002" if graph else "MD-003"
+
+
+def level(rule: str) -> str:
+    """The rule's conformance level, as the catalogue states it now (e.g. ``upstream behaviour``)."""
+    return str(RULES[rule].level)
+
+
+FA = "sglang/srt/layers/attention/flashattention_backend.py"
+#: the functions that build each phase's metadata, in the order they run (graph / legacy hooks)
+PHASE_FUNCS = {
+    ("graph", "eager"): ("FlashAttentionBackend.init_forward_metadata",),
+    ("graph", "capture"): ("FlashAttentionBackend.init_forward_metadata_out_graph",
+                           "FlashAttentionBackend._init_full_cg_decode_metadata",
+                           "FlashAttentionBackend._bind_metadata_buffers",
+                           "FlashAttentionBackend.init_cuda_graph_state"),
+    ("graph", "replay"): ("FlashAttentionBackend._apply_cuda_graph_metadata",
+                          "FlashAttentionBackend._set_decode_page_metadata",
+                          "FlashAttentionBackend.init_forward_metadata_in_graph",
+                          "FlashAttentionBackend.init_forward_metadata_out_graph",
+                          "normal_decode_set_metadata", "draft_extend_set_metadata", "_fused_decode_metadata_kernel",
+                          "_draft_extend_metadata_kernel"),
+    ("graph", "replay-staged"): ("FlashAttentionBackend.stage_draft_extend_metadata",
+                                 "FlashAttentionBackend.init_forward_metadata_in_graph", "draft_extend_set_metadata",
+                                 "_draft_extend_metadata_kernel"),
+    ("legacy", "eager"): ("FlashAttentionBackend.init_forward_metadata",),
+    ("legacy", "capture"): ("FlashAttentionBackend.init_forward_metadata_capture_cuda_graph",
+                            "FlashAttentionBackend.init_cuda_graph_state"),
+    ("legacy", "replay"): ("FlashAttentionBackend.init_forward_metadata_replay_cuda_graph",
+                           "normal_decode_set_metadata", "_fused_metadata_kernel_general",
+                           "_fused_metadata_kernel_ps1_no_swa"),
+}
+#: the branch of a function that handles each mode (the first matching line after the def)
+MODE_BRANCH = {"decode": r"is_decode_or_idle\(", "draft_decode": r"is_decode_or_idle\(", "idle": r"is_decode_or_idle\(",
+               "verify": r"is_target_verify\(", "tree_verify": r"is_target_verify\(",
+               "tree_draft_decode": r"is_decode_or_idle\(", "draft_extend": r"is_draft_extend\(",
+               "draft_extend_v2": r"is_draft_extend_v2\(|is_draft_extend\(", "extend": r"is_extend",
+               "extend_prefix": r"is_extend"}
+#: the name a field is written under (metadata attribute, kernel pointer)
+FIELD_NAMES = {"cache_seqlens_int32": "cache_seqlens", "page_table[live]": "page_table",
+               "page_table[dead]": "page_table", "max_seq_len_q": "max_seq_len_q", "max_seq_len_k": "max_seq_len_k",
+               "cu_seqlens_q": "cu_seqlens_q", "cu_seqlens_k": "cu_seqlens_k"}
+
+
+@lru_cache(maxsize=64)
+def _functions(path: str) -> dict[str, tuple[int, int]]:
+    """``{qualified name: (first line, last line)}`` of a module's top-level functions and methods."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = (node.lineno, node.end_lineno)
+        elif isinstance(node, ast.ClassDef):
+            for m in node.body:
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out[f"{node.name}.{m.name}"] = (m.lineno, m.end_lineno)
+    return out
+
+
+@lru_cache(maxsize=64)
+def _lines(path: str) -> tuple[str, ...]:
+    with open(path, encoding="utf-8") as f:
+        return tuple(f.read().splitlines())
+
+
+def _writes(name: str, expand: bool) -> re.Pattern:
+    obj = r"metadata_expand\." if expand else r""
+    return re.compile(rf"{obj}\b{name}\w*\b(\[[^\]]*\])?\s*(=(?!=)|\.copy_\(|\.fill_\(|\+=|-=)|tl\.store\(\s*{name}")
+
+
+def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
+           ) -> tuple[str, int] | None:
+    """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
+    ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
+    order they run), or the def line of the phase's first function; None if none is found."""
+    part, _, f = (field or "").rpartition(":")
+    name = FIELD_NAMES.get(f)
+    pat = _writes(name, part == "expand") if name else None
+    branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
+    fallback = None
+    for func in PHASE_FUNCS.get((hooks, phase), ()):
+        for rel in files:
+            path = os.path.join(site, rel)
+            if not os.path.exists(path):
+                continue
+            span = _functions(path).get(func)
+            if span is None:
+                continue
+            fallback = fallback or (rel, span[0])
+            if pat is None:
+                return rel, span[0]
+            lines = _lines(path)
+            lo, hi = span[0] - 1, span[1]
+            start = next((i for i in range(lo, hi) if branch.search(lines[i])), lo)
+            for i in (*range(start, hi), *range(lo, start)):
+                if pat.search(lines[i]):
+                    return rel, i + 1
+    return fallback
+
+
+def link(target, rel: str, line: int) -> str:
+    """A permalink at the release tag for a release, else ``<absolute file>:<line>``."""
+    if target is not None and getattr(target, "tag", None):
+        return f"https://github.com/sgl-project/sglang/blob/{target.tag}/python/{rel}#L{line}"
+    site = target.site if target is not None else ""
+    return f"{os.path.join(site, rel)}:{line}"

@@ -1,0 +1,131 @@
+"""``--sglang SPEC`` against real upstream code (marker ``conformance``: ``make conformance``).
+
+Each SPEC form resolves to the same code and the same result (a release, its wheel file, its
+files laid out as a source tree); the shape read from each pinned release picks its adapter;
+``--revert-fix 27360`` (upstream's own toggle, ``pr_fix_toggle.py``) changes what 0.5.23 does;
+a failing row carries a rule ID, its level, and an upstream line that exists in the installed
+file; a selection with no case is exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refspec.conformance import install, report, run, sweep
+from refspec.core.invariants import RULES
+
+pytestmark = pytest.mark.conformance
+REPO = Path(__file__).resolve().parent.parent
+SMALL = {"page_sizes": (4,), "modes": ("decode", "draft_extend_v2"), "log": lambda *_: None}
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def new():
+    return install.resolve("0.5.23", log=quiet)
+
+
+def test_the_pinned_releases_shapes_pick_their_adapters_from_the_code():
+    new, old = (install.resolve(p, log=quiet) for p in install.PINS)
+    assert (new.shape.hooks, new.shape.adapter) == ("graph", "refspec.conformance.upstream_0523")
+    assert (old.shape.hooks, old.shape.adapter) == ("legacy", "refspec.conformance.upstream_0512")
+    assert not new.shape.draft_extend_v1 and old.shape.draft_extend_v1
+    assert new.shape.staged and new.shape.own_tree and not old.shape.staged and not old.shape.own_tree
+    assert new.shape.kernels == "sglang/kernels/ops/attention/metadata.py"
+    assert old.shape.kernels == install.FA  # the fused Triton kernels still inside the backend file
+    assert "27360" in new.shape.toggles and not old.shape.toggles
+    assert new.tag == "v0.5.23" and new.label == "0.5.23"
+
+
+def test_a_source_tree_and_a_wheel_file_run_the_same_code_as_the_release(new, tmp_path):
+    """The installed 0.5.23 laid out as a checkout (``python/sglang``, linked: nothing copied), and
+    the release's wheel file: same shape, same rows as the release."""
+    (tmp_path / "co" / "python").mkdir(parents=True)
+    os.symlink(os.path.join(new.site, "sglang"), tmp_path / "co" / "python" / "sglang")
+    tree = install.resolve(str(tmp_path / "co"), log=quiet)
+    assert tree.kind == "tree" and tree.site == str(tmp_path / "co" / "python") and tree.tag is None
+    assert tree.shape == new.shape
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "sglang==0.5.23", "-d",
+                    str(wheels)], check=True, capture_output=True)
+    (whl,) = wheels.glob("*.whl")
+    wheel = install.resolve(str(whl), log=quiet)  # into .conformance/wheel-<sha256[:16]>, kept for the next run
+    assert wheel.kind == "wheel" and wheel.version == "0.5.23" and wheel.shape == new.shape
+    assert os.path.basename(wheel.site) == "wheel-" + install._file_hash(str(whl))[:16]
+    assert install.resolve(str(whl), log=quiet).site == wheel.site  # keyed by content: reused
+    outs = [run.run(sglang=[t], **SMALL) for t in (new, tree, wheel)]
+    assert all(o.ok for o in outs), [run.render(o) for o in outs if not o.ok]
+    key = [[(r.job, r.phase, r.step, [d.field for d in r.diffs]) for r in o.rows] for o in outs]
+    assert key[0] == key[1] == key[2] and key[0]
+    assert [r.pin for r in outs[1].rows][0] == f"sglang @ {tmp_path / 'co'}"
+
+
+@pytest.mark.spec("TR-018")
+def test_revert_fix_27360_brings_back_the_unsliced_draft_expand_scatter(new):
+    """``27360`` removes ``cache_loc = cache_loc[:, :decode_length]`` from
+    ``_apply_cuda_graph_metadata`` (upstream's toggle); the backend's own buffer check then raises.
+    The other five toggles of 0.5.23 patch code off this path (the EAGLE v2 worker, the draft graph
+    runner, FlashInfer, req_to_token sizing): they are listed, and not compared here."""
+    sel = {"page_sizes": (4,), "modes": ("tree_draft_decode",), "topks": (2,), "log": quiet}
+    clean = run.run(sglang=["0.5.23"], **sel)
+    assert clean.ok, run.render(clean)
+    reverted = run.run(sglang=["0.5.23"], revert_fix="27360", **sel)
+    assert not reverted.ok and {r.pin for r in reverted.rows} == {"0.5.23 -fix 27360"}
+    found = [f for r in reverted.rows if r.phase == "replay" for f in r.findings]
+    assert found and {f.rule for f in found} == {"TR-018"} and {f.level for f in found} == {str(RULES["TR-018"].level)}
+    assert all("used 3 > capacity 2" in f.theirs and f.where is not None for f in found)
+    targets = new.shape.toggles["27360"]
+    assert targets == ["sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend."
+                       "_apply_cuda_graph_metadata"]
+
+
+@pytest.mark.spec("MD-008")
+def test_a_failing_row_names_the_rule_its_level_and_a_real_upstream_line(new, tmp_path):
+    out = run.run(sglang=[new], variant="de-v2-k-double-count", **SMALL)
+    rows = [r for r in out.rows if not r.ok]
+    assert rows and all(r.findings for r in rows)
+    for r in rows:
+        for f in r.findings:
+            assert f.rule in RULES and f.level == str(RULES[f.rule].level)
+            rel, line = f.where
+            text = Path(new.site, rel).read_text().splitlines()[line - 1]
+            name = "page_table" if "page_table" in f.field else f.field.split(":")[-1].replace("_int32", "")
+            assert name in text or "def " in text, (f, text)
+            assert f.url == f"https://github.com/sgl-project/sglang/blob/v0.5.23/python/{rel}#L{line}"
+    ks = {f.rule for r in rows for f in r.findings if f.field == "cache_seqlens_int32"}
+    assert ks == {"MD-008"}
+    md = report.markdown(out, "python -m refspec conformance --sglang 0.5.23 --variant de-v2-k-double-count")
+    assert "[MD-008](docs/spec/metadata.md#md-008)" in md and "upstream behaviour" in md
+    assert "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/" in md
+
+
+def test_zero_selected_cases_exit_2_with_the_reason():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for args, words in ((["--modes", "draft_extend", "--sglang", "0.5.23"], "ForwardMode has no DRAFT_EXTEND (v1)"),
+                        (["--modes", "idle", "--sglang", "0.5.12.post1"], "not compared on idle")):
+        p = subprocess.run([sys.executable, "-m", "refspec", "conformance", *args], capture_output=True, text=True,
+                           cwd=REPO, env=env, check=False)
+        assert p.returncode == 2 and words in p.stderr and "== OK" not in p.stdout, p.stderr
+
+
+def test_the_sweep_measures_a_release_and_writes_its_row(tmp_path):
+    """One release through the sweep: its cells come from the run, and the doc part is replaced
+    between the markers (the full sweep: ``make sweep``)."""
+    e = sweep.measure("0.5.12.post1", install.default_root(), log=quiet)
+    # 0.5.12.post1 predates #27360's slice: its one failing row at P = 1, 4 is that known upstream bug
+    # (tree draft-decode replay, expand dead columns; it raises at num_steps 6, P = 2: test_conformance_controls)
+    assert e["status"].endswith(", 1 failing") and e["rules"]["CG-003"] == "holds"
+    assert e["rules"]["TR-018"] == "differs: expand:page_table[dead]"
+    doc = tmp_path / "versions.md"
+    doc.write_text(f"# x\n\n{sweep.BEGIN}\nold\n{sweep.END}\n\nafter\n")
+    sweep.write_doc([e], "python -m refspec conformance --sweep", 60.0, str(doc))
+    text = doc.read_text()
+    assert "\nold\n" not in text and text.endswith("after\n") and "| 0.5.12.post1 | legacy hooks" in text
