@@ -8,6 +8,7 @@ from the code under test.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -266,3 +267,16 @@ def test_check_output_reaches_a_pipe_row_by_row(tmp_path):
         p.kill() if p.poll() is None else None
     assert p.returncode == 0, err
     assert rest.strip() == "1 checks: 1 pass, 0 FAIL, 0 skip"
+
+
+
+def test_a_reader_closing_the_pipe_is_not_an_error(monkeypatch, capsys):
+    """``cite --list | head -1``: the reader went away; the command prints no error and exits 0."""
+    from refspec.cli._args import run
+
+    def body(argv):
+        raise BrokenPipeError(32, "Broken pipe")  # what print() raises once the reader has closed stdout
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # the handler points stdout at devnull; restored after
+    assert run(body, [], "refspec cite") == 0
+    assert capsys.readouterr().err == ""

@@ -17,6 +17,7 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import Callable, Sequence
@@ -161,7 +162,8 @@ def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str)
     """Run a command's ``body(argv)`` under the error rules of the module doc.
 
     Returns the exit status: ``body``'s, 2 for a usage error (:class:`CLIError`, a bad file, any
-    other exception: one line on stderr), 1 for an InvariantError that escaped, 130 on Ctrl-C.
+    other exception: one line on stderr), 1 for an InvariantError that escaped, 130 on Ctrl-C, 0
+    when the reader of stdout closed the pipe (``cite --list | head``).
     """
     from refspec.core.invariants import InvariantError
 
@@ -176,6 +178,9 @@ def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str)
             raise
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... | head`: the reader closed the pipe; not an error of the command
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's final flush must not raise again
+        return 0
     except Exception as e:  # noqa: BLE001 - the one place every error becomes one line
         if debug:
             raise
