@@ -235,7 +235,8 @@ def main(root: str | None = None, argv=None, versions: list[str] | None = None, 
             log(f"{v}: {e['status']} ({e['seconds']} s)")
         entries.append(e)
         with open(store, "w") as f:
-            json.dump(entries + [x for k, x in old.items() if k not in vs], f, indent=1)
+            seen = {x["version"] for x in entries}  # keep every stored entry not measured again yet
+            json.dump(entries + [x for k, x in old.items() if k not in seen], f, indent=1)
         sys.stdout.flush()
     spent = sum(e["seconds"] for e in entries)
     write_doc(entries, "python -m refspec conformance --sweep", spent)
