@@ -236,3 +236,17 @@ def test_the_locator_reads_the_line_from_the_code_under_test(tmp_path):
     assert "def init_forward_metadata_out_graph" in (site / rel).read_text().splitlines()[line - 1]
     # none of the phase's functions present: None (never a made-up line)
     assert rules.locate(str(site), (install.FA,), "legacy", "decode", "replay", "cu_seqlens_q") is None
+
+
+def test_an_error_raised_in_refspecs_adapter_is_not_reported_as_a_broken_rule():
+    from refspec.conformance.report import ADAPTER, Row, find, finding_line
+
+    up = Row("x", "tree_verify/k2/P4", "tree_verify", 4, "k2", "eager", None,
+             error="IndexError at sglang/srt/layers/attention/flashattention_backend.py:1977: index 2 is out of bounds")
+    ours = Row("x", "tree_verify/k2/P4", "tree_verify", 4, "k2", "eager", None,
+               error="ValueError at /w/refspec/conformance/upstream_tree.py:115: not enough values to unpack")
+    find(up)
+    find(ours)
+    assert up.findings[0].rule == "TR-010" and up.findings[0].where == (install.FA, 1977)
+    (f,) = ours.findings
+    assert f.rule == ADAPTER and f.where is None and "no rule broken" in finding_line(ours, f)

@@ -14,6 +14,8 @@ from refspec.conformance import rules
 from refspec.conformance.compare import Diff
 from refspec.conformance.known import BUGS, KNOWN, link
 
+#: the "rule" of an error raised in refspec's adapter (upstream_*.py), not in upstream: not a rule broken
+ADAPTER = "ADAPTER"
 #: the refspec spec pages a finding links to (repository-relative)
 SPEC_BASE = "docs/spec"
 
@@ -87,6 +89,10 @@ def find(row: Row, target=None) -> None:
 
     if row.error:
         m = _AT.search(row.error)
+        if m is None and " at " in row.error and "/refspec/conformance/" in row.error.split(":", 1)[0] + row.error:
+            # raised in refspec's own adapter, not in upstream: the code cannot be driven there, no rule is broken
+            row.findings.append(Finding(ADAPTER, "cannot drive", None, "a result", row.error, None, None))
+            return
         w = (m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))) if m else where(None)
         rid = rules.rule_for(row.mode, row.phase, None)
         row.findings.append(Finding(rid, rules.level(rid), None, "a result", row.error, w, url(w)))
@@ -114,6 +120,8 @@ def finding_line(r: Row, f: Finding) -> str:
     upstream .. (upstream sglang/...py:123)``."""
     where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
     at = f" (upstream {f.where[0]}:{f.where[1]})" if f.where else ""
+    if f.rule == ADAPTER:
+        return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
     bug = f" [known upstream bug {r.bug}]" if r.bug else ""
     if f.field is None:
         return f"  ERROR {where}: {f.rule} ({f.level}): {f.theirs}{at}{bug}"
@@ -169,7 +177,14 @@ def markdown(out, command: str = "") -> str:
         by_rule: dict[str, list] = defaultdict(list)
         for r in mine:
             for f in r.findings:
-                by_rule[f.rule].append((r, f))
+                if f.rule != ADAPTER:
+                    by_rule[f.rule].append((r, f))
+        adapter = [(r, f) for r in mine for f in r.findings if f.rule == ADAPTER]
+        if adapter:
+            lines += [f"{len(adapter)} results not compared: refspec's adapter cannot drive this code there "
+                      f"(`{adapter[0][1].theirs[:200]}`); no rule is reported for them.", ""]
+        if not by_rule:
+            continue
         lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
         for rid, items in sorted(by_rule.items()):
             f0 = items[0][1]

@@ -96,8 +96,10 @@ PHASE_FUNCS = {
 #: the branch of a function that handles each mode (the first matching line after the def)
 MODE_BRANCH = {"decode": r"is_decode_or_idle\(", "draft_decode": r"is_decode_or_idle\(", "idle": r"is_decode_or_idle\(",
                "verify": r"is_target_verify\(", "tree_verify": r"is_target_verify\(",
-               "tree_draft_decode": r"is_decode_or_idle\(", "draft_extend": r"is_draft_extend\(",
-               "draft_extend_v2": r"is_draft_extend_v2\(|is_draft_extend\(", "extend": r"is_extend",
+               "tree_draft_decode": r"is_decode_or_idle\(",
+               "draft_extend": r"is_draft_extend\(|is_extend_or_draft_extend",
+               "draft_extend_v2": r"is_draft_extend_v2\(|include_draft_extend_v2=True|is_draft_extend\(",
+               "extend": r"is_extend",
                "extend_prefix": r"is_extend"}
 #: the name a field is written under (metadata attribute, kernel pointer)
 FIELD_NAMES = {"cache_seqlens_int32": "cache_seqlens", "page_table[live]": "page_table",

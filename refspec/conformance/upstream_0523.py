@@ -66,7 +66,7 @@ class Upstream:
         mr = NS(sliding_window_size=None, model_config=uc.model_config(ctx, self.arch.MHA), device="cpu",
                 req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
                 page_size=P, is_draft_worker=draft, attention_chunk_size=None, attn_cp_size=1, tp_size=1,
-                is_hybrid=False)
+                is_hybrid=False, ps=NS(attn_cp_size=1, tp_size=1))  # (0.5.16 on: model_runner.ps.attn_cp_size)
         if sa is not None:
             mr.server_args = sa
         if self.translator is not None:

@@ -26,7 +26,7 @@ ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq",
           # the server stack older releases import at module level (0.4.6 .. 0.5.x ``srt/utils.py``: fastapi, ...)
           "fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "outlines", "xgrammar", "llguidance", "decord",
           "jinja2", "jsonschema", "httpx", "urllib3", "grpc", "grpc_health", "grpc_reflection", "polars", "google",
-          "openai_harmony", "filelock", "vllm")
+          "openai_harmony", "filelock")  # not vllm: a vllm stub breaks the imports of 0.4.x .. 0.5.3
 #: sglang modules whose class bodies need the real pydantic / openai types; never imported by
 #: the metadata path itself, only pulled in through ``sglang.srt.server_args``'s imports
 REPLACED = ("sglang.srt.entrypoints.openai.protocol", "sglang.srt.parser.reasoning_parser")
