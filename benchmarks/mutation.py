@@ -48,6 +48,9 @@ class Module:
 MODULES: tuple[Module, ...] = (
     Module("fa3.validate", "refspec/fa3/validate.py",
            ("tests/test_validate_refuses.py",)),
+    Module("speculative.trace", "refspec/speculative/trace.py", ("tests/test_trace_refuses.py",)),
+    Module("speculative.tree_trace_checks", "refspec/speculative/tree_trace_checks.py",
+           ("tests/test_tree_trace_refuses.py",)),
 )
 
 # Survivors that are equivalent: (module name, the mutated line as mutmut writes it, stripped)
