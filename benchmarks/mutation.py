@@ -57,6 +57,8 @@ MODULES: tuple[Module, ...] = (
 # -> why no test can tell it from the original.  Line text, not numbers: an edit elsewhere in the
 # file keeps the key.
 EQUIVALENT: dict[tuple[str, str], str] = {
+    ("fa3.validate", 'require(-(-Kb / P) <= pt.shape[1], "PA-003",'):
+        "for an integer width w, K / P <= w exactly when ceil(K / P) <= w (the message keeps the ceil)",
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
@@ -126,7 +128,17 @@ def run_module(mod: Module, keep: bool, timeout: float) -> dict:
     d = _scratch(mod, keep)
     t0 = time.monotonic()
     log = d / "mutmut.log"
-    proc = _mutmut(d, "run", "--max-children", "1", timeout=timeout, log=log)
+    # --keep: mutmut keeps its verdicts; the survivors of the last run are run again (against
+    # tests added since: a kill stays a kill when tests are only added)
+    before = _statuses(d, mod) if keep else {}
+    again = [k for k, c in before.items() if status_by_exit_code[c] not in KILLED]
+    if not before or None in before.values():  # a fresh run, or one that did not finish
+        proc = _mutmut(d, "run", "--max-children", "1", timeout=timeout, log=log)
+        again = [k for k in again if before[k] is not None]
+    if again:
+        proc = _mutmut(d, "run", "--max-children", "1", *again, timeout=timeout, log=log)
+    elif before and None not in before.values():
+        proc = subprocess.CompletedProcess([], 0)
     wall = time.monotonic() - t0
     codes = _statuses(d, mod)
     if proc.returncode != 0 or not codes:

@@ -320,3 +320,20 @@ def test_validate_metadata_refuses_a_repeated_row_or_slot():
         validate_metadata(md, fb, kv.req_to_token, 4)
     with raises("MD-012", r"req_pool_indices \[1, 1\] repeat a row"):
         validate_metadata(md, fb.replace(req_pool_indices=torch.tensor([1, 1])), kv.req_to_token, 4)
+
+
+def test_validate_metadata_names_the_real_rows_of_cu_seqlens_k():
+    """With one real request of two the message shows cu_seqlens_k[:2] and K of that request."""
+    kv, fb, md = verify_md()
+    md.cu_seqlens_k = i32([0, 8, 22])
+    with raises("MD-006", r"cu_seqlens_k \[0, 8\] vs K \[9\] \["):
+        validate_metadata(md, fb, kv.req_to_token, 4, num_real=1)
+
+
+def test_validate_metadata_accepts_as_many_keys_as_query_tokens():
+    """A prefill with no prefix: K = q (MD-004 asks K >= q)."""
+    kv, rows = cache((3, 6))
+    fb = B.extend_batch(kv, rows, [0, 0], [3, 6])
+    md = init_forward_metadata(fb, kv.req_to_token, 4)
+    assert md.cache_seqlens_int32.tolist() == [3, 6] and md.cu_seqlens_q.tolist() == [0, 3, 9]
+    validate_metadata(md, fb, kv.req_to_token, 4)
