@@ -279,3 +279,53 @@ def test_load_trace_names_the_file_and_the_problem(tmp_path, fn, msg):
 def test_load_trace_lets_a_missing_file_raise_oserror(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_trace(tmp_path / "none.json")
+
+
+def _result(t, trace=True):
+    from refspec.speculative.metrics import GenerateResult, RequestResult
+    reqs = [RequestResult(r["rid"], list(r["output_ids"]), list(r["num_accept_tokens"]), [],
+                          finish_reason=r["finish_reason"]) for r in t["requests"]]
+    return GenerateResult(reqs, "fa3", "v1", trace=_rounds(t) if trace else None)
+
+
+def test_trace_from_result_writes_the_hand_trace():
+    from refspec.speculative.trace import trace_from_result
+    t = trace()
+    prompts, budgets = [r["prompt_ids"] for r in t["requests"]], [r["max_new_tokens"] for r in t["requests"]]
+    rounds = _rounds(t) + [RoundTrace(3, [], [], [], [], [], [], discarded=[1])]  # an overlap round dropped
+    res = _result(t)
+    res.trace = rounds
+    got = trace_from_result(res, prompts, budgets, t["config"], source={"by": "hand"})
+    assert got == dict(t, source={"by": "hand"})
+    qs = [dict(question_id=81, category="writing", turns=["x"]), dict(question_id=82, category="math")]
+    got = trace_from_result(_result(t), prompts, budgets, t["config"], questions=qs)
+    assert [(r["question_id"], r["category"]) for r in got["requests"]] == [(81, "writing"), (82, "math")]
+    assert "turns" not in got["requests"][0] and got["source"] == {}
+
+
+def test_trace_from_result_refuses_a_run_without_rounds_a_short_config_or_bad_tree_rounds():
+    from refspec.speculative.trace import trace_from_result
+    t = trace()
+    prompts, budgets = [r["prompt_ids"] for r in t["requests"]], [r["max_new_tokens"] for r in t["requests"]]
+    with pytest.raises(ValueError, match=r"^only a production run \(backend 'fa3' / 'paged-oracle'\) has a "):
+        trace_from_result(_result(t, trace=False), prompts, budgets, t["config"])
+    cfg = {k: v for k, v in t["config"].items() if k not in ("eos", "draft")}
+    with pytest.raises(ValueError, match=r"^config lacks \['draft', 'eos'\]$"):
+        trace_from_result(_result(t), prompts, budgets, cfg)
+    with pytest.raises(ValueError, match=r"^2 recorded tree rounds for 3 committed rounds$"):
+        trace_from_result(_result(t), prompts, budgets, t["config"], tree_rounds=[[], []])
+    with pytest.raises(ValueError, match=r"^trace: request 1: 5 output tokens, budget 4"):
+        trace_from_result(_result(t), prompts, [6, 4], t["config"])
+
+
+def test_trace_from_result_with_tree_rounds_writes_a_tree_trace():
+    """Tree rounds make a tree trace (TREE_FORMAT, one ``tree`` list per round), which
+    check_trace then holds to the tree rules: empty entries are refused by name."""
+    from refspec.speculative.trace import trace_from_result
+    t = trace()
+    prompts, budgets = [r["prompt_ids"] for r in t["requests"]], [r["max_new_tokens"] for r in t["requests"]]
+    cfg = dict(t["config"], topk=2, num_draft_tokens=4, num_pages=10)
+    with pytest.raises(ValueError, match=r"^trace: round 0 request 0: tree entry lacks \["):
+        trace_from_result(_result(t), prompts, budgets, cfg, tree_rounds=[[{}, {}], [{}, {}], [{}]])
+    with pytest.raises(ValueError, match=r"^trace: a tree trace needs config topk >= 2"):
+        trace_from_result(_result(t), prompts, budgets, t["config"], tree_rounds=[[{}, {}], [{}, {}], [{}]])
