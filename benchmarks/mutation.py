@@ -59,6 +59,11 @@ MODULES: tuple[Module, ...] = (
 EQUIVALENT: dict[tuple[str, str], str] = {
     ("fa3.validate", 'require(-(-Kb / P) <= pt.shape[1], "PA-003",'):
         "for an integer width w, K / P <= w exactly when ceil(K / P) <= w (the message keeps the ceil)",
+    # make mutation runs on a CPU: the default device is the CPU, where row lives
+    ("fa3.validate", "p = torch.arange(Kb, device=None)"):
+        "on a CPU the default device is row's device (only a CUDA run tells them apart: the gpu tests)",
+    ("fa3.validate", "p = torch.arange(Kb, )"):
+        "on a CPU the default device is row's device (only a CUDA run tells them apart: the gpu tests)",
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
