@@ -228,6 +228,7 @@ def test_dumps_is_json_with_one_request_and_one_round_per_line():
     lines = text.splitlines()
     assert len(lines) == 1 + 1 + 2 + 1 + 1 + 3 + 1
     assert lines[0].startswith('{"format": ') and lines[0].endswith(",")
+    assert '"requests"' not in lines[0] and '"rounds"' not in lines[0]  # each once, on its own lines
     assert lines[1] == ' "requests": [' and lines[5] == ' "rounds": ['
     assert lines[2].startswith('  {"rid":0,') and lines[3].startswith('  {"rid":1,')
     assert lines[4] == " ],"
@@ -237,8 +238,10 @@ def test_dumps_is_json_with_one_request_and_one_round_per_line():
 
 
 def test_save_and_load_round_trip(tmp_path):
-    path = save_trace(trace(), tmp_path / "sub" / "t.json")
-    assert path == tmp_path / "sub" / "t.json"
+    """save_trace makes the missing folders, and saves again into a folder that exists."""
+    path = save_trace(trace(), tmp_path / "a" / "b" / "t.json")
+    assert path == tmp_path / "a" / "b" / "t.json"
+    assert save_trace(trace(), str(tmp_path / "a" / "b" / "u.json")) == tmp_path / "a" / "b" / "u.json"
     assert path.read_text(encoding="utf-8") == dumps(trace())
     assert load_trace(path) == trace()
     assert load_trace(str(path)) == trace()
