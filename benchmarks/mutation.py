@@ -64,6 +64,15 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "on a CPU the default device is row's device (only a CUDA run tells them apart: the gpu tests)",
     ("fa3.validate", "p = torch.arange(Kb, )"):
         "on a CPU the default device is row's device (only a CUDA run tells them apart: the gpu tests)",
+    **{("speculative.trace", line): "dumps is json.dumps text (ensure_ascii: pure ASCII), which every "
+       "ASCII-compatible encoding, the locale's included, writes as the same bytes"
+       for line in ('path.write_text(dumps(trace), encoding=None)', 'path.write_text(dumps(trace), )',
+                    'path.write_text(dumps(trace), encoding="UTF-8")')},
+    ("speculative.trace", 'text = Path(path).read_text(encoding="UTF-8")'): "codec names are case-insensitive",
+    **{("speculative.trace", line): "under a UTF-8 locale (this machine's C.UTF-8, CI's) the default is UTF-8; "
+       "elsewhere a non-ASCII file would tell them apart"
+       for line in ('text = Path(path).read_text(encoding=None)', 'text = Path(path).read_text()',
+                    'text = Path(path).read_text(, )')},
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
