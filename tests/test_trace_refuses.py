@@ -332,3 +332,24 @@ def test_trace_from_result_with_tree_rounds_writes_a_tree_trace():
         trace_from_result(_result(t), prompts, budgets, cfg, tree_rounds=[[{}, {}], [{}, {}], [{}]])
     with pytest.raises(ValueError, match=r"^trace: a tree trace needs config topk >= 2"):
         trace_from_result(_result(t), prompts, budgets, t["config"], tree_rounds=[[{}, {}], [{}, {}], [{}]])
+
+
+def test_check_trace_accepts_v2_and_one_draft_step():
+    check_trace(tampered(lambda t: t["config"].update(version="v2")))
+    one = tampered(lambda t: t["config"].update(num_steps=1))  # Sd = 1: a in [1, 2], request 0's a = 3 is out
+    refused(one, r"^trace: round 1: unknown rid 0 or a = 3 outside \[1, 2\]")
+    for r in one["rounds"]:
+        r["num_accept_tokens"] = [min(a, 2) for a in r["num_accept_tokens"]]
+    one["requests"][0]["num_accept_tokens"] = [2, 2]
+    one["rounds"][1]["seq_lens"] = [5, 3]
+    one["requests"][0]["output_ids"] = [3, 4, 5, 31]
+    check_trace(one)
+
+
+def test_check_trace_of_no_requests_bounds_num_steps_by_1():
+    """No request: the largest budget counts as 1 (num_steps 2 is refused by name); such a trace
+    then has no batch a graph could hold (capture_bs 1 .. 0)."""
+    empty = tampered(lambda t: t.update(requests=[], rounds=[]))
+    refused(empty, r"^trace: config num_steps = 2: an int 1 \.\. 1 \(the largest budget")
+    empty["config"]["num_steps"] = 1
+    refused(empty, r"^trace: config capture_bs = \[1, 4\]: a non-empty list of graph batch sizes 1 \.\. 0 ")
