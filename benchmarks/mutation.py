@@ -136,12 +136,17 @@ def _mutated_line(d: Path, name: str) -> str:
     return added[0] if added else out.strip()
 
 
-def run_module(mod: Module, keep: bool, timeout: float) -> dict:
+def run_module(mod: Module, keep: bool, timeout: float, report_only: bool = False) -> dict:
     from mutmut.stats import status_by_exit_code
 
-    d = _scratch(mod, keep)
+    d = _scratch(mod, keep or report_only)
     t0 = time.monotonic()
     log = d / "mutmut.log"
+    if report_only:  # the verdicts of the last run in build/mutation/, classified again
+        before = _statuses(d, mod)
+        if not before or None in before.values():
+            raise SystemExit(f"--report-only: {mod.name} has no finished run in {d}")
+        return _classify(d, mod, before, None, status_by_exit_code)
     # --keep: mutmut keeps its verdicts; the survivors of the last run are run again (against
     # tests added since: a kill stays a kill when tests are only added)
     before = _statuses(d, mod) if keep else {}
@@ -161,8 +166,13 @@ def run_module(mod: Module, keep: bool, timeout: float) -> dict:
     if proc.returncode != 0 or not codes:
         sys.stderr.write(log.read_text()[-4000:])
         raise SystemExit(f"mutmut run failed for {mod.name} (rc {proc.returncode}, log: {log})")
+    return _classify(d, mod, codes, wall if before else None, status_by_exit_code)
+
+
+def _classify(d: Path, mod: Module, codes: dict, rerun_s: float | None, status_by_exit_code) -> dict:
+    full = d / "full_run_wall_s"
     row = {"module": mod, "total": len(codes), "killed": 0, "equivalent": [], "survived": [],
-           "wall_s": float(full.read_text()), "rerun_s": wall if before else None}
+           "wall_s": float(full.read_text()), "rerun_s": rerun_s}
     for name, code in sorted(codes.items()):
         status = status_by_exit_code[code]
         if status in KILLED:
@@ -240,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="reuse build/mutation/ (mutmut's cached results)")
     p.add_argument("--report", type=Path, default=REPORT, help="where the Markdown report goes")
     p.add_argument("--timeout", type=float, default=600, help="seconds per module before it counts as failed")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: classify the verdicts already in build/mutation/ and write the report")
     args = p.parse_args(argv)
     names = {m.name for m in MODULES}
     bad = set(args.only or ()) - names
@@ -249,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for m in mods:
         print(f"mutation: {m.name} ({m.path}) against {' '.join(m.tests)}", flush=True)
-        r = run_module(m, args.keep, args.timeout)
+        r = run_module(m, args.keep, args.timeout, args.report_only)
         print(f"  {r['total']} mutants: {r['killed']} killed, {len(r['equivalent'])} equivalent, "
               f"{len(r['survived'])} survived ({r['wall_s']:.0f} s)", flush=True)
         for s in r["survived"]:
