@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="module names (the MODULES table) to run")
     p.add_argument("--keep", action="store_true", help="reuse build/mutation/ (mutmut's cached results)")
     p.add_argument("--report", type=Path, default=REPORT, help="where the Markdown report goes")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per module before it counts as failed")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per module before it counts as failed")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: classify the verdicts already in build/mutation/ and write the report")
     args = p.parse_args(argv)
