@@ -109,6 +109,8 @@ def test_the_hand_trace_is_accepted_at_every_bound():
     (lambda t: t["requests"][0]["output_ids"].pop(), r"request 0: 3 output tokens do not end in its last round "
                                                      r"\(a = \[2, 3\]\)"),
     (lambda t: t["requests"][0]["output_ids"].extend([1, 1, 1]), "request 0: 7 output tokens, budget 6"),
+    (lambda t: t["requests"][1]["output_ids"].pop(), r"request 1: 4 output tokens do not end in its last round "
+                                                     r"\(a = \[1, 2, 1\]\)"),  # 1 + 1 + 2 = 4 came before it
     (lambda t: (t["requests"][1].update(max_new_tokens=6), t["requests"][1]["output_ids"].append(1)),
      r"request 1: 6 output tokens do not end in its last round \(a = \[1, 2, 1\]\)"),
     (lambda t: t["rounds"][1]["finished"].clear(), r"request 0: finished in rounds \[\], its last round is 1"),
@@ -144,11 +146,11 @@ def test_model_config_accepts_size_1_and_refuses_ungrouped_heads():
 
 
 def _at(params: int) -> dict:
-    """Sizes E 2, I 3, L 2, H 2, Hkv 1, D 5 (per layer, by hand: attention E (H + 2 Hkv) D = 40 and
-    H D E = 20, MLP 3 E I = 18, so 156 for 2 layers) and the vocabulary V (V E) giving ``params``."""
-    assert (params - 156) % 2 == 0
-    return dict(hidden_size=2, intermediate_size=3, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=5, vocab_size=(params - 156) // 2)
+    """Sizes E 2, I 3, L 2, H 4, Hkv 2, D 5 (per layer, by hand: attention E (H + 2 Hkv) D = 80 and
+    H D E = 40, MLP 3 E I = 18, so 276 for 2 layers) and the vocabulary V (V E) giving ``params``."""
+    assert (params - 276) % 2 == 0
+    return dict(hidden_size=2, intermediate_size=3, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=5, vocab_size=(params - 276) // 2)
 
 
 def test_model_config_parameter_count_is_the_llama_count():
