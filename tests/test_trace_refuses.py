@@ -110,7 +110,7 @@ def test_the_hand_trace_is_accepted_at_every_bound():
                                                      r"\(a = \[2, 3\]\)"),
     (lambda t: t["requests"][0]["output_ids"].extend([1, 1, 1]), "request 0: 7 output tokens, budget 6"),
     (lambda t: t["requests"][1]["output_ids"].pop(), r"request 1: 4 output tokens do not end in its last round "
-                                                     r"\(a = \[1, 2, 1\]\)"),  # 1 + 1 + 2 = 4 came before it
+                                                     r"\(a = \[1, 2, 1\]\)"),  # its last round starts after 1 + 1 + 2
     (lambda t: (t["requests"][1].update(max_new_tokens=6), t["requests"][1]["output_ids"].append(1)),
      r"request 1: 6 output tokens do not end in its last round \(a = \[1, 2, 1\]\)"),
     (lambda t: t["rounds"][1]["finished"].clear(), r"request 0: finished in rounds \[\], its last round is 1"),
