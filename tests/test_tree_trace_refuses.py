@@ -171,3 +171,17 @@ def test_round_tokens_by_hand():
         [(8, [9, 10], 1), (5, [31], 2)],
         [(10, [11], 3)],
     ]
+
+
+def test_greedy_path_never_walks_back_to_an_earlier_node():
+    """Node 1 names node 2 as its parent (a hand edit against TR-003's order): from node 2 the
+    walk looks only at later nodes, so it stops although node 1's token matches."""
+    assert greedy_path([-1, 2, 0], [5, 10, 20], [20, 0, 10]) == [0, 2]
+
+
+def test_acceptance_root_index_defaults_to_the_first_output_token():
+    e = tree_entry([0, 1, 4])
+    assert acceptance_failures(e, 6, [10, 21, 98]) == [
+        "[TR-003] draft_tokens[0] = 5: the root must be the committed last token output_ids[0] = 6",
+        "[TR-006] the round emitted output_ids[1:4] = [10, 21, 98]; accept_path [0, 1, 4] gives its draft tokens "
+        "+ the bonus = [10, 21, 99]"]
