@@ -73,6 +73,19 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        "elsewhere a non-ASCII file would tell them apart"
        for line in ('text = Path(path).read_text(encoding=None)', 'text = Path(path).read_text()',
                     'text = Path(path).read_text(, )')},
+    ("speculative.tree_trace_checks", "if not 0 <= page < num_pages:"):
+        "page 0 has returned its PA-008 line just above, so 0 <= page and 0 < page agree here",
+    ("speculative.tree_trace_checks", 'elif not 0 <= r <= cfg["max_batch"]:'):
+        "r == 0 took the PA-008 branch just above, so 0 <= r and 0 < r agree in the elif",
+    **{("speculative.tree_trace_checks", line): "a field group's label is never read (the loop unpacks it into _)"
+       for line in (
+           'fields = [("XXpage_tableXX", [(f"page_table[{j}]", p, p) for j, p in enumerate(entry["page_table"])])]',
+           'fields = [("PAGE_TABLE", [(f"page_table[{j}]", p, p) for j, p in enumerate(entry["page_table"])])]',
+           'fields.append(("XXdraft_cache_locXX", [(f"draft_cache_loc[{t}][{j}]", s, s // P)',
+           'fields.append(("DRAFT_CACHE_LOC", [(f"draft_cache_loc[{t}][{j}]", s, s // P)',
+           'fields.append(("XXmoved_toXX", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
+           'fields.append(("MOVED_TO", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
+       )},
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
