@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 DEMO_EXTRAS ?= real
 
-.PHONY: venv test demo check mutants conformance sweep docs lab clean
+.PHONY: venv test demo check mutants mutation conformance sweep docs lab clean
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
@@ -38,6 +38,14 @@ check: venv
 
 mutants: venv
 	$(PY) -m refspec mutants
+
+# mutation testing of the checkers (validators, trace checks, the conformance comparison):
+# mutmut, one mutant at a time, each module against its own tests (the table in
+# benchmarks/mutation.py); writes benchmarks/results/mutation.md, fails on a survivor that is
+# not listed as equivalent.  Its own target, not part of make test / .ci/run (CPU minutes).
+mutation:
+	$(MAKE) venv EXTRAS=test,mutation
+	timeout 3600 $(PY) benchmarks/mutation.py
 
 # SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
 # patched copies for the known-bug controls into .conformance-patched/)
