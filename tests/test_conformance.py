@@ -66,6 +66,29 @@ def test_a_missing_upstream_row_is_a_live_difference():
     assert "page_table[live]" in [d.field for d in compare(OURS, theirs, page_size=4)]
 
 
+@pytest.mark.parametrize("field", ["cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q",
+                                   "max_seq_len_k"])
+def test_a_field_upstream_did_not_return_differs_and_is_named(field):
+    """A key absent on one side is a difference ('missing' on that side), never a KeyError or a skip."""
+    theirs = {k: v for k, v in OURS.items() if k != field}
+    (d,) = compare(OURS, theirs, page_size=4)
+    assert (d.field, d.theirs) == (field, "missing")
+    (d,) = compare(OURS, dict(OURS, **{field: None}), page_size=4)  # present but None: the same
+    assert (d.field, d.theirs) == (field, "missing")
+
+
+def test_a_missing_page_table_is_a_live_difference():
+    theirs = {k: v for k, v in OURS.items() if k != "page_table"}
+    (d,) = compare(OURS, theirs, page_size=4)
+    assert (d.field, d.ours, d.theirs) == ("page_table[live]", "width 4", "missing")
+
+
+def test_a_shorter_upstream_vector_differs():
+    theirs = dict(OURS, cu_seqlens_q=i32(0, 1))  # bs + 1 = 3 entries needed
+    (d,) = compare(OURS, theirs, page_size=4)
+    assert (d.field, d.theirs) == ("cu_seqlens_q", "[0, 1]")
+
+
 def test_documented_differences_match_only_their_pin_mode_and_phase():
     assert known.match("0.5.23", "decode", "replay", "max_seq_len_k").key == "replay-max-k-context"
     assert known.match("0.5.23", "decode", "eager", "max_seq_len_k") is None
@@ -200,6 +223,19 @@ def test_the_tree_part_is_compared_exactly_and_a_missing_tree_differs():
     assert [d.field for d in compare_parts(ours, other, 4, 4)] == ["tree:custom_mask"]
     assert [d.field for d in compare_parts(ours, tree_result(OURS, OURS), 4, 4)] == ["tree:custom_mask",
                                                                                     "tree:positions"]
+
+
+def test_a_tree_field_or_part_only_upstream_returns_differs():
+    """compare_parts walks the union of both sides' tree fields, and a part upstream lacks is named."""
+    from refspec.conformance.compare import compare_parts
+
+    mask = torch.tensor([True, False])
+    ours = tree_result(OURS, OURS, {"custom_mask": mask})
+    theirs = tree_result(OURS, OURS, {"custom_mask": mask.clone(), "retrive_index": torch.tensor([0, 1])})
+    (d,) = compare_parts(ours, theirs, 4, 4)
+    assert (d.field, d.ours, d.theirs) == ("tree:retrive_index", "missing", "[0, 1]")
+    (d,) = compare_parts(ours, {"prefix": OURS, "tree": {"custom_mask": mask}}, 4, 4)
+    assert (d.field, d.theirs) == ("expand:*", "missing")
 
 
 def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_citation():

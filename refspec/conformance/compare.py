@@ -65,21 +65,29 @@ def live_pages(k: int, page_size: int) -> int:
     return -(-int(k) // page_size)
 
 
+MISSING = "missing"  #: the printed value of a field one side did not return
+
+
 def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
     """The raw differences (``documented`` unset) between two field dicts.
 
     Rows: the batch size is refspec's ``cache_seqlens`` length; upstream tensors may be longer
-    (graph buffers) and are cut to it, never padded.
+    (graph buffers) and are cut to it, never padded.  A field that one side does not return (no
+    key, or ``None``) is a difference with the value ``missing`` on that side, never skipped.
     """
     bs = int(ours["cache_seqlens_int32"].numel())
     diffs = []
     for f, n in (("cache_seqlens_int32", bs), ("cu_seqlens_q", bs + 1), ("cu_seqlens_k", bs + 1)):
-        a, b = ours[f], theirs[f]
-        if b is None or b.numel() < n or _vec(a, n) != _vec(b, n):
-            diffs.append(Diff(f, _show(a[:n]), "None" if b is None else _show(b[:n])))
+        a, b = ours.get(f), theirs.get(f)
+        if a is None or b is None or b.numel() < n or a.numel() < n or _vec(a, n) != _vec(b, n):
+            diffs.append(Diff(f, MISSING if a is None else _show(a[:n]), MISSING if b is None else _show(b[:n])))
     for f in ("max_seq_len_q", "max_seq_len_k"):
-        if ours[f] != theirs[f]:
-            diffs.append(Diff(f, str(ours[f]), str(theirs[f])))
+        a, b = ours.get(f, MISSING), theirs.get(f, MISSING)
+        if a is None or b is None or a != b:
+            diffs.append(Diff(f, str(MISSING if a is None else a), str(MISSING if b is None else b)))
+    if ours.get("page_table") is None or theirs.get("page_table") is None:
+        side = lambda d: MISSING if d.get("page_table") is None else f"width {d['page_table'].shape[-1]}"
+        return diffs + [Diff("page_table[live]", side(ours), side(theirs))]
     a, b = ours["page_table"], theirs["page_table"]
     live_bad, dead_bad = [], []
     for r in range(bs):
@@ -108,10 +116,14 @@ def compare_parts(ours: dict, theirs: dict, page_size: int, expand_page_size: in
     ``part:field``), then the ``tree`` part exactly (shape and values)."""
     diffs = []
     for part, P in zip(PARTS, (page_size, expand_page_size)):
+        if theirs.get(part) is None:  # upstream returned no such part: every field of it is missing
+            diffs.append(Diff(f"{part}:*", "present", MISSING))
+            continue
         diffs += [Diff(f"{part}:{d.field}", d.ours, d.theirs, short_table=d.short_table)
                   for d in compare(ours[part], theirs[part], P)]
-    for f, a in ours.get("tree", {}).items():
-        b = theirs.get("tree", {}).get(f)
-        if b is None or a.shape != b.shape or not torch.equal(a.long(), b.long()):
-            diffs.append(Diff(f"tree:{f}", _show(a), "None" if b is None else _show(b)))
+    mine, their_tree = ours.get("tree", {}), theirs.get("tree", {})
+    for f in sorted(set(mine) | set(their_tree)):  # a field only one side has differs too
+        a, b = mine.get(f), their_tree.get(f)
+        if a is None or b is None or a.shape != b.shape or not torch.equal(a.long(), b.long()):
+            diffs.append(Diff(f"tree:{f}", MISSING if a is None else _show(a), MISSING if b is None else _show(b)))
     return diffs
