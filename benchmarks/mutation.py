@@ -51,6 +51,8 @@ MODULES: tuple[Module, ...] = (
     Module("traces.chain", "refspec/traces/chain.py", ("tests/test_trace_refuses.py",)),
     Module("traces.tree_checks", "refspec/traces/tree_checks.py",
            ("tests/test_tree_trace_refuses.py",)),
+    Module("conformance.compare", "refspec/conformance/compare.py",
+           ("tests/test_compare_refuses.py", "tests/test_conformance.py")),
 )
 
 # Survivors that are equivalent: (module name, the mutated line as mutmut writes it, stripped)
@@ -116,6 +118,8 @@ def _scratch(mod: Module, keep: bool) -> Path:
         # torch in the test process: fork workers from a clean server, not from the stats run
         + 'process_isolation = "forkserver"\n'
         + "use_git_change_detection = false\n"
+        # tests that read the docs pages (test_conformance.py reads docs/conformance.md) run in mutants/
+        + 'also_copy = ["docs"]\n'
     )
     return d
 
