@@ -88,6 +88,13 @@ def test_a_shorter_vector_on_either_side_differs_and_prints_the_batch_cut():
         ("cache_seqlens_int32", "[5, 9]", "[5, 8]", False)]
 
 
+def test_entries_past_the_batch_are_cut_on_our_side_too():
+    # a padded buffer on refspec's side: only cache_seqlens' bs and bs + 1 entries are the batch
+    ours = dict(md(), cu_seqlens_q=i32(0, 1, 2, 2), cu_seqlens_k=i32(0, 5, 14, 14))
+    assert compare(ours, md(), 4) == []
+    assert diffs(ours, dict(md(), cu_seqlens_q=i32(0, 1, 3))) == [("cu_seqlens_q", "[0, 1, 2]", "[0, 1, 3]", False)]
+
+
 def test_the_last_entry_of_each_vector_is_compared():
     assert [d.field for d in compare(md(), dict(md(), cu_seqlens_q=i32(0, 1, 3)), 4)] == ["cu_seqlens_q"]
     assert [d.field for d in compare(md(), dict(md(), cu_seqlens_k=i32(0, 5, 15)), 4)] == ["cu_seqlens_k"]
@@ -103,6 +110,10 @@ def test_a_scalar_that_differs_or_is_missing_on_either_side_is_named():
         assert diffs(md(), dict(md(), **{f: None})) == [(f, v, MISSING, False)]
         assert diffs({k: x for k, x in md().items() if k != f}, md()) == [(f, MISSING, v, False)]
         assert diffs(dict(md(), **{f: None}), md()) == [(f, MISSING, v, False)]
+        # neither side returned it: still refused, never compared as equal (was skipped when both lacked the key)
+        neither = {k: x for k, x in md().items() if k != f}
+        assert diffs(neither, neither) == [(f, MISSING, MISSING, False)]
+        assert diffs(dict(md(), **{f: None}), neither) == [(f, MISSING, MISSING, False)]
 
 
 # ---- the page table ----
