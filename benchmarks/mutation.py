@@ -109,6 +109,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        )},
     ("conformance.compare", "if a is None and b is None or a != b:"):
         "exactly one side None makes a != b true as well; both None is the and-branch",
+    ("conformance.known", 'def source(pin: str, mode: str, phase: str, field: str = "XXXX") -> str:'):
+        "neither '' nor 'XXXX' is a TREE_SOURCES key: both look up the mode's builder",
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
