@@ -51,6 +51,10 @@ MODULES: tuple[Module, ...] = (
     Module("traces.chain", "refspec/traces/chain.py", ("tests/test_trace_refuses.py",)),
     Module("traces.tree_checks", "refspec/traces/tree_checks.py",
            ("tests/test_tree_trace_refuses.py",)),
+    Module("conformance.compare", "refspec/conformance/compare.py",
+           ("tests/test_compare_refuses.py", "tests/test_conformance.py")),
+    Module("conformance.known", "refspec/conformance/known.py",
+           ("tests/test_known_refuses.py", "tests/test_conformance.py")),
 )
 
 # Survivors that are equivalent: (module name, the mutated line as mutmut writes it, stripped)
@@ -86,6 +90,27 @@ EQUIVALENT: dict[tuple[str, str], str] = {
            'fields.append(("XXmoved_toXX", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
            'fields.append(("MOVED_TO", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
        )},
+    ("conformance.compare", 'side = lambda d: MISSING if d.get("page_table") is None else '
+     'f"width {d[\'page_table\'].shape[+1]}"'):
+        "a page table is 2-D [rows, width]: shape[+1] and shape[-1] are the same axis",
+    **{("conformance.compare", line): "a side shorter than n gives a shorter _vec(x, n) list, which the value "
+       "comparison in the same condition already refuses"
+       for line in (
+           "if a is None or b is None or b.numel() < n and a.numel() < n or _vec(a, n) != _vec(b, n):",
+           "if b.shape[0] <= r or b.shape[1] < m and a.shape[1] < m or _vec(a[r, :m], m) != _vec(b[r, :m], m):",
+       )},
+    **{("conformance.compare", line): "the slice already holds at most that many entries, so cutting it to "
+       "all of them (None) changes nothing"
+       for line in (
+           "if b.shape[0] <= r or b.shape[1] < m or a.shape[1] < m or _vec(a[r, :m], None) != _vec(b[r, :m], m):",
+           "if b.shape[0] <= r or b.shape[1] < m or a.shape[1] < m or _vec(a[r, :m], m) != _vec(b[r, :m], None):",
+           "if b.shape[0] > r and _vec(a[r, m:], None) != _vec(b[r, m:], b.shape[1]):",
+           "if b.shape[0] > r and _vec(a[r, m:], a.shape[1]) != _vec(b[r, m:], None):",
+       )},
+    ("conformance.compare", "if a is None and b is None or a != b:"):
+        "exactly one side None makes a != b true as well; both None is the and-branch",
+    ("conformance.known", 'def source(pin: str, mode: str, phase: str, field: str = "XXXX") -> str:'):
+        "neither '' nor 'XXXX' is a TREE_SOURCES key: both look up the mode's builder",
 }
 
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
@@ -116,6 +141,8 @@ def _scratch(mod: Module, keep: bool) -> Path:
         # torch in the test process: fork workers from a clean server, not from the stats run
         + 'process_isolation = "forkserver"\n'
         + "use_git_change_detection = false\n"
+        # tests that read the docs pages (test_conformance.py reads docs/conformance.md) run in mutants/
+        + 'also_copy = ["docs"]\n'
     )
     return d
 

@@ -82,7 +82,7 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
         if a is None or b is None or b.numel() < n or a.numel() < n or _vec(a, n) != _vec(b, n):
             diffs.append(Diff(f, MISSING if a is None else _show(a[:n]), MISSING if b is None else _show(b[:n])))
     for f in ("max_seq_len_q", "max_seq_len_k"):
-        a, b = ours.get(f, MISSING), theirs.get(f, MISSING)
+        a, b = ours.get(f), theirs.get(f)
         if a is None or b is None or a != b:
             diffs.append(Diff(f, str(MISSING if a is None else a), str(MISSING if b is None else b)))
     if ours.get("page_table") is None or theirs.get("page_table") is None:
