@@ -113,7 +113,7 @@ CASES = [
     (["conformance", "--pins", "0.4.0"], ["'0.4.0'", "predates the FA3 backend", "0.4.4.post2", "0.5.23"]),
     (["conformance", "--sglang", "0.5.23,"], ["empty item", "comma-separated"]),
     (["conformance", "--sglang", "no-such-thing"], ["'no-such-thing'", "release version", "source tree"]),
-    (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,16,64"]),
+    (["conformance", "--page-sizes", "3"], ["--page-sizes", "[3]", "1,2,4,8,16,64"]),
     (["conformance", "--modes", "decode,prefill"], ["'prefill'", "draft_extend_v2"]),
     (["conformance", "--variant", "nope"], ["--variant", "'nope'", "seed-page-table"]),
     (["conformance", "--topks", "3"], ["--topks", "[3]", "2,4,8"]),
