@@ -30,7 +30,7 @@ def test_cite_is_a_registered_command():
 def test_cite_prints_rule_level_sources_and_tests(capsys):
     rc, out, err = run(capsys, "CG-008")
     assert rc == 0 and not err
-    assert out.startswith("**CG-008** — page-table buffers are sized from req_to_token.shape[1]")
+    assert out.startswith("**CG-008** — graph page tables have at least ceil(max K_b / P) columns")
     # released upstream code breaks it (the context wall): the level says so, and quoting it is a bug report
     assert "*kernel contract*" in out and "Released SGLang breaks it:" in out and "is a bug report" in out
     assert "v0.5.23" in out and "sglang#35985" in out and "PA-003" in out

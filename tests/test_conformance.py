@@ -132,7 +132,8 @@ def test_table_cells_say_same_documented_differs_and_error_with_the_rule_and_its
     assert lines[3].endswith("DIFFERS: cu_seqlens_q [CG-002]")
     assert lines[4].endswith("ERROR [MD-003]")
     assert "CG-002 (upstream behaviour) cu_seqlens_q: refspec [0, 4] | upstream [0, 1]" in lines[6]
-    assert "MD-003 (upstream behaviour): StubUsed at sglang/x.py:1: boom (upstream sglang/x.py:1)" in lines[7]
+    assert ("MD-003 (upstream behaviour): upstream exception (the mode's rule: no field was compared): "
+            "StubUsed at sglang/x.py:1: boom (upstream sglang/x.py:1)") in lines[7]
     assert "documented decode/P4/a replay: max_seq_len_k: refspec 0 | upstream 320 (replay-max-k-context)" in lines[5]
     assert summary(rows, "0.5.23") == {"cases": 4, "same": 1, "documented": 1, "undocumented": 2, "known_bug": 0}
     short = table(rows, "0.5.23").splitlines()  # default: only the failing groups and the findings
@@ -258,8 +259,11 @@ def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_
 
 
 def test_a_failing_row_is_a_known_upstream_bug_only_on_the_code_that_has_it():
-    wall = ("verify", "replay", ["page_table[live]"], None)
+    wall = ("verify", "replay", ["page_table[live]"], None, True)  # True: upstream's table is below the bound
     assert known.bug("0.5.23", *wall).rule == "CG-008"
+    # a table narrower than refspec's but at or above the kernel bound drops no live page: not the bug
+    assert known.bug("0.5.23", "verify", "replay", ["page_table[live]"], None) is None
+    assert known.bug("0.5.23", "verify", "replay", ["page_table[dead]"], None) is None
     assert known.bug("0.5.12.post1", *wall).key == "context-wall-page-table"
     assert known.bug(known.WALL_FIXED, *wall) is None  # the #35985 change: any failure there is unexplained
     assert known.bug("0.5.23", "verify", "replay", ["page_table[live]", "cu_seqlens_q"], None) is None  # more
@@ -316,7 +320,23 @@ def test_tree_jobs_carry_the_draft_results_and_refspecs_padded_static_batch():
     live_mask = sum(N * (x + N) for x in L)
     assert rep["custom_mask"].numel() == live_mask + (bs - B) * N * (1 + N)  # padded requests: L = 1
     assert draft.inputs["replay"]["out_cache_loc"].numel() == bs * 2 * tc.S  # [bs, k, S]
-    assert verify.inputs["context_len"] == verify.inputs["req_to_token"].shape[1]
+    # req_to_token rows carry SGLang 0.5.23's headroom (allocation_sizing.py:96): P = 4 > 1 and top-k 2 reserve
+    # 2 * (((4 - 1) + 3 + 4 - 1) // 4 = 2 pages * 4 * 2 = 16 tokens) + 4 - 1 = 35 > 4 + N = 8 columns past context 64
+    assert (verify.inputs["context_len"], verify.inputs["req_to_token"].shape[1]) == (64, 64 + 35)
+
+
+def test_every_default_grid_case_carries_sglangs_headroom():
+    """SGLang 0.5.23 (allocation_sizing.py:96-116): 4 + N, and for P > 1 at least 2 * max(num_steps, N) + P - 1
+    (top-k 1): N = 4, S = 3 -> P = 1: 8, P = 2: 9, P = 16: 23, P = 64: 71; S = 6 (N = 7) at P = 2: 2 * 7 + 1 = 15."""
+    from refspec.conformance import cases
+
+    for P, extra in ((1, 8), (2, 9), (16, 23), (64, 71)):
+        (job,) = cases.build_jobs(("decode",), (P,), ("B3/bs4",))
+        assert (job.inputs["context_len"], job.inputs["req_to_token"].shape[1]) == (320, 320 + extra), P
+    wall = [j for j in cases.edge_jobs(("verify",), (16,)) if j.id.endswith("/wall")]
+    assert wall and all(j.inputs["req_to_token"].shape[1] == 64 + 23 for j in wall)
+    long = [j for j in cases.edge_jobs(("verify",), (2,)) if j.id.endswith("/S6")]
+    assert long and all(j.inputs["req_to_token"].shape[1] == 320 + 15 for j in long)
 
 
 def test_the_run_applies_a_tree_variant_by_name_and_rejects_an_unknown_one():
@@ -343,3 +363,42 @@ def test_the_tree_part_is_compared_only_where_upstream_built_the_tree():
     (new,) = rows_for("0.5.23", [job], results)
     (old,) = rows_for("0.5.12.post1", [job], results)
     assert [d.field for d in new.undocumented] == ["tree:positions"] and old.ok and not old.diffs
+
+
+def test_a_dead_width_difference_says_whether_upstream_is_below_the_kernel_bound():
+    """OURS: P = 4, K = [5, 9]: rows read 2 and 3 pages, the kernel bound is 3 columns."""
+    from refspec.conformance.run import rows_for
+    from refspec.conformance.cases import Job
+
+    wider = md([5, 9], [0, 1, 2], [[7, 3, 11, 0, 0, 0], [2, 9, 4, 0, 0, 0]])  # refspec's 6 columns (headroom)
+    at_bound = md([5, 9], [0, 1, 2], [[7, 3, 11], [2, 9, 4]])  # upstream's 3 columns: the bound
+    (d,) = compare(wider, at_bound, page_size=4)
+    assert (d.field, d.width_only, d.short_table) == ("page_table[dead]", True, False)
+    below = md([5, 9], [0, 1, 2], [[7, 3], [2, 9]])  # 2 columns: row 1's third page is dropped
+    ds = compare(wider, below, page_size=4)
+    assert [(x.field, x.short_table) for x in ds] == [("page_table[live]", True), ("page_table[dead]", True)]
+    assert ds[1].theirs == "width 2 (< 3 pages, the kernel bound)"
+    content = md([5, 9], [0, 1, 2], [[7, 3, 5], [2, 9, 4]])  # row 0's dead column 2 differs
+    (d,) = compare(wider, content, page_size=4)
+    assert (d.width_only, d.short_table, d.ours) == (False, False, "width 6, rows differing [0]")
+    # through the run: at the bound documented (graph-table-headroom), below it the known bug with CG-008
+    for theirs, doc, bug in ((at_bound, "graph-table-headroom", None), (below, None, "context-wall-page-table")):
+        job = Job("verify/P4/B3/bs4", "verify", 4, "B3/bs4", True, {}, {("capture", None): wider})
+        (row,) = rows_for("0.5.12.post1", [job], {job.id: {("capture", None): theirs}})
+        assert row.ok == (bug is None) and row.bug == bug
+        assert [x.documented for x in row.diffs if x.field == "page_table[dead]"] == [doc]
+        assert {f.rule for f in row.findings} == (set() if bug is None else {"CG-008"})
+
+
+def test_an_upstream_index_error_past_a_tables_width_names_cg_008_otherwise_the_modes_rule():
+    from refspec.conformance import rules
+
+    err = "IndexError at sglang/x.py:9: index 320 is out of bounds for dimension 1 with size 320"
+    stmt = "page_indices = self.req_to_token[req_pool_indices[:, None], strided[:max_seq_pages]]"
+    assert rules.error_rule("draft_extend_v2", "replay", err, stmt)[0] == "CG-008"
+    assert rules.error_rule("draft_extend_v2", "eager", err, stmt)[0] == "CG-008"
+    assert rules.error_rule("tree_draft_decode", "eager", err, "x = self.page_table[0, 5]")[0] == "CG-008"
+    rid, note = rules.error_rule("draft_extend_v2", "replay", err, "y = self.other[0, 320]")  # another tensor
+    assert rid == "CG-004" and "upstream exception" in note and "mode's rule" in note
+    assert rules.error_rule("verify", "replay", "KeyError at sglang/x.py:9: 'x'", stmt)[0] == "CG-002"
+    assert rules.error_rule("verify", "eager", err.replace("dimension 1", "dimension 0"), stmt)[0] == "MD-011"

@@ -151,11 +151,13 @@ def test_an_upstream_error_is_a_bug_only_when_it_carries_the_bugs_error_text():
 
 
 def test_bug_returns_the_first_matching_bug_or_none():
-    wall = ("verify", "replay", ["page_table[dead]"], None)
+    wall = ("verify", "replay", ["page_table[dead]", "page_table[live]"], None, True)  # below the kernel bound
     assert bug("0.5.23", *wall) is BUGS[0]
+    assert bug("0.5.23", *wall[:4]) is None  # the same fields with upstream's table at or above the bound
     assert bug(known.DE_V2_DOUBLE_COUNT, "draft_extend_v2", "eager", ["max_seq_len_k"], None) is BUGS[2]
-    assert bug(known.DE_V2_DOUBLE_COUNT, "draft_extend_v2", "replay", ["page_table[dead]"], None) is BUGS[0]
-    assert bug("0.5.23", "verify", "eager", ["page_table[dead]"], None) is None
+    assert bug(known.DE_V2_DOUBLE_COUNT, "draft_extend_v2", "replay", ["page_table[live]"], None, True) is BUGS[0]
+    assert bug(known.DE_V2_DOUBLE_COUNT, "draft_extend_v2", "replay", ["page_table[dead]"], None) is BUGS[2]
+    assert bug("0.5.23", "verify", "eager", ["page_table[dead]"], None, True) is None
 
 
 # ---- patched, link, source ----
@@ -182,3 +184,39 @@ def test_a_source_is_the_builders_file_name_line_and_link():
     assert source("0.5.12.post1", "tree_verify", "replay", "tree:tail_copy").startswith("eagle_worker_common.py:65 ")
     with pytest.raises(KeyError):
         source("0.5.23", "no_such_mode", "eager")
+
+
+# ---- the kernel bound (CG-008): a dead-width difference is documented only at or above it ----
+def dead(width_only=True, short=False):
+    from refspec.conformance.compare import Diff
+    return Diff("page_table[dead]", "width 6, rows differing []", "width 4", width_only=width_only, short_table=short)
+
+
+def test_a_table_width_entry_documents_only_a_width_difference_at_or_above_the_bound():
+    for pin in ("0.5.23", "0.5.12.post1"):
+        for mode, phase in (("verify", "capture"), ("draft_decode", "replay"), ("draft_extend_v2", "replay-staged")):
+            if (mode, phase) == ("draft_extend_v2", "replay-staged") and pin != "0.5.23":
+                continue
+            assert match(pin, mode, phase, "page_table[dead]", dead()).key == "graph-table-headroom"
+            assert match(pin, mode, phase, "page_table[dead]", dead(short=True)) is None  # a live page dropped
+    assert match("0.5.12.post1", "verify", "replay", "page_table[dead]", dead(width_only=False)) is None  # contents
+    assert match("0.5.12.post1", "verify", "replay", "page_table[dead]") is None  # no diff: no width to judge
+    assert match("0.5.23", "verify", "eager", "page_table[dead]", dead()) is None  # graph buffers only
+    # below the bound no entry documents it, not even one that lists the field without at_bound
+    assert match("0.5.23", "verify", "replay", "page_table[dead]", dead(width_only=False)).key == "replay-dead-columns"
+    assert match("0.5.23", "verify", "replay", "page_table[dead]", dead(width_only=False, short=True)) is None
+
+
+def test_at_bound_is_refused_on_a_field_without_a_width():
+    with refused("at_bound documents a page-table width"):
+        Known("k1", ("max_seq_len_k",), ("decode",), ("replay",), ("0.5.23",), (), "", "", at_bound=True)
+    assert Known("k1", ("page_table[dead]",), ("decode",), ("replay",), ("0.5.23",), (), "", "", at_bound=True)
+
+
+def test_the_context_wall_bug_needs_a_table_below_the_kernel_bound():
+    wall = next(b for b in BUGS if b.key == "context-wall-page-table")
+    assert wall.short_table and wall.rule == "CG-008" and wall.also == ("PA-003",)
+    assert wall.matches("0.5.23", "verify", "replay", ["page_table[live]"], None, True) is True
+    assert wall.matches("0.5.23", "verify", "replay", ["page_table[live]"], None) is False
+    assert wall.matches("0.5.23", "decode", "capture", ["page_table[dead]"], None) is False
+    assert B.matches("0.5.23", "verify", "replay", ["page_table[live]"], None, True) is True  # short not required

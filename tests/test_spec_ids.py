@@ -162,7 +162,7 @@ def test_every_rule_has_a_level_and_the_error_text_ends_with_it():
         assert isinstance(rule.level, Level) and rule.sources, inv_id
         assert INVARIANTS[inv_id] == rule.title
     e = InvariantError("CG-008", "replay needs 5 pages, the buffer has 4")
-    assert str(e) == ("[CG-008] page-table buffers are sized from req_to_token.shape[1]; replay checks the pages "
+    assert str(e) == ("[CG-008] graph page tables have at least ceil(max K_b / P) columns; replay checks the pages "
                       "fit: replay needs 5 pages, the buffer has 4 [kernel contract]")
     assert e.rule is RULES["CG-008"] and e.inv_id == "CG-008"
     assert str(InvariantError("PA-003", "x")).endswith(": x [kernel contract]")

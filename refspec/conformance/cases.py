@@ -9,7 +9,9 @@ hooks driven by :class:`refspec.graphs.runner.GraphRunner`, whose padding fills 
 sides then see).  Upstream never sees refspec's metadata, only its inputs.
 
 Inputs per page size P (tokens): committed lengths at page boundaries +-1
-(``P - 1, P, P + 1, 2P - 1, ...``), rows of ``req_to_token`` in shuffled order and physical
+(``P - 1, P, P + 1, 2P - 1, ...``), ``req_to_token`` rows ``context_len`` plus SGLang's
+speculative headroom wide (:func:`headroom`; every case, as a server sizes them), rows of
+``req_to_token`` in shuffled order and physical
 pages shuffled by the allocator's seed, N = 4 draft tokens (Sd = 3, draft steps 0 and 1), and
 two batch shapes: B = 3 live requests in a graph of 4, B = 5 in a graph of 8.
 
@@ -72,9 +74,33 @@ def accepts(B: int, n: int = N) -> list[int]:
     return [min(x, n) for x in (1, 3, n, 2, 1, n, 2, 3)][:B]
 
 
+SIZING = "python/sglang/srt/mem_cache/allocation_sizing.py"  #: 0.5.23's req_to_token row headroom
+
+
+def headroom(page_size: int, num_draft_tokens: int, num_steps: int = SD, topk: int = 1) -> int:
+    """``req_to_token`` columns past ``context_len`` (tokens), as SGLang 0.5.23 sizes them for EAGLE.
+
+    ``get_req_to_token_extra_context_len`` (``allocation_sizing.py:96`` at v0.5.23:
+    https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/allocation_sizing.py#L96)
+    is ``4 + N``, and for ``P > 1`` at least ``get_alloc_reserve_per_decode() + P - 1``
+    (``:115``): twice ``get_alloc_len_per_decode()`` (``:70``, ``:28``), which is
+    ``max(num_steps * topk, N)`` for ``P = 1`` or top-k 1 (``:53``), else
+    ``max(((P - 1) + num_steps + P - 1) // P * P * topk, N)`` (``:61``).  0.5.12.post1 adds
+    ``4 + N`` at every page size (``model_runner_kv_cache_mixin.py:245``); the larger 0.5.23
+    rows hold every K of both.  Returns an int >= 4 + N.
+    """
+    P, N, S, k = page_size, num_draft_tokens, num_steps, topk
+    if P == 1 or k == 1:
+        per_decode = max(S * k, N)
+    else:  # spec v2 tree, page > 1: each branch's page-aligned footprint
+        per_decode = max(((P - 1) + S + P - 1) // P * P * k, N)
+    extra = 4 + N
+    return max(extra, 2 * per_decode + P - 1) if P > 1 else extra
+
+
 def _cache(page_size: int, B: int, seed: int, context_len: int = WIDTH, extra: int = 0):
-    """``req_to_token`` of ``context_len + extra`` columns (SGLang adds ``4 + N`` for speculative
-    decoding: ``model_runner_kv_cache_mixin``), pages shuffled, ``B`` rows in shuffled order."""
+    """``req_to_token`` of ``context_len + extra`` columns (``extra``: :func:`headroom`), pages
+    shuffled, ``B`` rows in shuffled order."""
     width = context_len + extra
     kv = KVCache(max_reqs=12, max_context=context_len, extra=extra, num_pages=width * 10 // page_size + 2,
                  page_size=page_size, seed=seed)
@@ -168,13 +194,15 @@ def _graph(mode: str, kv, pool, live, bs: int, staged: bool, sd: int) -> tuple[d
 
 
 def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0, staged: bool = False,
-               num_steps: int = SD, context_len: int = WIDTH, extra: int = 0, lens=None, tag: str = "") -> list[Job]:
+               num_steps: int = SD, context_len: int = WIDTH, extra: int | None = None, lens=None, tag: str = ""
+               ) -> list[Job]:
     """Every job for ``modes`` x ``page_sizes`` x ``shapes`` (IDLE once per page size).
 
     ``staged``: also expect upstream's staged DRAFT_EXTEND_V2 replay (phase ``replay-staged``,
     compared with refspec's one replay rule; 0.5.23 only).  ``num_steps`` = speculative_num_steps
-    Sd (N = Sd + 1 draft tokens); ``req_to_token`` has ``context_len + extra`` columns and upstream
-    is given ``context_len``; ``lens`` (shape -> committed lengths) replaces :func:`lengths`;
+    Sd (N = Sd + 1 draft tokens); ``req_to_token`` has ``context_len + extra`` columns (``extra``
+    None: SGLang's own headroom, :func:`headroom`, per page size) and upstream is given
+    ``context_len``; ``lens`` (shape -> committed lengths) replaces :func:`lengths`;
     ``tag`` is appended to the job ids (``/tag``).
     """
     jobs, N = [], num_steps + 1
@@ -184,7 +212,8 @@ def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0
             for mode in modes:
                 if mode == "idle" and si:
                     continue
-                kv, pool, rows = _cache(P, B, seed + 7 * P + si, context_len, extra)
+                room = headroom(P, N, num_steps) if extra is None else extra
+                kv, pool, rows = _cache(P, B, seed + 7 * P + si, context_len, room)
                 L = list(lens[shape]) if lens else lengths(P, B)
                 alloc = [x + N for x in L]  # room for every mode's K (L + N at most)
                 kv.alloc_extend(rows, [0] * B, alloc)
@@ -202,8 +231,9 @@ def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0
     return jobs
 
 
-#: the context wall: upstream's ``context_len`` 64 with ``req_to_token`` rows 4 + N wider (SGLang's
-#: speculative headroom), P = 16 (a context-sized table has 4 columns); committed lengths at
+#: the context wall: upstream's ``context_len`` 64 with ``req_to_token`` rows SGLang's speculative
+#: headroom wider (:func:`headroom`: 23 columns at P = 16, N = 4), P = 16 (a context-sized table
+#: has 4 columns); committed lengths at
 #: (64), just under (63) and near (61) the limit, so verify / draft extend / draft decode reach
 #: K > 64: five live pages
 WALL = {"context_len": 64, "page_size": 16, "lens": {"B3/bs4": [61, 20, 30], "B5/bs8": [64, 63, 61, 1, 17]}}
@@ -226,9 +256,8 @@ def edge_jobs(modes, page_sizes=PAGE_SIZES, seed: int = 0, staged: bool = False)
     modes = [m for m in modes if m in EDGE_MODES]
     jobs = []
     if modes and WALL["page_size"] in page_sizes:
-        N = SD + 1
         jobs += build_jobs(modes, (WALL["page_size"],), seed=seed + 1000, staged=staged,
-                           context_len=WALL["context_len"], extra=4 + N, lens=WALL["lens"], tag="wall")
+                           context_len=WALL["context_len"], lens=WALL["lens"], tag="wall")
     for P in LONG["page_sizes"]:
         if modes and P in page_sizes:
             Sd = LONG["num_steps"]

@@ -10,7 +10,10 @@ Kernel-read fields are compared bitwise (values and dtype-free integer content):
 Fields the kernel does not read are reported, not failed, when the difference is listed in
 :data:`refspec.conformance.known.KNOWN`: ``max_seq_len_k`` and the *dead* page-table columns
 (at or past ``ceil(K_b / P)``, including a different table width).  An unlisted difference in
-them fails like any other.
+them fails like any other.  The ``page_table[dead]`` diff says whether only the width differs
+(``width_only``: the dead columns both tables have agree) and whether upstream's table is
+narrower than the kernel bound ``ceil(max_b K_b / P)`` (``short_table``: then a live page is
+dropped too, and ``page_table[live]`` differs with ``short_table`` set).
 
 Top-k > 1 results (:mod:`refspec.conformance.tree_cases`) have two metadata *parts*, each
 compared by these rules under its own page size (:func:`compare_parts`): ``prefix:<field>`` and
@@ -23,7 +26,7 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +49,7 @@ class Diff:
     theirs: str
     documented: str | None = None  #: the :data:`KNOWN` key that explains it, None if undocumented
     short_table: bool = False  #: upstream's page table has fewer than ceil(K_b / P) columns (PA-003)
+    width_only: bool = False  #: page_table[dead]: the tables differ in width only (shared dead columns agree)
 
 
 def _show(x) -> str:
@@ -89,12 +93,13 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
         side = lambda d: MISSING if d.get("page_table") is None else f"width {d['page_table'].shape[-1]}"
         return diffs + [Diff("page_table[live]", side(ours), side(theirs))]
     a, b = ours["page_table"], theirs["page_table"]
-    live_bad, dead_bad = [], []
+    live_bad, dead_bad, w = [], [], min(a.shape[1], b.shape[1])
+    bound = max([live_pages(k, page_size) for k in ours["cache_seqlens_int32"][:bs].tolist()] + [0])
     for r in range(bs):
         m = live_pages(ours["cache_seqlens_int32"][r], page_size)
         if b.shape[0] <= r or b.shape[1] < m or a.shape[1] < m or _vec(a[r, :m], m) != _vec(b[r, :m], m):
             live_bad.append(r)
-        if b.shape[0] > r and _vec(a[r, m:], a.shape[1]) != _vec(b[r, m:], b.shape[1]):
+        if b.shape[0] > r and _vec(a[r, m:w], w) != _vec(b[r, m:w], w):  # the dead columns both tables have
             dead_bad.append(r)
     if live_bad:
         r = live_bad[0]
@@ -107,7 +112,9 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
                           short_table=short))
     if dead_bad or a.shape[1] != b.shape[1]:
         diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
-                          f"width {b.shape[1]}"))
+                          f"width {b.shape[1]}" + (f" (< {bound} pages, the kernel bound)" if b.shape[1] < bound
+                                                   else ""),
+                          short_table=b.shape[1] < bound, width_only=not dead_bad))
     return diffs
 
 
@@ -119,8 +126,7 @@ def compare_parts(ours: dict, theirs: dict, page_size: int, expand_page_size: in
         if theirs.get(part) is None:  # upstream returned no such part: every field of it is missing
             diffs.append(Diff(f"{part}:*", "present", MISSING))
             continue
-        diffs += [Diff(f"{part}:{d.field}", d.ours, d.theirs, short_table=d.short_table)
-                  for d in compare(ours[part], theirs[part], P)]
+        diffs += [replace(d, field=f"{part}:{d.field}") for d in compare(ours[part], theirs[part], P)]
     mine, their_tree = ours.get("tree", {}), theirs.get("tree", {})
     for f in sorted(set(mine) | set(their_tree)):  # a field only one side has differs too
         a, b = mine.get(f), their_tree.get(f)

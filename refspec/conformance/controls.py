@@ -58,8 +58,7 @@ class Control:
 def _wall(t: install.Target) -> list[cases.Job]:
     w = cases.WALL
     return cases.build_jobs(("verify", "draft_extend_v2"), (w["page_size"],), ("B3/bs4",), seed=1000,
-                            staged=t.shape.staged, context_len=w["context_len"], extra=4 + cases.N, lens=w["lens"],
-                            tag="wall")
+                            staged=t.shape.staged, context_len=w["context_len"], lens=w["lens"], tag="wall")
 
 
 def _long_tree(t: install.Target) -> list[cases.Job]:
@@ -73,8 +72,7 @@ def _de_v2(t: install.Target) -> list[cases.Job]:
 NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
 CONTROLS: tuple[Control, ...] = (
     Control("context-wall-page-table", NEW, Code("0.5.23", ("pr35985-page-table-width",)), _wall,
-            frozenset({("verify", "capture"), ("verify", "replay"), ("draft_extend_v2", "capture"),
-                       ("draft_extend_v2", "replay"), ("draft_extend_v2", "replay-staged")})),
+            frozenset({("verify", "replay"), ("draft_extend_v2", "replay"), ("draft_extend_v2", "replay-staged")})),
     Control("draft-expand-unsliced-scatter", OLD, NEW, _long_tree, frozenset({("tree_draft_decode", "replay")})),
     Control("draft-extend-v2-double-count", Code("0.5.23", ("pr26512-draft-extend-v2-double-count",)), NEW, _de_v2,
             frozenset({("draft_extend_v2", "eager")})),

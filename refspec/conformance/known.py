@@ -12,7 +12,11 @@ Upstream's FA3 call passes ``page_table``, ``cache_seqlens``,
 ``cu_seqlens_q``, ``cu_seqlens_k_new`` and ``max_seqlen_q``, and ``max_seqlen_k`` only on the FA4
 static-grid path (``_decode_uses_static_max_seqlen_k``): 0.5.23
 ``flashattention_backend.py:1789`` (extend) and ``:2285`` (decode).  The kernel reads page
-``j`` of row ``b`` only for ``j < ceil(cache_seqlens[b] / P)``.
+``j`` of row ``b`` only for ``j < ceil(cache_seqlens[b] / P)``, so a table is wide enough when
+it has the kernel bound ``ceil(max_b K_b / P)`` columns (CG-008, PA-003): a ``page_table[dead]``
+difference whose upstream table is narrower than that bound (``Diff.short_table``) is never
+documented (it drops a live page: the known bug ``context-wall-page-table``), and an entry
+with ``at_bound`` documents only a width difference (``Diff.width_only``) at or above it.
 
 Line numbers are those of the files in the PyPI wheels (``sglang==0.5.23``,
 ``sglang==0.5.12.post1``); neither release records a commit id, so links go to the release tag.
@@ -52,10 +56,13 @@ class Known:
     refspec: str  #: what refspec does instead
     why: str  #: why the kernel result cannot change
     unread: str = ""  #: for a kernel-listed field: why this kernel call does not read it (a citation)
+    at_bound: bool = False  #: documents a table *width* difference only, upstream at or above the kernel bound
 
     def __post_init__(self):
         for f in self.fields:
             b = base_field(f)
+            if self.at_bound and b != "page_table[dead]":
+                raise ValueError(f"{self.key}: at_bound documents a page-table width; {f} has no width")
             if f.startswith("tree:"):
                 raise ValueError(f"{self.key}: {f} is the verify tree itself; a difference there is a bug")
             if b in KERNEL_FIELDS and not (self.phases == ("capture",) and b in REWRITTEN_AT_REPLAY) and \
@@ -102,6 +109,14 @@ KNOWN: tuple[Known, ...] = (
     Known("idle-table-width", ("page_table[dead]",), ("idle",), ("eager",), NEW, (("0.5.23", FA, 1004),),
           "a [0, 1] table",
           "upstream slices req_to_token[[], :max_context_len]: zero rows either way, no page is ever read"),
+    Known("graph-table-headroom", ("page_table[dead]",), _DECODE_MODES, ("capture", "replay", "replay-staged"), BOTH,
+          (("0.5.23", FA, 2432), ("0.5.23", FA, 196), ("0.5.12.post1", FA, 1338)),
+          "a graph table of ceil(req_to_token.shape[1] / P) columns (CG-008): req_to_token rows carry SGLang's "
+          "speculative headroom (allocation_sizing.py:96 at 0.5.23), so refspec's table is the wider one",
+          "upstream's table has ceil(max_context_len / P) columns; while that is at least the kernel bound "
+          "ceil(max_b K_b / P) every live page is in both tables and the columns past it are never read (PA-007); "
+          "below the bound it is the known bug context-wall-page-table, never this entry",
+          at_bound=True),
     Known("replay-dead-columns", ("page_table[dead]",), ("decode", "draft_decode", "verify", "draft_extend_v2"),
           ("replay", "replay-staged"), NEW, (("0.5.23", KM, 256), ("0.5.23", KM, 265), ("0.5.23", KM, 383)),
           "copies columns [0, ceil(max K / P)) of every row (graph_metadata._update_lengths), so a short "
@@ -169,7 +184,8 @@ class Bug:
     A failing row of code ``pins`` (a release, or a release plus stored patches:
     :func:`refspec.conformance.patches.patched_copy`) in ``modes`` x ``phases`` is this bug when
     every field that differs undocumented is one of ``fields`` (and at least one does), or when
-    upstream raised an error containing ``error``.  Such a row still fails (it is upstream's
+    upstream raised an error containing ``error``; a ``short_table`` bug also needs one of those
+    fields to be a page table below the kernel bound.  Such a row still fails (it is upstream's
     bug, reported with the rule); the run's verdict separates it from an unexplained failure.
     """
 
@@ -185,11 +201,18 @@ class Bug:
     status: str  #: fixed by / open PR / reverted
     what: str
 
-    def matches(self, code: str, mode: str, phase: str, undocumented: list[str], error: str | None) -> bool:
+    short_table: bool = False  #: shown only when upstream's table is below the kernel bound (a live page dropped)
+
+    def matches(self, code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
+                short: bool = False) -> bool:
+        """``undocumented``: the failing row's undocumented field names; ``short``: one of them is a
+        page table narrower than ceil(K_b / P) (``Diff.short_table``)."""
         if code not in self.pins or mode not in self.modes or phase not in self.phases:
             return False
         if error is not None:
             return bool(self.error) and self.error in error
+        if self.short_table and not short:
+            return False
         return bool(undocumented) and set(undocumented) <= set(self.fields)
 
 
@@ -210,7 +233,9 @@ BUGS: tuple[Bug, ...] = (
         "closed",
         "the graph page tables have ceil(context_len / P) columns while req_to_token rows are wider (speculative "
         "headroom): a request near the context limit (L = 61, P = 16, context 64) verifies K = L + N = 65 keys = 5 "
-        "pages, and replay writes 4: the kernel is handed a table without the request's last live page"),
+        "pages, and replay writes 4: the kernel is handed a table without the request's last live page (below "
+        "the kernel bound ceil(max_b K_b / P); a table only narrower than refspec's is graph-table-headroom)",
+        short_table=True),
     Bug("draft-expand-unsliced-scatter", "TR-018", (), OLD, ("tree_draft_decode",), ("replay",),
         ("expand:page_table[dead]",), "out of bounds",
         (("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 3017), ("0.5.23", PFT, 76), ("0.5.23", FA, 3084)),
@@ -230,15 +255,25 @@ BUGS: tuple[Bug, ...] = (
 )
 
 
-def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | None) -> Bug | None:
-    """The known upstream bug a failing row of ``code`` shows, or None (an unexplained failure)."""
-    return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error)), None)
+def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
+        short: bool = False) -> Bug | None:
+    """The known upstream bug a failing row of ``code`` shows, or None (an unexplained failure);
+    ``short``: a differing page table is below the kernel bound (:meth:`Bug.matches`)."""
+    return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error, short)), None)
 
 
-def match(pin: str, mode: str, phase: str, field: str) -> Known | None:
-    """The entry documenting ``field`` differing for (pin, mode, phase), or None."""
+def match(pin: str, mode: str, phase: str, field: str, diff=None) -> Known | None:
+    """The entry documenting ``field`` differing for (pin, mode, phase), or None.
+
+    ``diff`` (the :class:`~refspec.conformance.compare.Diff`): a page table below the kernel bound
+    (``short_table``) is never documented; an ``at_bound`` entry needs ``diff`` and a width-only
+    difference (``width_only``)."""
+    if diff is not None and diff.short_table:
+        return None
     for k in KNOWN:
         if field in k.fields and pin in k.pins and mode in k.modes and phase in k.phases:
+            if k.at_bound and (diff is None or not diff.width_only):
+                continue
             return k
     return None
 

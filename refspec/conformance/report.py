@@ -6,6 +6,7 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class Finding:
     theirs: str
     where: tuple[str, int] | None  #: (file relative to the folder holding sglang/, line) in the code under test
     url: str | None  #: permalink at the release tag, or the local file:line
+    note: str = ""  #: for an upstream exception: whether it is the page-table bound or the mode's rule
 
     @property
     def spec(self) -> str:
@@ -94,8 +96,9 @@ def find(row: Row, target=None) -> None:
             row.findings.append(Finding(ADAPTER, "cannot drive", None, "a result", row.error, None, None))
             return
         w = (m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))) if m else where(None)
-        rid = rules.rule_for(row.mode, row.phase, None)
-        row.findings.append(Finding(rid, rules.level(rid), None, "a result", row.error, w, url(w)))
+        stmt = rules.statement(os.path.join(target.site, w[0]), w[1]) if m and target is not None else ""
+        rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt)
+        row.findings.append(Finding(rid, rules.level(rid), None, "a result", row.error, w, url(w), note))
     for d in row.undocumented:
         rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
         w = where(d.field)
@@ -124,7 +127,7 @@ def finding_line(r: Row, f: Finding) -> str:
         return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
     bug = f" [known upstream bug {r.bug}]" if r.bug else ""
     if f.field is None:
-        return f"  ERROR {where}: {f.rule} ({f.level}): {f.theirs}{at}{bug}"
+        return f"  ERROR {where}: {f.rule} ({f.level}): {f.note or 'upstream exception'}: {f.theirs}{at}{bug}"
     return f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}{at}{bug}"
 
 
@@ -201,7 +204,7 @@ def markdown(out, command: str = "") -> str:
                 seen.add(key)
                 at = f"[`{f.where[0]}:{f.where[1]}`]({f.url})" if f.where and f.url and f.url.startswith("http") \
                     else (f"`{f.url}`" if f.url else "unknown line")
-                what = "upstream raised" if f.field is None else f"`{f.field}`"
+                what = f"{f.note or 'upstream exception'}" if f.field is None else f"`{f.field}`"
                 lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}"
                              f"{'' if r.step is None else f' step {r.step}'} (`{r.job}`): {what}: "
                              f"refspec `{f.ours}`, upstream `{f.theirs}`; upstream line {at}")

@@ -64,6 +64,47 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     return "CG-002" if graph else "MD-003"
 
 
+#: an upstream exception at the page-table bound: indexing past a table's columns (dimension 1)
+_BOUND = re.compile(r"^IndexError\b.*out of bounds for dimension 1\b")
+_TABLES = re.compile(r"\b(req_to_token|page_table)\b")
+
+
+def error_rule(mode: str, phase: str, error: str, statement: str = "") -> tuple[str, str]:
+    """``(rule ID, note)`` for an upstream exception of ``mode`` at ``phase``; ``statement`` is
+    the upstream source statement it was raised in (:func:`statement`).
+
+    An ``IndexError`` out of bounds for dimension 1 in a statement that indexes ``req_to_token``
+    or ``page_table`` reads a table past its width: the page-table bound, CG-008 in every phase
+    (upstream's static bound ``max_context_len`` sizes the tables and strided indices of eager and
+    graph paths alike; PA-003 is the same defect).  Any other exception keeps the mode's rule
+    (:func:`rule_for` with no field) and the note says it is an upstream exception, not a
+    compared field."""
+    if _BOUND.search(error) and _TABLES.search(statement):
+        return "CG-008", "upstream exception past a table's width (req_to_token / page_table: the page-table bound)"
+    return rule_for(mode, phase, None), "upstream exception (the mode's rule: no field was compared)"
+
+
+def statement(path: str, line: int) -> str:
+    """The source of the innermost simple statement of ``path`` holding ``line`` ('' if none)."""
+    try:
+        tree, text = _tree(path)
+    except (OSError, SyntaxError):
+        return ""
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and not hasattr(node, "body") and node.lineno <= line <= node.end_lineno:
+            if best is None or node.lineno >= best.lineno:
+                best = node
+    return "" if best is None else ast.get_source_segment(text, best) or ""
+
+
+@lru_cache(maxsize=16)
+def _tree(path: str):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return ast.parse(text), text
+
+
 def level(rule: str) -> str:
     """The rule's conformance level, as the catalogue states it now (e.g. ``upstream behaviour``)."""
     return str(RULES[rule].level)

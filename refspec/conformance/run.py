@@ -144,11 +144,12 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                 else:
                     raw = compare(ours, got, j.page_size)
                 for d in raw:
-                    k = known.match(pin, j.mode, phase, d.field)
+                    k = known.match(pin, j.mode, phase, d.field, d)
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
             report.find(row, target if not isinstance(target, str) else None)
             if not row.ok:  # a known upstream bug on this code: its rule names the row
-                b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error)
+                b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
+                              any(d.short_table for d in row.undocumented))
                 if b is not None:
                     row.bug = b.key
                     row.findings = [replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]

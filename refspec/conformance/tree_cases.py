@@ -22,8 +22,10 @@ Modes:
   page-aligned regions of TR-015 (``refspec.speculative.tree.kv``), ``out_cache_loc`` laid out
   ``[B, k, S]``.
 
-Inputs per (k, P): k in 2, 4, 8; P in 1, 4, 16, 64; S = 3; committed lengths at page
-boundaries +-1 (:func:`refspec.conformance.cases.lengths`), rows in shuffled order, pages from a
+Inputs per (k, P): k in 2, 4, 8; P in 1, 2, 4, 8, 16, 64; S = 3; committed lengths at page
+boundaries +-1 (:func:`refspec.conformance.cases.lengths`), ``req_to_token`` rows SGLang's
+speculative headroom wider than ``context_len``
+(:func:`refspec.conformance.cases.headroom`, top-k k), rows in shuffled order, pages from a
 shuffled free list; B = 3 live requests replayed in a graph of 4 (padded).
 
 An instrument: a learner reading the reference can skip this module.
@@ -56,14 +58,17 @@ def num_draft_tokens(topk: int) -> int:
 
 
 def _width(mode: str, Ls: list[int], k: int, P: int, S: int = S) -> int:
-    """req_to_token columns (= upstream ``context_len``): what the mode allocates, rounded up to 64."""
+    """Upstream's ``context_len`` (tokens): what the mode allocates, rounded up to 64;
+    ``req_to_token`` rows are SGLang's headroom wider (:func:`_cache`)."""
     need = [L + num_draft_tokens(k) for L in Ls] if mode == "tree_verify" else \
         [tree_kv.draft_alloc_len(L, k, S, P) for L in Ls]
     return -(-max(need) // 64) * 64
 
 
-def _cache(width: int, P: int, seed: int):
-    kv = KVCache(max_reqs=12, max_context=width, num_pages=width * 6 // P + 2, page_size=P, seed=seed)
+def _cache(width: int, P: int, seed: int, extra: int = 0):
+    """``req_to_token`` of ``width + extra`` columns (``extra``: SGLang's headroom,
+    :func:`refspec.conformance.cases.headroom` with this top-k), pages shuffled, B rows in shuffled order."""
+    kv = KVCache(max_reqs=12, max_context=width, extra=extra, num_pages=width * 6 // P + 2, page_size=P, seed=seed)
     taken = [kv.alloc_req() for _ in range(11)]
     g = torch.Generator().manual_seed(seed)
     rows = [taken[i] for i in torch.randperm(len(taken), generator=g)[:B].tolist()]  # shuffled rows
@@ -167,7 +172,7 @@ def _job(mode: str, k: int, P: int, seed: int, num_steps: int = S) -> cases.Job:
     N, Sd = num_draft_tokens(k), num_steps
     Ls = cases.lengths(P, B)
     width = _width(mode, Ls, k, P, Sd)
-    kv, pool, rows = _cache(width, P, seed)
+    kv, pool, rows = _cache(width, P, seed, cases.headroom(P, N, Sd, k))
     inputs = {"page_size": P, "context_len": width, "topk": k, "num_steps": Sd, "num_draft_tokens": N, "bs": BS}
     kv.alloc_extend(rows, [0] * B, Ls)
     ref: dict = {}

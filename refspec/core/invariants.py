@@ -36,8 +36,8 @@ EWC = "srt/speculative/eagle_worker_common.py"
 
 #: the one context-wall defect (CG-008 and PA-003: one level, cross-referenced)
 CONTEXT_WALL = ("at the context wall: v0.5.5 to v0.5.23 size the CUDA-graph page tables "
-                 "from context_len, narrower than the req_to_token rows, so a request near the limit replays "
-                 "without its last live page (context 64, P = 16, L = 61: K = 65 needs 5 pages, the table has 4; "
+                 "ceil(context_len / P), below the kernel bound ceil((context_len + N) / P), so a request near the "
+                 "limit replays without its last live page (context 64, P = 16, L = 61: K = 65 needs 5 pages, the table has 4; "
                  "python -m refspec conformance shows it as the known upstream bug context-wall-page-table at "
                  "v0.5.12.post1 and v0.5.23). Open fix: sglang#35985 (#29665, the same change, was closed). One "
                  "defect: CG-008 is the graph-buffer form of PA-003")
@@ -161,7 +161,7 @@ RULES: dict[str, Rule] = {
                    ALL, BOTH),
     "CG-007": Rule("replay picks the smallest captured batch size >= the live batch; larger batches run eagerly", U,
                    (sgl("srt/model_executor/cuda_graph_runner.py", V55, 756, "CudaGraphRunner.replay_prepare"),), ALL),
-    "CG-008": Rule("page-table buffers are sized from req_to_token.shape[1]; replay checks the pages fit", K,
+    "CG-008": Rule("graph page tables have at least ceil(max K_b / P) columns; replay checks the pages fit", K,
                    (_fb(1245, "FlashAttentionBackend.init_cuda_graph_state"),
                     sgl(FA3B, NEW, 2432, "FlashAttentionBackend.init_cuda_graph_state"),
                     pr(29665, "closed"), pr(35985, "open"), doc(FACTS, "page-table-columns")),
