@@ -134,3 +134,23 @@ def test_the_sweep_measures_a_release_and_writes_its_row(tmp_path):
     sweep.write_doc([e], "python -m refspec conformance --sweep", 60.0, str(doc))
     text = doc.read_text()
     assert "stale table" not in text and text.endswith("after\n") and "| 0.5.12.post1 | legacy hooks" in text
+
+
+@pytest.mark.spec("CG-008")
+def test_an_index_error_past_req_to_token_names_cg_008_and_says_it_is_upstreams_exception():
+    """The trial's setup: 0.5.23 with #35985's change (max_context_len = 320 + N = 324) on rows only
+    context_len = 320 wide (no headroom): its draft-extend metadata reads req_to_token columns up to
+    324 and raises IndexError ("index 320 is out of bounds for dimension 1 with size 320") in every
+    phase; each row names CG-008 (the page-table bound), not the mode's rule (MD-008 / CG-004)."""
+    from refspec.conformance import cases, controls
+
+    t = controls.Code("0.5.23", ("pr35985-page-table-width",)).target(log=quiet)
+    jobs = cases.build_jobs(("draft_extend_v2",), (4,), ("B3/bs4",), staged=t.shape.staged, extra=0)
+    assert jobs[0].inputs["req_to_token"].shape[1] == 320
+    rows = run.rows_for(t, jobs, run.run_worker(t, jobs)[0])
+    assert {r.phase for r in rows} == {"eager", "capture", "replay", "replay-staged"}
+    for r in rows:
+        assert r.error and r.error.startswith("IndexError") and "size 320" in r.error, r.error
+        (f,) = r.findings
+        assert f.rule == "CG-008" and f.level == str(RULES["CG-008"].level) and r.bug is None
+        assert "past a table's width" in report.finding_line(r, f) and "upstream exception" in f.note
