@@ -402,3 +402,32 @@ def test_an_upstream_index_error_past_a_tables_width_names_cg_008_otherwise_the_
     assert rid == "CG-004" and "upstream exception" in note and "mode's rule" in note
     assert rules.error_rule("verify", "replay", "KeyError at sglang/x.py:9: 'x'", stmt)[0] == "CG-002"
     assert rules.error_rule("verify", "eager", err.replace("dimension 1", "dimension 0"), stmt)[0] == "MD-011"
+
+
+def test_the_report_links_absolute_under_a_base_url_else_the_repository_blob_else_says_relative(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from refspec.conformance import report
+    from refspec.conformance.report import find, markdown
+
+    row = Row("0.5.23", "verify/P4/a", "verify", 4, "a", "replay", None, [Diff("cu_seqlens_q", "[0, 4]", "[0, 1]")])
+    find(row)
+    out = NS(rows=[row])
+    md = markdown(out, base_url="https://example.org/refspec/blob/v1/")
+    assert "[CG-002](https://example.org/refspec/blob/v1/docs/spec/graphs.md#cg-002)" in md
+    assert "under https://example.org/refspec/blob/v1 (--base-url" in md.splitlines()[-1]
+    monkeypatch.setattr(report, "repository_url", lambda: "https://github.com/refspec/refspec")
+    md = markdown(out)
+    assert "[CG-002](https://github.com/refspec/refspec/blob/main/docs/spec/graphs.md#cg-002)" in md
+    monkeypatch.setattr(report, "repository_url", lambda: "")
+    md = markdown(out)
+    assert "[CG-002](docs/spec/graphs.md#cg-002)" in md and "repository-relative" in md.splitlines()[-1]
+
+
+def test_the_repository_url_is_the_one_pyproject_declares():
+    import tomllib
+
+    from refspec.conformance.report import repository_url
+
+    declared = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]["urls"]
+    assert repository_url() == declared["Repository"]

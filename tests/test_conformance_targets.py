@@ -108,7 +108,9 @@ def test_a_failing_row_names_the_rule_its_level_and_a_real_upstream_line(new, tm
     ks = {f.rule for r in rows for f in r.findings if f.field == "cache_seqlens_int32"}
     assert ks == {"MD-008"}
     md = report.markdown(out, "python -m refspec conformance --sglang 0.5.23 --variant de-v2-k-double-count")
-    assert "[MD-008](docs/spec/metadata.md#md-008)" in md and "upstream behaviour" in md
+    # no --base-url: the spec links go to this repository's blob (pyproject's Repository URL), as the footer says
+    assert "[MD-008](https://github.com/refspec/refspec/blob/main/docs/spec/metadata.md#md-008)" in md
+    assert "upstream behaviour" in md and "package metadata" in md.splitlines()[-1]
     assert "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/" in md
 
 

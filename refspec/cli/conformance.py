@@ -19,6 +19,7 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from refspec.cli._args import PROG, ArgumentParser, CLIError, choice_list, int_list, run
@@ -45,6 +46,9 @@ def _main(argv) -> int:
                          "sglang/srt/debug_utils/pr_fix_toggle.py, e.g. 27360)")
     ap.add_argument("--report", metavar="FILE.md", default=None,
                     help="also write the failures as a Markdown review comment (rules, values, upstream lines)")
+    ap.add_argument("--base-url", default=os.environ.get("REFSPEC_DOCS_URL", ""), metavar="URL",
+                    help="put URL in front of the report's docs/spec links (default $REFSPEC_DOCS_URL, else this "
+                         "repository's GitHub blob when its URL is known, else repo-relative)")
     ap.add_argument("--sweep", action="store_true",
                     help="run every release from 0.4.4.post2 to 0.5.23 and write the rule x release table "
                          "into docs/versions.md (slow: make sweep)")
@@ -87,7 +91,7 @@ def _main(argv) -> int:
     print(conformance.render(out, ns.verbose))
     if ns.report:
         with open(ns.report, "w") as f:
-            f.write(report.markdown(out, " ".join(["python -m refspec conformance", *argv])) + "\n")
+            f.write(report.markdown(out, " ".join(["python -m refspec conformance", *argv]), ns.base_url) + "\n")
         print(f"wrote {ns.report}")
     sys.stdout.flush()
     return 0 if not out.unexplained else 1

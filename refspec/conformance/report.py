@@ -162,9 +162,41 @@ def table(rows: list[Row], pin: str, verbose: bool = False, target=None, limit: 
     return "\n".join(lines + out)
 
 
-def markdown(out, command: str = "") -> str:
+def repository_url() -> str:
+    """This repository's URL as refspec's package metadata states it (``Project-URL: Repository``
+    from ``pyproject.toml``), or '' when none is recorded."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        urls = metadata("refspec").get_all("Project-URL") or []
+    except PackageNotFoundError:
+        return ""
+    return next((u.split(",", 1)[1].strip() for u in urls if u.split(",", 1)[0].strip() == "Repository"), "")
+
+
+def docs_base(base_url: str = "") -> tuple[str, str]:
+    """``(prefix, how)`` for the spec links of a report: ``base_url`` (``--base-url`` /
+    ``$REFSPEC_DOCS_URL``, as ``cite`` takes it); else the GitHub blob of this repository's
+    ``main`` when its URL is known (:func:`repository_url`); else '' (repo-relative links);
+    ``how`` is the footer sentence saying which."""
+    if base_url:
+        return base_url.rstrip("/"), f"spec links are under {base_url.rstrip('/')} (--base-url / $REFSPEC_DOCS_URL)"
+    repo = repository_url()
+    if repo.startswith("https://github.com/"):
+        return f"{repo.rstrip('/')}/blob/main", (f"spec links go to {repo.rstrip('/')}/blob/main (the repository "
+                                                 "URL in refspec's package metadata; --base-url URL overrides)")
+    return "", ("spec links are repository-relative (docs/spec/...): no repository URL is known; pass --base-url "
+                "URL or set $REFSPEC_DOCS_URL for absolute links")
+
+
+def markdown(out, command: str = "", base_url: str = "") -> str:
     """A review comment: per target, the rules broken (ID, level, spec link), then each distinct
-    finding with both values and the upstream line (a permalink for a release)."""
+    finding with both values and the upstream line (a permalink for a release).  Spec links are
+    absolute per :func:`docs_base` (``base_url``: ``--base-url`` / ``$REFSPEC_DOCS_URL``); the
+    footer says where they point."""
+    from refspec.cli.cite import spec_link
+
+    base, how = docs_base(base_url)
     lines = ["### refspec conformance", ""]
     if command:
         lines += [f"`{command}`", ""]
@@ -192,7 +224,7 @@ def markdown(out, command: str = "") -> str:
         for rid, items in sorted(by_rule.items()):
             f0 = items[0][1]
             fields = sorted({f.field or "upstream error" for _, f in items})
-            lines.append(f"| [{rid}]({f0.spec}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
+            lines.append(f"| [{rid}]({spec_link(rid, base)}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
                          f"{', '.join(fields)} |")
         lines.append("")
         seen = set()
@@ -214,6 +246,7 @@ def markdown(out, command: str = "") -> str:
         lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in sorted(by_rule)) +
                      " (`python -m refspec cite ID` prints each rule with its sources).")
         lines.append("")
+    lines.append(f"<sub>{how[0].upper()}{how[1:]}.</sub>")
     return "\n".join(lines)
 
 
