@@ -39,6 +39,18 @@ def call(fn, **kw):
     return fn(**{p.name: kw[p.name] for p in params if p.name in kw})
 
 
+def _built(backend, phase: str):
+    """The fields of ``backend.forward_metadata`` after a graph hook, or, where the hook left it
+    None (0.5.6's replay hook starts from ``metadata = None`` and has no DRAFT_EXTEND_V2 branch:
+    ``is_draft_extend()`` excludes v2), that upstream fact as the phase's error text."""
+    if backend.forward_metadata is None:
+        hook = "init_forward_metadata_capture_cuda_graph" if phase == "capture" else \
+            "init_forward_metadata_replay_cuda_graph"
+        return (f"NoMetadata: upstream's {hook} left forward_metadata None for this mode (none of its "
+                f"branches handles it)")
+    return uc.fields(backend.forward_metadata)
+
+
 def _server_args(ServerArgs, **over):
     sa = ServerArgs.__new__(ServerArgs)
     for f in dataclasses.fields(ServerArgs):
@@ -146,7 +158,7 @@ class Upstream:
             call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
                  req_pool_indices=cap.req_pool_indices, seq_lens=cap.seq_lens, encoder_lens=None,
                  forward_mode=cap.forward_mode, spec_info=cap.spec_info)
-        out.update({("capture", s): uc.fields(b.forward_metadata) for s, b in steps})
+        out.update({("capture", s): _built(b, "capture") for s, b in steps})
         if multi:
             be.init_forward_metadata_replay_cuda_graph(rep, bs)
         else:
@@ -154,4 +166,4 @@ class Upstream:
                  seq_lens=rep.seq_lens, seq_lens_sum=rep.seq_lens_sum, encoder_lens=None,
                  forward_mode=rep.forward_mode, spec_info=rep.spec_info, seq_lens_cpu=rep.seq_lens_cpu,
                  out_cache_loc=rep.out_cache_loc)
-        out.update({("replay", s): uc.fields(b.forward_metadata) for s, b in steps})
+        out.update({("replay", s): _built(b, "replay") for s, b in steps})
