@@ -147,7 +147,8 @@ def for_importers(statements: dict) -> None:
     A statement of module ``importer`` (by its ``__name__``) is stubbed when every name it asks
     for is listed for that importer: ``from vllm import _custom_ops`` asks for
     ``vllm._custom_ops``, ``from vllm.a.b import X, Y`` for ``vllm.a.b.X`` and ``vllm.a.b.Y``,
-    ``import vllm.a`` for ``vllm.a``.  It then gets a :class:`StubModule` (not entered in
+    ``import vllm.a`` for ``vllm.a``; a listed ``vllm.a.*`` covers every name below ``vllm.a``.
+    It then gets a :class:`StubModule` (not entered in
     ``sys.modules``).  Any other statement, of that module or any other, goes to the real import
     system, so a probe (``try: import vllm ... except ImportError``) still finds the package
     absent.  Wraps ``builtins.__import__`` (the worker subprocess only).
@@ -160,7 +161,7 @@ def for_importers(statements: dict) -> None:
         if level == 0 and name.split(".")[0] in roots:
             ok = allowed.get((globals or {}).get("__name__"), ())
             asked = [f"{name}.{f}" for f in fromlist] if fromlist else [name]
-            if ok and all(a in ok for a in asked):
+            if ok and all(a in ok or any(o.endswith(".*") and a.startswith(o[:-1]) for o in ok) for a in asked):
                 if _ARMED:
                     _used(f"import of {name}")
                 _HANDED_OUT.update(asked)

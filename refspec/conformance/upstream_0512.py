@@ -68,8 +68,11 @@ def _server_args(ServerArgs, **over):
 class Upstream:
     def __init__(self, site: str, shape):
         uc.prepare(site)
-        import sglang.srt.layers.attention.flashattention_backend as fa
+        # the model config first, as the server imports it before any attention backend: it imports
+        # layers/quantization, whose 0.4.5 __init__ imports vocab_parallel_embedding back (a circular
+        # import when the backend's chain reaches vocab_parallel_embedding first)
         from sglang.srt.configs.model_config import AttentionArch
+        import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         import sglang.srt.server_args as server_args
 

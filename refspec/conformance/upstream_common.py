@@ -32,12 +32,13 @@ ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq",
 #: the unguarded non-CUDA fallbacks of 0.4.x .. 0.5.3 (``layers/layernorm.py`` /
 #: ``layers/activation.py``: vllm's RMSNorm / SiluAndMul; 0.4.x ``layers/rotary_embedding.py``,
 #: ``layers/quantization/{fp8,utils}.py``, ``compressed_tensors_moe.py``, ``moe/fused_moe_triton/fused_moe.py``,
-#: ``moe/ep_moe/layer.py``: ``from vllm import _custom_ops``), never called on the metadata path.
+#: ``moe/ep_moe/layer.py``: ``from vllm import _custom_ops`` / ``from vllm._custom_ops import ...``), never
+#: called on the metadata path.
 #: Every other ``vllm`` import still finds no vllm, so a probe keeps its ImportError path (e.g.
 #: ``layers/quantization/__init__.py``'s ``try: from vllm... except ImportError``, 0.4.x
 #: ``fp8_utils.py``'s ``try: import vllm``, 0.5.x ``marlin_utils.py``)
 _L = "sglang.srt.layers."
-_OPS = {"vllm._custom_ops"}
+_OPS = {"vllm._custom_ops", "vllm._custom_ops.*"}  # (also ``from vllm._custom_ops import scaled_fp8_quant``)
 VLLM_IMPORTS = {
     _L + "layernorm": {"vllm.model_executor.layers.layernorm.RMSNorm",
                        "vllm.model_executor.layers.layernorm.GemmaRMSNorm"},
