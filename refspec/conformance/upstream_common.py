@@ -147,6 +147,8 @@ def spec_info(mode: str, d: dict, num_draft_tokens: int):
     draft = mode in DRAFT_MODES
     ns = NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=None, ragged_verify_layout=None,
             num_tokens_per_req={"draft_decode": 1, "verify": num_draft_tokens}.get(mode, num_draft_tokens))
+    if mode == "verify":
+        ns.draft_token_num = num_draft_tokens  # (EagleVerifyInput's field; 0.4.5 reads it on the verify path)
     if mode == "draft_extend":
         ns.num_accept_tokens, ns.num_accept_tokens_cpu = d["num_accept_tokens"], d["num_accept_tokens_cpu"]
     if mode == "draft_extend_v2":
