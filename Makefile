@@ -51,13 +51,14 @@ mutation:
 # patched copies for the known-bug controls into .conformance-patched/)
 conformance: venv
 	$(PY) -m refspec conformance
-	$(PY) -m pytest -q -m conformance tests/test_conformance_upstream.py tests/test_conformance_targets.py \
+	$(PY) -m pytest -q -m "conformance and not releases" tests/test_conformance_upstream.py tests/test_conformance_targets.py \
 		tests/test_conformance_controls.py
 
 # every release with the FA3 backend (0.4.4.post2 .. 0.5.23), one worker at a time; rewrites the
 # measured table of docs/versions.md (CPU-heavy: about 40 minutes on 2 cores; not part of CI)
 sweep: venv
 	$(PY) -m refspec conformance --sweep
+	$(PY) -m pytest -q -m releases tests/test_conformance_targets.py
 
 # executes the tutorials while building, so their pages show outputs and figures (a few
 # minutes: 05 and 06 load the real model); make test's strict build does not execute them

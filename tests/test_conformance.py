@@ -166,6 +166,53 @@ def test_stubs_hand_out_placeholders_at_import_and_raise_at_run_time():
     assert proc.stdout.split()[0] == "ok" and int(proc.stdout.split()[1]) >= 3
 
 
+def test_scoped_stubs_serve_only_the_listed_statements_of_the_listed_modules(tmp_path):
+    """``stubs.for_importers`` (the 0.4.x .. 0.5.3 ``vllm`` fallbacks): the listed statement of the
+    listed module gets a stub; a probe in that same module, and the same statement in another
+    module, still find the package absent (ImportError), so upstream's ``except ImportError``
+    paths run as on a machine without it; at run time even the listed statement raises."""
+    pkg = tmp_path / "fakesg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "norm.py").write_text(textwrap.dedent("""
+        from refspec_absent_lib.layers.norm import RMSNorm          # listed: a stub
+        try:
+            import refspec_absent_lib                                # a probe, not listed
+            HAVE = True
+        except ImportError:
+            HAVE = False
+    """))
+    (pkg / "other.py").write_text("from refspec_absent_lib.layers.norm import RMSNorm\n")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from refspec.conformance import stubs
+        stubs.for_importers({{"fakesg.norm": {{"refspec_absent_lib.layers.norm.RMSNorm"}}}})
+        import fakesg.norm as n
+        assert n.HAVE is False, "the probe found the stubbed package"
+        assert "refspec_absent_lib" not in sys.modules
+        try:
+            import fakesg.other
+            raise SystemExit("an unlisted importer got the stub")
+        except ModuleNotFoundError:
+            pass
+        stubs.arm()
+        try:
+            n.RMSNorm()
+            raise SystemExit("calling the stub did not raise")
+        except stubs.StubUsed:
+            pass
+        sys.modules.pop("fakesg.norm")
+        try:
+            import fakesg.norm
+            raise SystemExit("the listed statement did not raise at run time")
+        except stubs.StubUsed:
+            print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr + proc.stdout
+
+
 def test_the_docs_page_reprints_every_documented_difference_with_its_links():
     page = (Path(__file__).parent.parent / "docs" / "conformance.md").read_text()
     for k in known.KNOWN:

@@ -156,3 +156,48 @@ def test_an_index_error_past_req_to_token_names_cg_008_and_says_it_is_upstreams_
         (f,) = r.findings
         assert f.rule == "CG-008" and f.level == str(RULES["CG-008"].level) and r.bug is None
         assert "past a table's width" in report.finding_line(r, f) and "upstream exception" in f.note
+
+
+#: (release, modes, page size, what the selection exercises) -- one small selection per adapter gap
+#: the sweep found (issue 21 item 5); each release is installed like any ``--sglang`` release
+OLD_RELEASES = (
+    ("0.4.4.post2", ("extend_prefix",), 1),  # vllm fallbacks, flash_attn_interface, extend_prefix_lens
+    ("0.5.1", ("draft_decode", "draft_extend"), 1),  # S - 1 draft steps, typed spec_info, accept_length names
+    ("0.5.6", ("decode", "draft_extend_v2"), 1),  # is_hybrid_swa; no DRAFT_EXTEND_V2 replay branch
+    ("0.5.13", ("decode",), 1),  # graph hooks without runtime_context.py
+    ("0.5.16", ("decode",), 1),  # model_runner.server_args beside the runtime-context override
+    ("0.5.19", ("tree_verify",), 1),  # the tree dispatch by platform flags
+)
+
+
+#: the sample make conformance (CI) runs; the rest run under ``make sweep`` (marker ``releases``)
+CI_SAMPLE = ("0.5.1", "0.5.16")
+
+
+@pytest.mark.parametrize("version,modes,P", [pytest.param(*r, marks=() if r[0] in CI_SAMPLE else pytest.mark.releases)
+                                             for r in OLD_RELEASES], ids=[r[0] for r in OLD_RELEASES])
+def test_old_releases_are_driven_by_the_adapter_their_shape_picks(version, modes, P):
+    t = install.resolve(version, log=quiet)
+    out = run.run(sglang=[t], page_sizes=(P,), modes=modes, topks=(2,), log=quiet)
+    rows = out.rows
+    assert rows and {r.mode for r in rows} == set(modes)
+    gaps = [(r.job, r.phase, f.theirs) for r in rows for f in r.findings if f.rule == report.ADAPTER]
+    assert not gaps, gaps  # every row is upstream's own result, never refspec's adapter failing
+    by_mode = {m: [r for r in rows if r.mode == m] for m in modes}
+    if version == "0.4.4.post2":
+        assert all(r.error is None for r in rows)  # eager extend with a prefix built by upstream
+    if version == "0.5.1":
+        # v1 draft extend under the old names: n + 1 on the device, n on the host (a wrong mapping
+        # differs on cu_seqlens_q / max_seq_len_q); draft decode: steps 0 .. S - 2, all equal
+        assert all(r.ok for r in by_mode["draft_extend"]), [r.findings for r in by_mode["draft_extend"] if not r.ok]
+        assert all(r.ok for r in by_mode["draft_decode"])
+        assert {0, 1} <= {r.step for r in by_mode["draft_decode"]}  # num_steps 3: steps 0, 1 (no unused S-th)
+    if version == "0.5.6":
+        assert all(r.ok for r in by_mode["decode"])
+        replay = [r for r in by_mode["draft_extend_v2"] if r.phase == "replay"]
+        assert replay and all(r.error and r.error.startswith("NoMetadata:") for r in replay)
+        assert {f.rule for r in replay for f in r.findings} == {"CG-004"}
+    if version in ("0.5.13", "0.5.16"):
+        assert all(r.error is None for r in rows)
+    if version == "0.5.19":
+        assert all(r.ok for r in rows), [r.findings for r in rows if not r.ok]

@@ -71,7 +71,7 @@ ADAPTERS = {
                                   "init_forward_metadata_in_graph"),
         "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_out_graph",
                                            "init_forward_metadata_in_graph")},
-        ("sglang/srt/runtime_context.py",)),
+        ()),
     "legacy": ("refspec.conformance.upstream_0512", {
         "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state",
                                   "init_forward_metadata_capture_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"

@@ -22,6 +22,7 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import builtins
 import importlib.abc
 import importlib.machinery
 import sys
@@ -138,6 +139,36 @@ def install(roots) -> None:
     raising placeholder on every machine, whatever else is installed.
     """
     sys.meta_path.insert(0, _StubFinder(set(roots)))
+
+
+def for_importers(statements: dict) -> None:
+    """Stub single import statements of named modules: ``{importer: {dotted name, ...}}``.
+
+    A statement of module ``importer`` (by its ``__name__``) is stubbed when every name it asks
+    for is listed for that importer: ``from vllm import _custom_ops`` asks for
+    ``vllm._custom_ops``, ``from vllm.a.b import X, Y`` for ``vllm.a.b.X`` and ``vllm.a.b.Y``,
+    ``import vllm.a`` for ``vllm.a``; a listed ``vllm.a.*`` covers every name below ``vllm.a``.
+    It then gets a :class:`StubModule` (not entered in
+    ``sys.modules``).  Any other statement, of that module or any other, goes to the real import
+    system, so a probe (``try: import vllm ... except ImportError``) still finds the package
+    absent.  Wraps ``builtins.__import__`` (the worker subprocess only).
+    """
+    allowed = {k: frozenset(v) for k, v in statements.items()}
+    roots = {n.split(".")[0] for v in allowed.values() for n in v}
+    real = builtins.__import__
+
+    def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] in roots:
+            ok = allowed.get((globals or {}).get("__name__"), ())
+            asked = [f"{name}.{f}" for f in fromlist] if fromlist else [name]
+            if ok and all(a in ok or any(o.endswith(".*") and a.startswith(o[:-1]) for o in ok) for a in asked):
+                if _ARMED:
+                    _used(f"import of {name}")
+                _HANDED_OUT.update(asked)
+                return StubModule(name if fromlist else name.split(".")[0])
+        return real(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped_import
 
 
 def replace_module(name: str) -> None:

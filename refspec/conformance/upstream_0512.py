@@ -39,6 +39,18 @@ def call(fn, **kw):
     return fn(**{p.name: kw[p.name] for p in params if p.name in kw})
 
 
+def _built(backend, phase: str):
+    """The fields of ``backend.forward_metadata`` after a graph hook, or, where the hook left it
+    None (0.5.6's replay hook starts from ``metadata = None`` and has no DRAFT_EXTEND_V2 branch:
+    ``is_draft_extend()`` excludes v2), that upstream fact as the phase's error text."""
+    if backend.forward_metadata is None:
+        hook = "init_forward_metadata_capture_cuda_graph" if phase == "capture" else \
+            "init_forward_metadata_replay_cuda_graph"
+        return (f"NoMetadata: upstream's {hook} left forward_metadata None for this mode (none of its "
+                f"branches handles it)")
+    return uc.fields(backend.forward_metadata)
+
+
 def _server_args(ServerArgs, **over):
     sa = ServerArgs.__new__(ServerArgs)
     for f in dataclasses.fields(ServerArgs):
@@ -56,8 +68,11 @@ def _server_args(ServerArgs, **over):
 class Upstream:
     def __init__(self, site: str, shape):
         uc.prepare(site)
-        import sglang.srt.layers.attention.flashattention_backend as fa
+        # the model config first, as the server imports it before any attention backend: it imports
+        # layers/quantization, whose 0.4.5 __init__ imports vocab_parallel_embedding back (a circular
+        # import when the backend's chain reaches vocab_parallel_embedding first)
         from sglang.srt.configs.model_config import AttentionArch
+        import sglang.srt.layers.attention.flashattention_backend as fa
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         import sglang.srt.server_args as server_args
 
@@ -66,6 +81,8 @@ class Upstream:
         # older releases read the server args from the model runner only (no global to publish)
         self.ServerArgs = server_args.ServerArgs
         self.publish = getattr(server_args, "set_global_server_args_for_scheduler", lambda sa: None)
+        #: the backend reads v1 draft extend's accepted counts under their old names (0.5.x before #23962)
+        self.accept_length = "spec_info.accept_length" in inspect.getsource(fa)
         self.kernels = {n: uc.interpreted(getattr(fa, n)) for n in
                         ("_fused_metadata_kernel_general", "_fused_metadata_kernel_ps1_no_swa") if hasattr(fa, n)}
 
@@ -90,21 +107,53 @@ class Upstream:
                 model_config=uc.model_config(job["context_len"], self.arch.MHA),
                 device="cpu", req_to_token_pool=rows, token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None,
                 page_size=P, attn_cp_size=1, tp_size=1, attention_chunk_size=None,
-                is_hybrid=False)  # (<= 0.5.5: the hybrid-SWA flag on the runner)
+                is_hybrid=False, is_hybrid_swa=False)  # (<= 0.5.5: is_hybrid, 0.5.6: is_hybrid_swa)
         multi = mode == "draft_decode"
         be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
             self.fa.FlashAttentionBackend(mr)
-        steps = list(enumerate(be.attn_backends)) if multi else [(None, be)]
+        steps = uc.draft_steps(be, Sd) if multi else [(None, be)]
 
         def fb(phase):
-            return uc.forward_batch(self.FM, mode, job[phase], N, req_to_token_pool=rows)
+            b = uc.forward_batch(self.FM, mode, job[phase], N, req_to_token_pool=rows)
+            b.spec_info = self.typed(b.spec_info, mode)
+            return b
 
         be.init_forward_metadata(fb("eager"))
         out = {("eager", s): uc.fields(b.forward_metadata) for s, b in steps}
         if "bs" not in job:
             return out
+        try:
+            self._graph(be, multi, job, fb, steps, out)
+        except Exception as e:  # noqa: BLE001 -- that phase's own upstream error; the earlier phases' results stand
+            from refspec.conformance.worker import describe
+
+            out.update({(ph, s): describe(e) for ph in ("capture", "replay") for s, _ in steps
+                        if (ph, s) not in out})
+        return out
+
+    def typed(self, ns, mode: str):
+        """``spec_info`` as an instance of upstream's own class (``EagleDraftInput`` /
+        ``EagleVerifyInput``) where the backend module names one: the 0.4.x multi-step capture
+        asserts ``isinstance(forward_batch.spec_info, EagleDraftInput)``.  Only the namespace's
+        fields are set (no ``__init__``: its other fields keep their class defaults)."""
+        if ns is not None and mode == "draft_extend" and self.accept_length:
+            # the names before the rename to num_accept_tokens (MD-009 lists it): at draft extend the device
+            # ``accept_length`` already holds n + 1 (``self.accept_length.add_(1)``), the host list
+            # ``accept_length_cpu`` still n (``extend_lens = [x + 1 for x in accept_length_cpu]``):
+            # EagleDraftInput.prepare_extend_after_decode, v0.5.1 speculative/eagle_utils.py#L130-L138
+            ns.accept_length = ns.num_accept_tokens
+            ns.accept_length_cpu = [int(x) - 1 for x in ns.num_accept_tokens_cpu]
+        cls = getattr(self.fa, "EagleDraftInput" if mode in uc.DRAFT_MODES else "EagleVerifyInput", None)
+        if ns is None or not isinstance(cls, type):
+            return ns
+        obj = cls.__new__(cls)
+        obj.__dict__.update(vars(ns))
+        return obj
+
+    def _graph(self, be, multi, job, fb, steps, out) -> None:
+        """Capture then replay (legacy hooks), each phase's fields into ``out``."""
         bs = job["bs"]
-        be.init_cuda_graph_state(bs, job["capture"]["num_tokens"])
+        call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=job["capture"]["num_tokens"])  # (0.4.x: max_bs)
         cap, rep = fb("capture"), fb("replay")
         if multi:
             be.init_forward_metadata_capture_cuda_graph(cap)
@@ -112,7 +161,7 @@ class Upstream:
             call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
                  req_pool_indices=cap.req_pool_indices, seq_lens=cap.seq_lens, encoder_lens=None,
                  forward_mode=cap.forward_mode, spec_info=cap.spec_info)
-        out.update({("capture", s): uc.fields(b.forward_metadata) for s, b in steps})
+        out.update({("capture", s): _built(b, "capture") for s, b in steps})
         if multi:
             be.init_forward_metadata_replay_cuda_graph(rep, bs)
         else:
@@ -120,5 +169,4 @@ class Upstream:
                  seq_lens=rep.seq_lens, seq_lens_sum=rep.seq_lens_sum, encoder_lens=None,
                  forward_mode=rep.forward_mode, spec_info=rep.spec_info, seq_lens_cpu=rep.seq_lens_cpu,
                  out_cache_loc=rep.out_cache_loc)
-        out.update({("replay", s): uc.fields(b.forward_metadata) for s, b in steps})
-        return out
+        out.update({("replay", s): _built(b, "replay") for s, b in steps})

@@ -23,6 +23,12 @@ from refspec.conformance import upstream_common as uc
 from refspec.conformance.upstream_0512 import _server_args, call
 
 
+def installed(ctx, override):
+    """Install ``override`` (``RuntimeContext.override_server_args``) and return the ServerArgs now
+    in force: ``install()``'s return value, or the context's ``server_args`` where it returns none."""
+    sa = override.install()
+    return sa if sa is not None else ctx.server_args
+
 
 class Upstream:
     def __init__(self, site: str, shape):
@@ -30,8 +36,11 @@ class Upstream:
 
         uc.prepare(site)
         import sglang.srt.layers.attention.flashattention_backend as fa
-        import sglang.srt.runtime_context as runtime_context
         import sglang.srt.server_args as server_args
+        try:  # 0.5.14 on; 0.5.13 has the graph hooks but publishes server args only through server_args.py
+            import sglang.srt.runtime_context as runtime_context
+        except ModuleNotFoundError:
+            runtime_context = None
         from sglang.srt.configs.model_config import AttentionArch
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         try:  # 0.5.20 on; older graph-hook releases read model_runner.server_args and build no translator
@@ -48,7 +57,7 @@ class Upstream:
         uc.finish_imports()
         self.fa, self.FM, self.arch = fa, ForwardMode, AttentionArch
         self.translator = KVIndexTranslator
-        ctx = runtime_context.get_context()
+        ctx = runtime_context.get_context() if runtime_context else None
         self.context = runtime_context.get_context if hasattr(ctx, "override_server_args") else None
         self.ServerArgs = server_args.ServerArgs
         self.publish = getattr(server_args, "set_global_server_args_for_scheduler", lambda sa: None)
@@ -58,17 +67,18 @@ class Upstream:
     def info(self) -> dict:
         return {"replay kernels in Triton's interpreter": self.kernels, **(self.tree.info() if self.tree else {})}
 
-    def _runner(self, R, P: int, ctx: int, draft: bool, sa=None):
-        """The model-runner namespace; ``sa``: the ServerArgs of a release that reads
-        ``model_runner.server_args`` (no ``runtime_context`` override), else None."""
+    def _runner(self, R, P: int, ctx: int, draft: bool, sa):
+        """The model-runner namespace; ``sa``: the ServerArgs in force (the one published, or the
+        one ``override_server_args`` installed), carried as ``model_runner.server_args`` too, since
+        releases with the runtime-context override still read that field (0.5.16 .. 0.5.18
+        ``FlashAttentionBackend.__init__``: ``model_runner.server_args.kv_cache_dtype``)."""
         pool = uc.KVPoolStub()
         rows = NS(req_to_token=R, size=R.shape[0] - 1)
         mr = NS(sliding_window_size=None, model_config=uc.model_config(ctx, self.arch.MHA), device="cpu",
                 req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
                 page_size=P, is_draft_worker=draft, attention_chunk_size=None, attn_cp_size=1, tp_size=1,
-                is_hybrid=False, ps=NS(attn_cp_size=1, tp_size=1))  # (0.5.16 on: model_runner.ps.attn_cp_size)
-        if sa is not None:
-            mr.server_args = sa
+                is_hybrid=False, ps=NS(attn_cp_size=1, tp_size=1),  # (0.5.16 on: model_runner.ps.attn_cp_size)
+                server_args=sa)
         if self.translator is not None:
             mr.kv_index_translator = call(self.translator, req_to_token=R, token_to_kv_pool_allocator=None,
                                           token_to_kv_pool=pool, page_size=P, device="cpu", is_draft_worker=draft)
@@ -85,9 +95,8 @@ class Upstream:
             self.sa = _server_args(self.ServerArgs, **over)
             self.publish(self.sa)
             return self._run(job, mode, P, N, Sd)
-        self.sa = None
         override = self.context().override_server_args(**over)
-        override.install()
+        self.sa = installed(self.context(), override)
         try:
             return self._run(job, mode, P, N, Sd)
         finally:
@@ -98,7 +107,7 @@ class Upstream:
         multi = mode == "draft_decode"
         be = self.fa.FlashAttentionMultiStepBackend(mr, topk=1, speculative_num_steps=Sd) if multi else \
             self.fa.FlashAttentionBackend(mr)
-        steps = list(enumerate(be.attn_backends)) if multi else [(None, be)]
+        steps = uc.draft_steps(be, Sd) if multi else [(None, be)]
         out = {}
         be.init_forward_metadata(uc.forward_batch(self.FM, mode, job["eager"], N))
         out.update({("eager", s): uc.fields(b.forward_metadata) for s, b in steps})

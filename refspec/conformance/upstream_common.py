@@ -23,10 +23,31 @@ from refspec.conformance import stubs
 ABSENT = ("orjson", "psutil", "pybase64", "requests", "PIL", "starlette", "zmq", "tqdm", "IPython", "aiohttp",
           "transformers", "torchvision", "tvm_ffi", "huggingface_hub", "sentencepiece", "safetensors",
           "compressed_tensors", "regex", "gguf", "openai", "partial_json_parser", "einops", "sgl_kernel",
+          "flash_attn_interface",  # 0.4.4.x: the FA3 kernels, imported by the backend, never called here
           # the server stack older releases import at module level (0.4.6 .. 0.5.x ``srt/utils.py``: fastapi, ...)
           "fastapi", "uvicorn", "uvloop", "setproctitle", "interegular", "outlines", "xgrammar", "llguidance", "decord",
           "jinja2", "jsonschema", "httpx", "urllib3", "grpc", "grpc_health", "grpc_reflection", "polars", "google",
-          "openai_harmony", "filelock")  # not vllm: a vllm stub breaks the imports of 0.4.x .. 0.5.3
+          "openai_harmony", "filelock")  # not vllm as a whole: see VLLM_IMPORTS
+#: the single ``vllm`` import statements stubbed (:func:`stubs.for_importers`), by importing module:
+#: the unguarded non-CUDA fallbacks of 0.4.x .. 0.5.3 (``layers/layernorm.py`` /
+#: ``layers/activation.py``: vllm's RMSNorm / SiluAndMul; 0.4.x ``layers/rotary_embedding.py``,
+#: ``layers/quantization/{fp8,utils}.py``, ``compressed_tensors_moe.py``, ``moe/fused_moe_triton/fused_moe.py``,
+#: ``moe/ep_moe/layer.py``: ``from vllm import _custom_ops`` / ``from vllm._custom_ops import ...``), never
+#: called on the metadata path.
+#: Every other ``vllm`` import still finds no vllm, so a probe keeps its ImportError path (e.g.
+#: ``layers/quantization/__init__.py``'s ``try: from vllm... except ImportError``, 0.4.x
+#: ``fp8_utils.py``'s ``try: import vllm``, 0.5.x ``marlin_utils.py``)
+_L = "sglang.srt.layers."
+_OPS = {"vllm._custom_ops", "vllm._custom_ops.*"}  # (also ``from vllm._custom_ops import scaled_fp8_quant``)
+VLLM_IMPORTS = {
+    _L + "layernorm": {"vllm.model_executor.layers.layernorm.RMSNorm",
+                       "vllm.model_executor.layers.layernorm.GemmaRMSNorm"},
+    _L + "activation": {"vllm.model_executor.layers.activation.SiluAndMul",
+                        "vllm.model_executor.layers.activation.GeluAndMul"},
+    **{_L + m: _OPS for m in ("rotary_embedding", "quantization.fp8", "quantization.utils",
+                              "quantization.compressed_tensors.compressed_tensors_moe",
+                              "moe.fused_moe_triton.fused_moe", "moe.ep_moe.layer")},
+}
 #: sglang modules whose class bodies need the real pydantic / openai types; never imported by
 #: the metadata path itself, only pulled in through ``sglang.srt.server_args``'s imports
 REPLACED = ("sglang.srt.entrypoints.openai.protocol", "sglang.srt.parser.reasoning_parser")
@@ -45,6 +66,7 @@ def prepare(site: str) -> None:
         raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is imported (replay kernels run "
                            "in Triton's interpreter on CPU)")
     stubs.install(ABSENT)
+    stubs.for_importers(VLLM_IMPORTS)
     _old_release_shims()
     stubs.bare_package("sglang", os.path.join(site, "sglang"))
     for name in REPLACED:
@@ -125,6 +147,8 @@ def spec_info(mode: str, d: dict, num_draft_tokens: int):
     draft = mode in DRAFT_MODES
     ns = NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=None, ragged_verify_layout=None,
             num_tokens_per_req={"draft_decode": 1, "verify": num_draft_tokens}.get(mode, num_draft_tokens))
+    if mode == "verify":
+        ns.draft_token_num = num_draft_tokens  # (EagleVerifyInput's field; 0.4.5 reads it on the verify path)
     if mode == "draft_extend":
         ns.num_accept_tokens, ns.num_accept_tokens_cpu = d["num_accept_tokens"], d["num_accept_tokens_cpu"]
     if mode == "draft_extend_v2":
@@ -142,9 +166,19 @@ def forward_batch(FM, mode: str, d: dict, num_draft_tokens: int, **extra):
     return NS(forward_mode=FM[d["forward_mode"]], batch_size=int(d["req_pool_indices"].numel()),
               req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"], seq_lens_cpu=seq_cpu,
               seq_lens_sum=int(seq_cpu.sum()), extend_seq_lens=d["extend_seq_lens"], extend_seq_lens_cpu=ext_cpu,
-              extend_prefix_lens_cpu=prefix_cpu, encoder_lens=None, out_cache_loc=d["out_cache_loc"],
+              extend_prefix_lens_cpu=prefix_cpu, encoder_lens=None,
+              # (0.4.4.x reads the device tensor; ForwardBatch.init_new: int32, like extend_seq_lens)
+              extend_prefix_lens=None if prefix_cpu is None else torch.tensor(prefix_cpu, dtype=torch.int32),
+              out_cache_loc=d["out_cache_loc"],
               positions=d["positions"], kv_loc_plan=None, kv_loc_cols=None,
               spec_info=spec_info(mode, d, num_draft_tokens), **extra)
+
+
+def draft_steps(multi, num_steps: int) -> list:
+    """``[(s, backend)]`` of the draft steps a ``FlashAttentionMultiStepBackend`` builds metadata
+    for: its hooks loop over ``range(speculative_num_steps - 1)``; older releases (0.4.5 .. 0.5.3 read) also make
+    an ``attn_backends[S - 1]`` that no hook ever initialises (its ``forward_metadata`` stays None)."""
+    return list(enumerate(multi.attn_backends[:num_steps - 1]))
 
 
 def fields(md) -> dict:

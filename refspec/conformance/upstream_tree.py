@@ -80,14 +80,22 @@ class TreeUpstream:
         ``build_tree_kernel_efficient`` with the Triton tree kernel, then greedy acceptance (module doc)."""
         parent_list, top, draft_tokens = self.eu.organize_draft_results(tree["score_list"], tree["token_list"],
                                                                         tree["parents_list"], N)
-        saved = self.eu.build_tree_kernel_efficient_func
-        self.eu.build_tree_kernel_efficient_func = self.st.sgl_build_tree_kernel_triton
+        # the dispatch to the Triton tree kernel: a swappable ``build_tree_kernel_efficient_func``
+        # (0.5.23), or (0.5.19 .. 0.5.22) the module's platform flags, whose ``_is_xpu`` branch calls
+        # ``eagle_utils.sgl_build_tree_kernel_triton`` (CUDA / CPU / NPU: compiled kernels absent here)
+        swap = {"build_tree_kernel_efficient_func": self.st.sgl_build_tree_kernel_triton} \
+            if hasattr(self.eu, "build_tree_kernel_efficient_func") else {"_is_xpu": True, "_is_npu": False}
+        saved = {n: getattr(self.eu, n) for n in swap}
+        for n, v in swap.items():
+            setattr(self.eu, n, v)
+        mask_mode = getattr(self.st, "TreeMaskMode", None) or self.eu.TreeMaskMode
         try:
             out = self.eu.build_tree_kernel_efficient(
                 tree["verified_id"], parent_list, top, draft_tokens, seq_lens, int(seq_lens.sum()), k, S, N,
-                tree_mask_mode=self.st.TreeMaskMode.FULL_MASK)
+                tree_mask_mode=mask_mode.FULL_MASK)
         finally:
-            self.eu.build_tree_kernel_efficient_func = saved
+            for n, v in saved.items():
+                setattr(self.eu, n, v)
         built = dict(zip(TREE_FIELDS, (x.clone() for x in out)), parent_list=parent_list.clone(),
                      top_scores_index=top.clone())
         # greedy acceptance on upstream's own tree: eagle_utils' buffers, spec_tree's Triton kernel
@@ -95,7 +103,8 @@ class TreeUpstream:
         predict = torch.zeros(B * N, dtype=torch.int32)
         accept_index = torch.full((B, S + 1), -1, dtype=torch.int32)
         accept_num = torch.empty((B,), dtype=torch.int32)
-        self.st.verify_tree_greedy_triton(predict, accept_index, accept_num, built["draft_tokens"].view(B, N),
+        verify = getattr(self.st, "verify_tree_greedy_triton", None) or self.eu.verify_tree_greedy_triton  # (<= 0.5.22)
+        verify(predict, accept_index, accept_num, built["draft_tokens"].view(B, N),
                                           built["retrive_index"], built["retrive_next_token"],
                                           built["retrive_next_sibling"], tree["target_predict"].view(B, N))
         return dict(built, predicts=predict, accept_index=accept_index, accept_token_num=accept_num)
@@ -114,8 +123,9 @@ class TreeUpstream:
         saved = self.ewc.ForwardBatch
         self.ewc.ForwardBatch = uc.NS(init_new=lambda b, *a, **kw: uc.NS(out_cache_loc=b.out_cache_loc))
         try:
-            fb, _, _ = self.ewc.prepare_for_draft(self.spec_info("tree_draft_decode", None, d, k, S, 0),
-                                                  uc.NS(req_to_token=job["req_to_token"]), batch, None, runner, k, S)
+            fb = self.ewc.prepare_for_draft(self.spec_info("tree_draft_decode", None, d, k, S, 0),
+                                            uc.NS(req_to_token=job["req_to_token"]), batch, None, runner, k,
+                                            S)[0]  # (forward batch, can run graph[, plan]: 3 from 0.5.23)
         finally:
             self.ewc.ForwardBatch = saved
         pairs = torch.cat(moves) if moves else torch.zeros((0, 2), dtype=torch.long)
@@ -152,21 +162,27 @@ class TreeUpstream:
     def run(self, job: dict) -> dict:
         """``{(phase, step): {"prefix": fields, "expand": fields[, "tree": fields]}}`` for one tree job."""
         P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
-        override = self.up.context().override_server_args(
-            page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=k, speculative_num_steps=S,
-            speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
-        override.install()
+        from refspec.conformance.upstream_0523 import _server_args, installed
+
+        over = dict(page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=k, speculative_num_steps=S,
+                    speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
+        if self.up.context is None:  # no runtime-context override: published, and on the model runner
+            sa = _server_args(self.up.ServerArgs, **over)
+            self.up.publish(sa)
+            return self._run(job, mode, P, N, S, k, sa)
+        override = self.up.context().override_server_args(**over)
+        sa = installed(self.up.context(), override)
         try:
-            return self._run(job, mode, P, N, S, k)
+            return self._run(job, mode, P, N, S, k, sa)
         finally:
             override.restore()
 
-    def _run(self, job, mode, P, N, S, k) -> dict:
+    def _run(self, job, mode, P, N, S, k, sa) -> dict:
         fa = self.up.fa
-        mr = self.up._runner(job["req_to_token"], P, job["context_len"], mode == "tree_draft_decode")
+        mr = self.up._runner(job["req_to_token"], P, job["context_len"], mode == "tree_draft_decode", sa)
         if mode == "tree_draft_decode":
             be = fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
-            steps = list(enumerate(be.attn_backends))
+            steps = uc.draft_steps(be, S)
         else:
             be = fa.FlashAttentionBackend(mr)
             steps = [(None, be)]
@@ -201,10 +217,11 @@ def run_legacy(up, job: dict, server_args) -> dict:
     its ``spec_info`` carries the tree of the job's batch snapshot -- refspec's ``build_tree``,
     which the 0.5.23 jobs check bitwise against upstream's own tree kernel -- in a namespace with
     the fields the metadata path reads (``custom_mask``, ``positions``, ``topk``; for draft decode
-    ``is_draft_input``), as the top-k = 1 cases do.  Capture / replay: the legacy
+    ``is_draft_input``), as the top-k = 1 cases do (typed as upstream's class where the backend
+    module names one: ``Upstream.typed``).  Capture / replay: the legacy
     ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks.  An error in the
-    replay hook is that phase's result (the error text, as the worker reports a failed job), so
-    the same job's eager and capture results are still compared.
+    capture or replay hook is that phase's result (the error text, as the worker reports a failed
+    job; a failed capture is also replay's), so the same job's earlier phases are still compared.
     """
     P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
     up.publish(server_args)
@@ -213,14 +230,14 @@ def run_legacy(up, job: dict, server_args) -> dict:
     mr = uc.NS(server_args=server_args, sliding_window_size=None,
                model_config=uc.model_config(job["context_len"], up.arch.MHA), device="cpu", req_to_token_pool=rows,
                token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None, page_size=P, attn_cp_size=1, tp_size=1,
-               attention_chunk_size=None, is_hybrid=False)
+               attention_chunk_size=None, is_hybrid=False, is_hybrid_swa=False)
     draft = mode == "tree_draft_decode"
     FM = up.FM["DECODE" if draft else "TARGET_VERIFY"]
 
     def fb(phase):
         d = job[phase]
-        spec = uc.NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=d["custom_mask"], topk=k,
-                     num_tokens_per_req=k if draft else N)
+        spec = up.typed(uc.NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=d["custom_mask"],
+                              topk=k, num_tokens_per_req=k if draft else N), "draft_decode" if draft else "verify")
         return uc.NS(forward_mode=FM, batch_size=int(d["req_pool_indices"].numel()),
                      req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"].long(),
                      seq_lens_cpu=d["seq_lens_cpu"], seq_lens_sum=int(d["seq_lens_cpu"].sum()),
@@ -229,19 +246,28 @@ def run_legacy(up, job: dict, server_args) -> dict:
 
     if draft:
         be = up.fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
-        steps = list(enumerate(be.attn_backends))
+        steps = uc.draft_steps(be, S)
     else:
         be = up.fa.FlashAttentionBackend(mr)
         steps = [(None, be)]
     be.init_forward_metadata(fb("eager"))
     out = {("eager", s): TreeUpstream.parts(b) for s, b in steps}
     bs, T = job["bs"], job["bs"] * (k * S if draft else N)
-    be.init_cuda_graph_state(bs, T)
+    from refspec.conformance.upstream_0512 import call
+
+    call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=T)  # (<= 0.4.x: max_bs only)
     cap, rep = fb("capture"), fb("replay")
-    if draft:
-        be.init_forward_metadata_capture_cuda_graph(cap)
-    else:
-        be.init_forward_metadata_capture_cuda_graph(bs, T, cap.req_pool_indices, cap.seq_lens, None, FM, cap.spec_info)
+    from refspec.conformance.worker import describe
+
+    try:
+        if draft:
+            be.init_forward_metadata_capture_cuda_graph(cap)
+        else:
+            be.init_forward_metadata_capture_cuda_graph(bs, T, cap.req_pool_indices, cap.seq_lens, None, FM,
+                                                        cap.spec_info)
+    except Exception as e:  # noqa: BLE001 -- the capture's own error (replay has nothing to run on); eager stands
+        out.update({(ph, s): describe(e) for ph in ("capture", "replay") for s, _ in steps})
+        return out
     out.update({("capture", s): TreeUpstream.parts(b) for s, b in steps})
     try:
         if draft:
@@ -250,8 +276,6 @@ def run_legacy(up, job: dict, server_args) -> dict:
             be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
                                                        FM, rep.spec_info, rep.seq_lens_cpu, rep.out_cache_loc)
     except Exception as e:  # noqa: BLE001 -- the replay's own error; eager and capture results stand
-        from refspec.conformance.worker import describe
-
         out.update({("replay", s): describe(e) for s, _ in steps})
         return out
     out.update({("replay", s): TreeUpstream.parts(b) for s, b in steps})
