@@ -1,4 +1,5 @@
-"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance, cite.
+"""``python -m refspec COMMAND``: info, check, demo, mutants, record, replay, bench, conformance, cite,
+train-draft.
 
 Each command lives in its own module and is imported only when it runs.  Errors are one line
 and exit status 2 (``--debug`` shows the traceback); list options are comma-separated
@@ -25,6 +26,7 @@ COMMANDS = {
     "conformance": ("refspec.cli.conformance", "refspec's FA3 metadata vs SGLang's own backend (pinned releases, CPU)"),
     "cite": ("refspec.cli.cite", "an invariant ID's rule, conformance level, upstream sources and tests, for a review"),
     "mutants": ("refspec.cli.mutants", "the bug zoo: every wrong variant is caught by a named invariant"),
+    "train-draft": ("refspec.cli.train_draft", "train the EAGLE head for SmolLM2-135M (ShareGPT, --device cuda)"),
 }
 
 

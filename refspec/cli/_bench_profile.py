@@ -148,7 +148,7 @@ class HostTimers:
 
 
 def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
-                   **kw) -> dict:
+                   num_steps=3, max_new=MAX_NEW, **kw) -> dict:
     """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler
     (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.audits.launch.host_ops`.
     An unprofiled run also reports :class:`HostTimers` per round: ``replay_host_ms`` and
@@ -181,7 +181,7 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
 
     with timers or contextlib.nullcontext():
         res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
-                       drafter=drafter, num_steps=3, max_new_tokens=MAX_NEW, validate=False, observer=observer,
+                       drafter=drafter, num_steps=num_steps, max_new_tokens=max_new, validate=False, observer=observer,
                        capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
         if st["ops"] is not None:
             st["ops"].__exit__(None, None, None)

@@ -193,8 +193,23 @@ def bench_host(device, quick):
     return run(device, quick)
 
 
+def bench_eagle(device, quick):
+    """The trained EAGLE head vs graph greedy: accept length and tokens/s (:mod:`refspec.cli._bench_eagle`)."""
+    from refspec.cli._bench_eagle import bench_eagle as run
+
+    return run(device, quick)
+
+
+def bench_teacher_forced(device, quick):
+    """Teacher-forced accept lengths of several drafts on one fixed text (:mod:`refspec.cli._bench_eagle`)."""
+    from refspec.cli._bench_eagle import bench_teacher_forced as run
+
+    return run(device, quick)
+
+
 SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
-            "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts, "host": bench_host}
+            "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts, "host": bench_host,
+            "eagle": bench_eagle, "teacher-forced": bench_teacher_forced}
 
 
 def to_markdown(rows) -> str:

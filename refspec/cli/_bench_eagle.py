@@ -1,0 +1,110 @@
+"""``bench --sections eagle,teacher-forced``: the trained EAGLE head against graph greedy.
+
+* ``eagle`` (CUDA): accept length and tokens/s of the production loop (FA3, CUDA graphs, the
+  fused target) with the committed head (:mod:`refspec.real.eagle_head`) at B = 1 and 16 for
+  v1 / v2, chain Sd = 3 and 5, P = 16 and 1 (the seed's page comparison), the tree k = 4,
+  N = 8 at B = 1, and early-exit:25 beside it; every row against graph greedy measured in the
+  same process (``x_graph_greedy``) and checked token for token against it (``same_text``).
+* ``teacher-forced``: :func:`refspec.harness.teacher_forced.teacher_forced_accepts` on a fixed
+  text, the target's greedy continuation of MT-Bench prompts: the trained head (Sd = 3, 5),
+  early-exit:25 and early-exit:4 (Sd = 3), on the same tokens.  On a CPU with ``--quick``: two
+  prompts, 24 tokens, fp32.
+
+An instrument: a learner reading the reference can skip this module.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+from refspec.cli._bench_profile import _workload, profile_config
+from refspec.speculative.greedy import production_greedy
+
+EAGLE_NEW = 128  #: tokens per request in the eagle section
+
+
+def _head(model):
+    from refspec.real.eagle_head import load_eagle_head
+    from refspec.real import missing_reason
+
+    if missing_reason() is not None:
+        return None, "real weights not installed"
+    try:
+        return load_eagle_head(model), "trained head"
+    except (FileNotFoundError, ValueError) as e:
+        return None, str(e)
+
+
+def bench_eagle(device, quick):
+    """Accept length and tokens/s with the trained head vs graph greedy (module doc)."""
+    if device.type != "cuda" or quick:
+        return [{"section": "eagle", "what": "skipped: needs a CUDA GPU"}]
+    from refspec.model.fused import FusedLlama
+
+    rows = []
+    for B in (1, 16):
+        model, prompts, label = _workload(B)
+        head, why = _head(model)
+        if head is None:
+            return [{"section": "eagle", "what": f"skipped: {why}"}]
+        fast = FusedLlama(model)
+        cap = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B)
+        for _ in range(2):  # the second run is timed (compilation and capture in the first)
+            g = production_greedy(fast, prompts, [EAGLE_NEW] * B, page_size=16, validate=False, capture_bs=cap)
+        greedy_tps = sum(map(len, g.tokens)) / g.seconds
+        rows.append({"section": "eagle", "B": B, "workload": label, "config": "graph greedy", "accept_length": 1.0,
+                     "tok_per_s": greedy_tps, "x_graph_greedy": 1.0})
+        configs = [("v1", 3, 16, "eagle", {}), ("v2", 3, 16, "eagle", {}), ("v2", 5, 16, "eagle", {}),
+                   ("v2", 3, 1, "eagle", {}), ("v2", 3, 16, "early-exit:25", {})]
+        if B == 1:
+            configs.append(("v2", 3, 16, "eagle", {"topk": 4, "num_draft_tokens": 8}))
+        for version, Sd, P, draft, kw in configs:
+            name = f"{draft} {version} Sd={Sd} P={P}" + (f" tree k={kw['topk']} N={kw['num_draft_tokens']}" if kw else "")
+            try:
+                r = profile_config(fast, prompts, version=version, draft=head if draft == "eagle" else draft, P=P,
+                                   num_steps=Sd, max_new=EAGLE_NEW, **kw)
+            except Exception as e:  # noqa: BLE001 - one failing configuration is a row, not the end of the run
+                rows.append({"section": "eagle", "B": B, "config": name, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            same = sum(a == b for a, b in zip(r["text"], g.tokens))
+            rows.append({"section": "eagle", "B": B, "config": name, "accept_length": r["accept_length"],
+                         "wall_ms_per_round": r["wall_ms"], "tok_per_s": r["tok_per_s"],
+                         "x_graph_greedy": r["tok_per_s"] / greedy_tps, "same_text": f"{same}/{B}"})
+    return rows
+
+
+def bench_teacher_forced(device, quick):
+    """Teacher-forced accept lengths of several drafts on one fixed text (module doc)."""
+    from refspec.harness.teacher_forced import teacher_forced_accepts
+    from refspec.model.drafts import make_draft
+    from refspec.speculative.api import greedy_reference
+
+    B, M = (2, 24) if quick else (16, EAGLE_NEW)
+    model, prompts, label = _workload(B)
+    if device.type == "cpu":
+        model = model.float()
+    head, why = _head(model)
+    t = time.perf_counter()
+    if device.type == "cuda":  # the production path's own greedy text (the dense bf16 model's drifts from it)
+        from refspec.model.fused import FusedLlama
+        g = production_greedy(FusedLlama(model), prompts, [M + 6] * B, page_size=16, validate=False,
+                              capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B))
+        ref = {i: list(p) + list(tk) for i, (p, tk) in enumerate(zip(prompts, g.tokens))}
+    else:
+        ref = greedy_reference(model, prompts, [M + 6] * B)
+    rows = [{"section": "teacher-forced", "workload": label, "what": f"reference: {B} prompts x {M + 6} greedy tokens",
+             "seconds": round(time.perf_counter() - t, 1)}]
+    drafts = ([("eagle (trained head)", head, 3), ("eagle (trained head)", head, 5)] if head is not None else []) + [
+        (f"early-exit:{k}", make_draft(f"early-exit:{k}", model), 3) for k in (25, 4)
+        if k <= model.config.num_hidden_layers]
+    if head is None:
+        rows.append({"section": "teacher-forced", "what": f"trained head not measured: {why}"})
+    for name, d, Sd in drafts:
+        t = time.perf_counter()
+        acc = [a for i, p in enumerate(prompts)
+               for a in teacher_forced_accepts(model, d, p, ref[i], num_steps=Sd, max_new_tokens=M)]
+        rows.append({"section": "teacher-forced", "draft": name, "Sd": Sd, "rounds": len(acc),
+                     "accept_length": statistics.fmean(acc), "seconds": round(time.perf_counter() - t, 1)})
+    return rows

@@ -1,0 +1,379 @@
+"""Training an EAGLE head for SmolLM2-135M (``python -m refspec train-draft``).
+
+What is trained is :class:`refspec.model.drafts.EagleDraft` exactly as the speculative loops run
+it: ``fc`` over ``[embed(t_(j+1)); h_j]``, one Llama decoder layer, RMSNorm, the target's tied
+LM head (frozen, shared).  Data: ChatML token rows (:mod:`refspec.real.draft_data`).
+
+1. **Features** (:func:`extract_features`): one target forward per batch of rows (bf16 on the
+   GPU, dense causal attention, :class:`RowsBackend`); per position j the pre-norm last hidden
+   ``h_j`` and the target's greedy token ``y_j = argmax logits(h_j)`` (the token the target
+   would emit after ``t_0..t_j``: the label, never the text's own next token).
+2. **Training with the draft's own hidden** (:func:`draft_losses`, "training-time test"):
+   step 0 at draft KV index j reads ``(t_(j+1), h_j)`` as draft extend does and is scored on
+   ``y_(j+1)``.  Step s >= 1 at index j reads ``(t_(j+1), g^(s-1)_(j-1))``, the draft's own
+   hidden of the previous step, as draft decode does, and attends to what that decode step
+   would see (:class:`UnrollBackend`): keys ``i <= j - s`` from step 0 (draft extend) and keys
+   ``j - r`` (r < s) from step ``s - r``.  Loss: sum over steps of ``w_s`` x cross-entropy on
+   ``y_(j+1)``, plus ``hidden_weight`` x smooth-L1 between RMS-normalised ``g^0_j`` and
+   ``h_(j+1)`` (SmolLM2's residual stream has outlier dimensions that an unnormalised
+   regression lets dominate the loss).
+3. **Evaluation** (:func:`evaluate`): teacher-forced top-1 agreement per step on held-out rows.
+4. **Output** (:func:`save_head`): the head's parameters as bf16 safetensors, its SHA-256, and a
+   JSON card (data, recipe, steps, seed, metrics, commit, time).  Checkpoints
+   (:func:`save_checkpoint`) let a run stop at a time bound and resume.
+
+How the recipe was chosen (measured, with numbers): ``docs/eagle-head.md``.
+
+An instrument: a learner reading the reference can skip this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from refspec.model.drafts import EagleDraft
+from refspec.model.llama import LlamaModel
+
+
+@dataclass
+class Recipe:
+    """Training settings (units: rows of ``row_len`` tokens, optimizer steps, seconds)."""
+
+    steps: int = 3000  #: optimizer steps (the LR schedule's length)
+    batch_rows: int = 48  #: rows per step
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: int = 100  #: linear warm-up steps, then linear decay to ``final_lr`` x lr
+    final_lr: float = 0.1
+    clip: float = 1.0
+    unroll: int = 3  #: draft steps trained (step 0 = draft extend, then unroll - 1 decode steps)
+    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6)
+    hidden_weight: float = 0.1
+    heldout_rows: int = 256  #: rows kept out of training for :func:`evaluate`
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.unroll < 1 or len(self.step_weights) < self.unroll:
+            raise ValueError(f"unroll={self.unroll} needs that many step_weights, got {self.step_weights}")
+        if self.steps < 1 or self.batch_rows < 1:
+            raise ValueError(f"steps and batch_rows must be >= 1, got {self.steps}, {self.batch_rows}")
+
+
+# ------------------------------------------------------------------ attention over whole rows
+@dataclass
+class RowsBatch:
+    """R rows of T tokens, flattened row-major: ``positions [R*T]`` = 0..T-1 per row (KV indices)."""
+
+    rows: int
+    length: int
+    positions: torch.Tensor = field(init=False)
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self):
+        self.positions = torch.arange(self.length, device=self.device).repeat(self.rows)
+
+
+def _heads(x: torch.Tensor, fb: RowsBatch) -> torch.Tensor:
+    return x.view(fb.rows, fb.length, x.shape[1], x.shape[2]).transpose(1, 2)  # [R, heads, T, D]
+
+
+class RowsBackend:
+    """Causal attention within each row (no cache): ``forward(q, k, v, layer, fb)`` as the paged
+    backends, for :class:`RowsBatch` inputs.  Shapes: ``q [R*T, H, D]``, ``k, v [R*T, Hkv, D]``."""
+
+    def forward(self, q, k, v, layer, fb: RowsBatch):
+        o = F.scaled_dot_product_attention(_heads(q, fb), _heads(k, fb), _heads(v, fb), is_causal=True,
+                                           scale=layer.softmax_scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+
+
+class UnrollBackend:
+    """Attention of draft step s over what that decode step sees (module doc, item 2).
+
+    Call it once per step, s = 0, 1, ...: it keeps every step's k / v.  Step 0 is causal within
+    the row; step s's query at index j reads step-0 keys ``i <= j - s`` and, for r < s, the key
+    of step ``s - r`` at index ``j - r``.  Shapes as :class:`RowsBackend`.
+    """
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, layer, fb: RowsBatch):
+        s = len(self.k)
+        self.k.append(_heads(k, fb))
+        self.v.append(_heads(v, fb))
+        if s == 0:
+            return RowsBackend().forward(q, k, v, layer, fb)
+        g = layer.num_heads // layer.num_kv_heads
+        Q = _heads(q, fb).float() * layer.softmax_scale  # [R, H, T, D]
+        K0 = self.k[0].float().repeat_interleave(g, dim=1)
+        V0 = self.v[0].float().repeat_interleave(g, dim=1)
+        T = fb.length
+        j = torch.arange(T, device=q.device)
+        scores = [(Q @ K0.transpose(-1, -2)).masked_fill(j[None, :] > j[:, None] - s, float("-inf"))]
+        vals = []
+        for r in range(s):  # key j - r of step s - r
+            Kr = torch.roll(self.k[s - r].float(), r, dims=2).repeat_interleave(g, dim=1)
+            Vr = torch.roll(self.v[s - r].float(), r, dims=2).repeat_interleave(g, dim=1)
+            sc = (Q * Kr).sum(-1, keepdim=True)
+            scores.append(sc.masked_fill((j < r)[:, None], float("-inf")))
+            vals.append(Vr)
+        w = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out = w[..., :T] @ V0
+        for r, Vr in enumerate(vals):
+            out = out + w[..., T + r:T + r + 1] * Vr
+        return out.to(q.dtype).transpose(1, 2).reshape(q.shape)
+
+
+# ------------------------------------------------------------------ features
+@torch.no_grad()
+def extract_features(target: LlamaModel, rows: torch.Tensor, batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's pre-norm last hidden and greedy token at every position of every row.
+
+    Shapes: ``rows [R, T]`` int (token ids, on the target's device) -> ``hidden [R, T, E]`` in
+    the target's dtype, ``greedy [R, T]`` int32 (``greedy[r, j]`` = argmax of the logits after
+    ``rows[r, :j+1]``).  Padded positions get values too; the training masks them.
+    """
+    R, T = rows.shape
+    E = target.config.hidden_size
+    dt = next(target.parameters()).dtype
+    hidden = torch.empty(R, T, E, dtype=dt, device=rows.device)
+    greedy = torch.empty(R, T, dtype=torch.int32, device=rows.device)
+    for a in range(0, R, batch):
+        ids = rows[a:a + batch].long()
+        fb = RowsBatch(ids.shape[0], T, device=rows.device)
+        logits, h = target(ids.reshape(-1), fb, RowsBackend())
+        hidden[a:a + batch] = h.view(ids.shape[0], T, E)
+        greedy[a:a + batch] = logits.argmax(-1).view(ids.shape[0], T).to(torch.int32)
+    return hidden, greedy
+
+
+# ------------------------------------------------------------------ the losses
+def draft_losses(head: EagleDraft, ids: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor,
+                 greedy: torch.Tensor, recipe: Recipe) -> tuple[torch.Tensor, dict]:
+    """Loss of one batch and per-step teacher-forced top-1 agreement (module doc, item 2).
+
+    Shapes: ``ids [R, T]`` int64, ``lengths [R]`` (valid tokens), ``hidden [R, T, E]``,
+    ``greedy [R, T]``.  Rows are read at draft KV indices j = 0..T-2 (index j consumes
+    ``ids[:, j+1]``).  Returns ``(loss, {"ce": [...], "top1": [...], "hidden": x})``.
+    """
+    R, T = ids.shape
+    n = T - 1
+    x = ids[:, 1:]  # t_(j+1)
+    y = greedy[:, 1:].long()  # y_(j+1): what the draft at index j must predict
+    j = torch.arange(n, device=ids.device)
+    valid = j[None, :] < (lengths[:, None] - 1)
+    fb = RowsBatch(R, n, device=ids.device)
+    be = UnrollBackend()
+    total, ce_s, top1_s = 0.0, [], []
+    prev = None
+    for s in range(recipe.unroll):
+        if s == 0:
+            h_in = hidden[:, :n]
+        else:  # g^(s-1)_(j-1): the previous step's own hidden, one index back
+            h_in = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
+        logits, g = head.forward(x.reshape(-1), h_in.reshape(R * n, -1), fb, be)
+        g = g.view(R, n, -1)
+        m = valid & (j[None, :] >= s)
+        lg = logits.view(R, n, -1)[m].float()
+        ce = F.cross_entropy(lg, y[m])
+        total = total + recipe.step_weights[s] * ce
+        ce_s.append(float(ce.detach()))
+        top1_s.append(float((lg.argmax(-1) == y[m]).float().mean().detach()))
+        if s == 0 and recipe.hidden_weight:
+            def rms(t):
+                t = t.float()
+                return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+            hl = F.smooth_l1_loss(rms(g[:, :n - 1][valid[:, 1:]]), rms(hidden[:, 1:n][valid[:, 1:]]))
+            total = total + recipe.hidden_weight * hl
+            hidden_loss = float(hl.detach())
+        prev = g
+    return total, {"ce": ce_s, "top1": top1_s, "hidden": hidden_loss if recipe.hidden_weight else 0.0}
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Learning rate at optimizer step ``step`` (0-based): linear warm-up, then linear decay."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (1.0 - (1.0 - recipe.final_lr) * min(1.0, frac))
+
+
+def new_head(target: LlamaModel, seed: int) -> EagleDraft:
+    """An :class:`EagleDraft` on the target's device with fp32 master weights."""
+    head = EagleDraft(target, seed=seed + 1)
+    init = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # HF-style small init (init_random_'s gain-2 init is for stable random tokens)
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=init) * 0.02)
+            else:
+                p.fill_(1.0)
+    return head.float().requires_grad_(True)
+
+
+@torch.no_grad()
+def evaluate(head: EagleDraft, ids, lengths, hidden, greedy, recipe: Recipe, batch: int = 32) -> dict:
+    """Held-out teacher-forced top-1 agreement per draft step (token-weighted): ``{"top1": [...], "ce": [...]}``."""
+    was = head.training
+    head.eval()
+    sums = np.zeros((2, recipe.unroll))
+    count = 0
+    dev = ids.device
+    for a in range(0, ids.shape[0], batch):
+        sl = slice(a, a + batch)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            _, st = draft_losses(head, ids[sl], lengths[sl], hidden[sl], greedy[sl], recipe)
+        w = int((lengths[sl] - 1).clamp(min=0).sum())
+        sums += np.array([st["top1"], st["ce"]]) * w
+        count += w
+    head.train(was)
+    return {"top1": [round(float(v), 4) for v in sums[0] / count], "ce": [round(float(v), 4) for v in sums[1] / count]}
+
+
+# ------------------------------------------------------------------ files
+HEAD_KEYS = ("fc.weight", "norm.weight")  #: plus ``layer.*`` (the decoder layer, HF Llama names)
+
+
+def head_state(head: EagleDraft, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The head's own parameters (not the shared embedding / LM head) as contiguous CPU tensors."""
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_head(head: EagleDraft, path: str | Path, card: dict) -> dict:
+    """Write the head as bf16 safetensors at ``path`` and its card (``card`` + sha256, bytes)
+    as ``path`` with suffix ``.json``; returns the card written."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(head_state(head), str(path), metadata={"format": "pt", "structure": "refspec EagleDraft"})
+    card = dict(card, file=path.name, sha256=sha256_file(path), bytes=path.stat().st_size)
+    path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    return card
+
+
+def save_checkpoint(path: str | Path, head, opt, step: int, order: np.ndarray, recipe: Recipe, log: list) -> None:
+    """Everything a resumed run needs: fp32 head, optimizer state, next step, the row order, log."""
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "order": order,
+                "recipe": dataclasses.asdict(recipe), "log": log}, path)
+
+
+# ------------------------------------------------------------------ the run
+CALIBRATION_STEPS = 30  #: warm-up steps timed by ``train_seconds`` (the warm-up LR does not depend on ``steps``)
+
+
+def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Recipe, *, checkpoint: str | Path | None = None,
+          resume: bool = False, max_seconds: float | None = None, train_seconds: float | None = None, progress=None,
+          feature_batch: int = 64) -> dict:
+    """Extract features, train (or resume), evaluate.
+
+    Args: ``target`` on its device (bf16 on CUDA); ``rows uint16 [R, T]`` / ``lengths [R]``
+    (:mod:`refspec.real.draft_data`); ``checkpoint`` path written at the end and at the time
+    bound ``max_seconds`` (then ``finished`` is False and a rerun with ``resume`` continues);
+    ``progress(step, stats)`` is called every 10 steps.  ``train_seconds``: the step count is
+    fixed after :data:`CALIBRATION_STEPS` steps (still in the warm-up, whose learning rate does
+    not depend on it) from their speed, so that training takes about that long; the result's
+    ``recipe`` has it (``steps``), and a rerun with that ``steps`` repeats the run.
+    Returns ``{"head", "finished", "step", "metrics", "log", "seconds": {...}, "tokens": n}``.
+    Raises ``ValueError`` if there are fewer rows than ``heldout_rows + batch_rows``.
+    """
+    t0 = time.perf_counter()
+    dev = next(target.parameters()).device
+    R = rows.shape[0]
+    if R < recipe.heldout_rows + recipe.batch_rows:
+        raise ValueError(f"{R} rows: need at least heldout_rows + batch_rows = "
+                         f"{recipe.heldout_rows + recipe.batch_rows}")
+    perm = np.random.default_rng(recipe.seed).permutation(R)
+    held, train_idx = perm[:recipe.heldout_rows], perm[recipe.heldout_rows:]
+    ids = torch.from_numpy(rows.astype(np.int64)).to(dev)
+    lens = torch.from_numpy(lengths.astype(np.int64)).to(dev)
+    hidden, greedy = extract_features(target, ids, batch=feature_batch)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t_feat = time.perf_counter() - t0
+
+    torch.manual_seed(recipe.seed)
+    head = new_head(target, recipe.seed)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, betas=recipe.betas,
+                            weight_decay=0.0)
+    step, log = 0, []
+    rng = np.random.default_rng(recipe.seed + 1)
+    planned = recipe.steps if train_seconds is None else max(recipe.steps, 100_000)
+    order = np.concatenate([rng.permutation(train_idx) for _ in range(
+        math.ceil(planned * recipe.batch_rows / len(train_idx)) + 1)])
+    if train_seconds is not None:
+        if recipe.warmup < CALIBRATION_STEPS:
+            raise ValueError(f"train_seconds needs warmup >= {CALIBRATION_STEPS} steps, got {recipe.warmup}")
+        recipe = dataclasses.replace(recipe, steps=max(recipe.steps, CALIBRATION_STEPS + 1))
+        t_cal = None
+    if resume and checkpoint and Path(checkpoint).exists():
+        ck = torch.load(checkpoint, map_location=dev, weights_only=False)
+        head.load_state_dict(ck["head"])
+        opt.load_state_dict(ck["opt"])
+        step, order, log = ck["step"], ck["order"], ck["log"]
+    t1 = time.perf_counter()
+    finished = True
+    head.train()
+    while step < recipe.steps:
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            finished = False
+            break
+        b = torch.from_numpy(order[step * recipe.batch_rows:(step + 1) * recipe.batch_rows]).to(dev)
+        for gparam in opt.param_groups:
+            gparam["lr"] = lr_at(step, recipe)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss, st = draft_losses(head, ids[b], lens[b], hidden[b], greedy[b], recipe)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(head.parameters(), recipe.clip)
+        opt.step()
+        step += 1
+        if train_seconds is not None and not resume:
+            if step == 10:
+                _sync(dev)
+                t_cal = time.perf_counter()
+            elif step == CALIBRATION_STEPS:
+                _sync(dev)
+                rate = (CALIBRATION_STEPS - 10) / (time.perf_counter() - t_cal)
+                recipe = dataclasses.replace(recipe, steps=max(step + 1, int(rate * (train_seconds - (
+                    time.perf_counter() - t1)))))
+        if step % 10 == 0 or step == recipe.steps:
+            st = dict(st, step=step, steps=recipe.steps, loss=round(float(loss.detach()), 4), lr=lr_at(step - 1, recipe))
+            log.append(st)
+            if progress is not None:
+                progress(step, st)
+    t_train = time.perf_counter() - t1
+    if checkpoint:
+        save_checkpoint(checkpoint, head, opt, step, order, recipe, log)
+    metrics = evaluate(head, ids[held], lens[held], hidden[held], greedy[held], recipe) if finished else {}
+    return {"head": head, "finished": finished, "step": step, "metrics": metrics, "log": log, "recipe": recipe,
+            "tokens": int(lengths[train_idx].sum()), "heldout_tokens": int(lengths[held].sum()),
+            "seconds": {"features": round(t_feat, 1), "train": round(t_train, 1),
+                        "total": round(time.perf_counter() - t0, 1)}}
