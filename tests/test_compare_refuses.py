@@ -148,7 +148,8 @@ def test_an_upstream_table_narrower_than_the_live_pages_is_a_short_live_differen
     theirs = md(rows=((7, 3), (2, 9)))  # row 1 reads 3 pages
     assert diffs(md(), theirs) == [
         ("page_table[live]", "row 1: [2, 9, 4]", "row 1: [2, 9] (2 columns < 3 live pages)", True),
-        ("page_table[dead]", "width 4, rows differing []", "width 2 (< 3 pages, the kernel bound)", True)]  # the common columns agree; below the bound
+        # the common columns agree; the width is below the bound
+        ("page_table[dead]", "width 4, rows differing []", "width 2 (< 3 pages, the kernel bound)", True)]
 
 
 def test_our_table_narrower_than_the_live_pages_differs():
@@ -221,7 +222,8 @@ def test_a_part_difference_keeps_its_values_and_short_table_flag():
     theirs = parts(expand=md(rows=((7, 3), (2, 9))))
     got = pdiffs(parts(), theirs, EP=4)
     assert got == [("expand:page_table[live]", "row 1: [2, 9, 4]", "row 1: [2, 9] (2 columns < 3 live pages)", True),
-                   ("expand:page_table[dead]", "width 4, rows differing []", "width 2 (< 3 pages, the kernel bound)", True)]
+                   ("expand:page_table[dead]", "width 4, rows differing []",
+                    "width 2 (< 3 pages, the kernel bound)", True)]
     assert all(d.documented is None for d in compare_parts(parts(), theirs, 4, 4))
 
 

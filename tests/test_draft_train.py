@@ -27,7 +27,8 @@ def test_sharegpt_reader_keeps_complete_records_and_maps_roles(tmp_path):
     text += ',\n{"id": "f", "conversations": [{"from": "human", "val'  # truncated mid-record, as the package's file
     p = tmp_path / "sg.json"
     p.write_text(text)
-    assert dd.sharegpt_conversations(p) == [[("user", "hi"), ("assistant", "hello")], [("user", "q"), ("assistant", "a")]]
+    assert dd.sharegpt_conversations(p) == [[("user", "hi"), ("assistant", "hello")],
+                                            [("user", "q"), ("assistant", "a")]]
     assert dd.sharegpt_conversations(p, limit=1) == [[("user", "hi"), ("assistant", "hello")]]
 
 

@@ -61,7 +61,8 @@ def bench_eagle(device, quick):
         if B == 1:
             configs.append(("v2", 3, 16, "eagle", {"topk": 4, "num_draft_tokens": 8}))
         for version, Sd, P, draft, kw in configs:
-            name = f"{draft} {version} Sd={Sd} P={P}" + (f" tree k={kw['topk']} N={kw['num_draft_tokens']}" if kw else "")
+            tree = f" tree k={kw['topk']} N={kw['num_draft_tokens']}" if kw else ""
+            name = f"{draft} {version} Sd={Sd} P={P}{tree}"
             try:
                 r = profile_config(fast, prompts, version=version, draft=head if draft == "eagle" else draft, P=P,
                                    num_steps=Sd, max_new=EAGLE_NEW, **kw)

@@ -43,7 +43,10 @@ def roomy_engine(model, prompts, max_new, *, page_size, version, num_steps, draf
     """A production :class:`Engine` (FA3, graphs) whose slot ids are all valid page ids, sized by
     :func:`refspec.mutants.sizing.roomy_sizes` (pages handed out in order, no shuffle)."""
     max_context, num_pages = roomy_sizes(prompts, max_new, page_size=page_size, num_steps=num_steps)
-    return Engine(model, make_draft(draft, model), version=version, num_steps=num_steps, page_size=page_size,
+    from refspec.real.eagle_head import real_draft
+
+    return Engine(model, make_draft(real_draft(draft, model), model), version=version, num_steps=num_steps,
+                  page_size=page_size,
                   max_context=max_context, max_batch=len(prompts), attention="fa3", graphs=True,
                   capture_bs=capture_sizes(len(prompts)), validate=validate, eos=eos,
                   num_pages=num_pages, shuffle_pages=None, observer=observer)

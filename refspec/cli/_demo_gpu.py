@@ -128,7 +128,9 @@ def run_gpu_matrix(m32, prompts, max_new, *, page_sizes, versions, draft, num_st
                    *check([g.tokens for g in g16]))
     graph = GpuRow("greedy, production", P0, B, None, 1.0, sum(map(len, gg.tokens)), gg.seconds, *check(gg.tokens))
     rows = [eager, graph]
-    kw = dict(draft=draft, num_steps=num_steps, max_new_tokens=max_new, eos=eos)
+    from refspec.real.eagle_head import real_draft
+
+    kw = dict(draft=real_draft(draft, m16), num_steps=num_steps, max_new_tokens=max_new, eos=eos)
     oracle = {}
     for v in versions:
         res, s = _timed(lambda: generate(m16, prompts, backend="oracle", version=v, **kw))

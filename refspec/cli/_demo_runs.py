@@ -123,8 +123,11 @@ def execute_run(model, run: DemoRun, prompts, max_new, *, draft, num_steps, eos=
     Raises :class:`~refspec.core.invariants.InvariantError` if the FA3 validation or the KV audit
     trips, or for a tree shape that breaks TR-002.
     """
+    from refspec.real.eagle_head import real_draft
+
     bar = bar or TokenBar(0, disable=True)
-    kw = dict(draft=draft, num_steps=num_steps, max_new_tokens=list(max_new), eos=eos, version=run.version)
+    kw = dict(draft=real_draft(draft, model), num_steps=num_steps, max_new_tokens=list(max_new), eos=eos,
+              version=run.version)
     if run.topk > 1:
         kw.update(topk=run.topk, num_draft_tokens=run.num_draft_tokens)
     audited = [0]

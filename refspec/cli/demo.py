@@ -12,9 +12,11 @@ decoded by
    emulator and emulated graphs elsewhere -- for v1 and v2 at each page size, with the
    metadata validation on and the KV accounting audited after every round.
 
-The draft is the model's own first 25 of 30 layers (early-exit self-speculation, real
-rejections), Sd = 3.  Printed: a progress bar, the table (page size, batch, version, accept
-length, tokens/s, spec == greedy?, production == oracle?), one answer in full.  On a CPU
+The draft is the trained EAGLE head that ships with refspec (:mod:`refspec.real.eagle_head`:
+one decoder layer over the target's embedding and hidden states, real rejections), Sd = 3;
+``--draft early-exit:K`` drafts with the model's own first K of 30 layers instead.  Printed: a
+progress bar, the table (page size, batch, version, accept length, tokens/s, spec == greedy?,
+production == oracle?), one answer in full.  On a CPU
 speculation buys no speed (see the README); the table shows acceptance and exactness.  Exit
 status 1 if any check fails.
 
@@ -186,7 +188,8 @@ def _main(argv) -> int:
     ap.add_argument("--versions", type=choice_list(["v1", "v2"], "versions"), default=["v1", "v2"],
                     metavar="V[,V...]", help="speculative-decoding versions, comma-separated (default v1,v2)")
     ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
-                    help="the draft: early-exit:K (the target's first K of 30 layers; default K = 25) or eagle")
+                    help="the draft: eagle (default: the trained head, refspec/real/heads) or early-exit:K "
+                         "(the target's first K of 30 layers)")
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
     ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,

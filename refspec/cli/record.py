@@ -29,14 +29,14 @@ from refspec.cli._args import (PROG, ArgumentParser, CLIError, budget_spec, chec
                                real_workload, run)
 from refspec.fa3.kernel import select_provider
 from refspec.oracle.loop import greedy
-from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, set_threads)
+from refspec.real.run import (DEFAULT_NUM_STEPS, RECORD_DRAFT, TokenBar, set_threads)
 from refspec.speculative import generate
 from refspec.traces.chain import save_trace, trace_from_result
 from refspec.traces.tree import TreeRecorder
 
 
 def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num_steps=DEFAULT_NUM_STEPS,
-           draft=DEFAULT_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None,
+           draft=RECORD_DRAFT, max_batch=4, eos=None, capture_bs=(1, 2, 4), check=False, bar=None,
            overlap=False, topk=1, num_draft_tokens=None) -> dict:
     """One production run of ``model`` on ``prompts`` -> a checked trace dict.
 
@@ -60,7 +60,10 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
     # graphs up to twice the largest batch a round can hold (the trace check's bound, check_trace)
     capture_bs = tuple(c for c in capture_bs if c <= 2 * min(max_batch, len(prompts))) or (1,)
     t = time.perf_counter()
-    res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True, draft=draft,
+    from refspec.real.eagle_head import real_draft
+
+    res = generate(model, prompts, backend="fa3", version=version, page_size=page_size, graphs=True,
+                   draft=real_draft(draft, model),
                    num_steps=num_steps, max_new_tokens=max_new, eos=eos, max_batch=max_batch, capture_bs=capture_bs,
                    observer=observer, overlap=overlap, **tree_kw)
     secs = time.perf_counter() - t
@@ -112,7 +115,7 @@ def _main(argv) -> int:
     ap.add_argument("--page-size", type=positive_int(), metavar="P", default=4, help="tokens per KV page (default 4)")
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
-    ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
+    ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=RECORD_DRAFT,
                     help="the draft: early-exit:K (first K of 30 layers; default K = 25) or eagle")
     ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
                     help="k > 1 records the EAGLE tree loop (of --version, default v2) as a tree trace "

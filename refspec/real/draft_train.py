@@ -221,7 +221,7 @@ def new_head(target: LlamaModel, seed: int) -> EagleDraft:
     head = EagleDraft(target, seed=seed + 1)
     init = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # HF-style small init (init_random_'s gain-2 init is for stable random tokens)
-        for name, p in head.named_parameters():
+        for _, p in head.named_parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=init) * 0.02)
             else:
@@ -289,9 +289,9 @@ def save_checkpoint(path: str | Path, head, opt, step: int, order: np.ndarray, r
 CALIBRATION_STEPS = 30  #: warm-up steps timed by ``train_seconds`` (the warm-up LR does not depend on ``steps``)
 
 
-def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Recipe, *, checkpoint: str | Path | None = None,
-          resume: bool = False, max_seconds: float | None = None, train_seconds: float | None = None, progress=None,
-          feature_batch: int = 64) -> dict:
+def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Recipe, *,
+          checkpoint: str | Path | None = None, resume: bool = False, max_seconds: float | None = None,
+          train_seconds: float | None = None, progress=None, feature_batch: int = 64) -> dict:
     """Extract features, train (or resume), evaluate.
 
     Args: ``target`` on its device (bf16 on CUDA); ``rows uint16 [R, T]`` / ``lengths [R]``
@@ -365,7 +365,8 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
                 recipe = dataclasses.replace(recipe, steps=max(step + 1, int(rate * (train_seconds - (
                     time.perf_counter() - t1)))))
         if step % 10 == 0 or step == recipe.steps:
-            st = dict(st, step=step, steps=recipe.steps, loss=round(float(loss.detach()), 4), lr=lr_at(step - 1, recipe))
+            st = dict(st, step=step, steps=recipe.steps, loss=round(float(loss.detach()), 4),
+                      lr=lr_at(step - 1, recipe))
             log.append(st)
             if progress is not None:
                 progress(step, st)

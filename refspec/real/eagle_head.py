@@ -24,7 +24,8 @@ from refspec.model.drafts import EagleDraft
 from refspec.real.draft_train import sha256_file
 
 HEAD_FILE = Path(__file__).with_name("heads") / "smollm2-135m-eagle.safetensors"
-HEAD_SHA256 = None  #: set when the trained head is committed (the card's sha256)
+#: the committed head's SHA-256 (its card's ``sha256``)
+HEAD_SHA256 = "7476513b8d4ecdfca7a163a461a17f92a1d9966b67b2f8ecec6c6ae0b46a3b26"
 TARGET_SHAPE = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                 "intermediate_size": 1536, "vocab_size": 49152}
 
