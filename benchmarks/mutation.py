@@ -41,6 +41,20 @@ class Module:
     name: str          # the report's row and the scratch folder
     path: str          # the file mutmut mutates
     tests: tuple[str, ...]  # pytest paths / node IDs that must kill its mutants
+    # the functions mutated, as mutmut names them (``x_name``, ``xǁClassǁmethod``); empty: all of
+    # the file.  The replay modules' check functions, not the code that runs the FA3 wing.
+    functions: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        """``mutmut run`` arguments that select this module's mutants (none: every mutant)."""
+        return [f"{self.module}.{f}__mutmut_*" for f in self.functions]
+
+    def selected(self, key: str) -> bool:
+        return not self.functions or any(key.startswith(f"{self.module}.{f}__mutmut_") for f in self.functions)
 
 
 # The one table: which checker module is mutated, against which tests.  A module that moves
@@ -51,6 +65,16 @@ MODULES: tuple[Module, ...] = (
     Module("traces.chain", "refspec/traces/chain.py", ("tests/test_trace_refuses.py",)),
     Module("traces.tree_checks", "refspec/traces/tree_checks.py",
            ("tests/test_tree_trace_refuses.py",)),
+    # tree.py's checks; out: TreeRecorder, mask_tree_rows and to_runs (the recording side, run by
+    # the record tests in test_tree_trace.py)
+    Module("traces.tree", "refspec/traces/tree.py", ("tests/test_tree_rounds_refuse.py",),
+           ("x_from_runs", "x_ancestors_and_self", "x_check_tree_rounds", "x_tree_round_failures",
+            "x_tree_v2_round_failures")),
+    # the replay's verdicts once the runs are done; out: replay_trace and replay_tree_trace's
+    # steps (they run the model / the FA3 wing: test_trace.py and test_tree_trace.py replay
+    # recorded and tampered traces end to end) and the Markdown reports
+    Module("traces.replay", "refspec/traces/replay.py", ("tests/test_replay_verdicts.py",),
+           ("x__round_tokens", "x__check_run", "xǁRunCheckǁok", "xǁReplayReportǁok")),
     Module("conformance.compare", "refspec/conformance/compare.py",
            ("tests/test_compare_refuses.py", "tests/test_conformance.py")),
     Module("conformance.known", "refspec/conformance/known.py",
@@ -90,6 +114,16 @@ EQUIVALENT: dict[tuple[str, str], str] = {
            'fields.append(("XXmoved_toXX", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
            'fields.append(("MOVED_TO", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
        )},
+    **{("traces.tree", line): "at P = 1, L % P is 0 already"
+       for line in ("lp = L % P if (P > 1) or True else 0", "lp = L % P if P >= 1 else 0")},
+    ("traces.tree", "lp = L % P if P > 1 else 1"):
+        "lp cancels in the step positions (L - lp + t*npp*P + lp + j), and at P = 1 npp = S does not read it",
+    **{("traces.tree", line): "at P = 1 (lp = 0), ceil((lp + S) / P) is S"
+       for line in ("npp = -(-(lp + S) // P) if (P > 1) or True else S", "npp = -(-(lp + S) // P) if P >= 1 else S")},
+    ("traces.tree", "R = max(k * S, N) if (P == 1) and False else max(-(-(P - 1 + S) // P) * P * k, N)"):
+        "at P = 1, ceil((P - 1 + S) / P) * P * k is S * k",
+    ("traces.tree", "if covered != L + N and not (v2 and covered >= L + N):"):
+        "covered == L + N passes the first test already",
     ("conformance.compare", 'side = lambda d: MISSING if d.get("page_table") is None else '
      'f"width {d[\'page_table\'].shape[+1]}"'):
         "a page table is 2-D [rows, width]: shape[+1] and shape[-1] are the same axis",
@@ -136,8 +170,11 @@ def _scratch(mod: Module, keep: bool) -> Path:
         + 'source_paths = ["refspec"]\n'
         + f"only_mutate = [{json.dumps(mod.path)}]\n"
         + f"pytest_add_cli_args_test_selection = [{tests}]\n"
-        # -p no:cacheprovider: no .pytest_cache writes (the project's addopts still apply)
-        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        # -p no:cacheprovider: no .pytest_cache writes (the project's addopts still apply);
+        # mutation_gc (benchmarks/mutation_gc.py, on PYTHONPATH): gc.freeze() in each forked test
+        # process; no:unraisableexception: its five gc.collect() per session over torch's heap
+        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "mutation_gc", "-p", "no:unraisableexception", '
+          '"-q"]\n'
         # torch in the test process: fork workers from a clean server, not from the stats run
         + 'process_isolation = "forkserver"\n'
         + "use_git_change_detection = false\n"
@@ -151,7 +188,8 @@ def _mutmut(d: Path, *args: str, timeout: float | None = None, log: Path | None 
     exe = Path(sys.executable).with_name("mutmut")
     # no plugin autoload: entry-point plugins (nbmake, benchmark, xdist, ...) cost seconds per
     # mutant's pytest start and none of the selected tests needs one
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if log is None:
         return subprocess.run([str(exe), *args], cwd=d, env=env, capture_output=True, text=True, timeout=timeout)
     with open(log, "w") as f:
@@ -166,7 +204,8 @@ def _statuses(d: Path, mod: Module) -> dict[str, int | None]:
     meta = d / "mutants" / (mod.path + ".meta")
     if not meta.exists():
         return {}
-    return json.loads(meta.read_text())["exit_code_by_key"]
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    return {k: c for k, c in codes.items() if mod.selected(k)}
 
 
 def _mutated_line(d: Path, name: str) -> str:
@@ -192,7 +231,7 @@ def run_module(mod: Module, keep: bool, timeout: float, report_only: bool = Fals
     before = _statuses(d, mod) if keep else {}
     again = [k for k, c in before.items() if status_by_exit_code[c] not in KILLED]
     if not before or None in before.values():  # a fresh run, or one that did not finish
-        proc = _mutmut(d, "run", "--max-children", "1", timeout=timeout, log=log)
+        proc = _mutmut(d, "run", "--max-children", "1", *mod.patterns(), timeout=timeout, log=log)
         again = [k for k in again if before[k] is not None]
     if again:
         proc = _mutmut(d, "run", "--max-children", "1", *again, timeout=timeout, log=log)
