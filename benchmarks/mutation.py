@@ -70,11 +70,16 @@ MODULES: tuple[Module, ...] = (
     Module("traces.tree", "refspec/traces/tree.py", ("tests/test_tree_rounds_refuse.py",),
            ("x_from_runs", "x_ancestors_and_self", "x_check_tree_rounds", "x_tree_round_failures",
             "x_tree_v2_round_failures")),
-    # the replay's verdicts once the runs are done; out: replay_trace and replay_tree_trace's
-    # steps (they run the model / the FA3 wing: test_trace.py and test_tree_trace.py replay
-    # recorded and tampered traces end to end) and the Markdown reports
+    # the replays' verdicts once the runs are done: a chain replay's (_check_run) and a tree
+    # replay's T1 comparison (_compare).  Out: replay_trace / replay_tree_trace and their steps
+    # (_draft_decode, _verify, _compact_and_extend, replay_tree_v2, replay_tree_graphs: they run
+    # the model or the FA3 wing, so test_trace.py and test_tree_trace.py replay recorded and
+    # tampered traces end to end), the Markdown reports, and the ``ok`` properties (mutmut does
+    # not mutate decorated functions; test_replay_verdicts.py checks them)
     Module("traces.replay", "refspec/traces/replay.py", ("tests/test_replay_verdicts.py",),
-           ("x__round_tokens", "x__check_run", "xǁRunCheckǁok", "xǁReplayReportǁok")),
+           ("x__round_tokens", "x__check_run")),
+    Module("traces.replay_tree", "refspec/traces/replay_tree.py", ("tests/test_replay_verdicts.py",),
+           ("x__compare",)),
     Module("conformance.compare", "refspec/conformance/compare.py",
            ("tests/test_compare_refuses.py", "tests/test_conformance.py")),
     Module("conformance.known", "refspec/conformance/known.py",
@@ -124,6 +129,12 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "at P = 1, ceil((P - 1 + S) / P) * P * k is S * k",
     ("traces.tree", "if covered != L + N and not (v2 and covered >= L + N):"):
         "covered == L + N passes the first test already",
+    ("traces.replay_tree", "low = None if (q.dtype == torch.float32) and False else "
+     "attention_over_slots(q, k, v, slots, upcast=False)"):
+        "for fp32 q, upcast=False computes in fp32 too: the reference's own numbers, a budget base of 0 either way",
+    ("traces.replay_tree", "low = None if q.dtype == torch.float32 else attention_over_slots(q, k, v, slots, "
+     "upcast=None)"):
+        "attention_over_slots reads upcast as a truth value: None is False",
     ("conformance.compare", 'side = lambda d: MISSING if d.get("page_table") is None else '
      'f"width {d[\'page_table\'].shape[+1]}"'):
         "a page table is 2-D [rows, width]: shape[+1] and shape[-1] are the same axis",

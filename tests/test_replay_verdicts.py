@@ -39,7 +39,7 @@ def run(tokens=OUT, emitted=EMITTED, rounds=ROUNDS, accepts=((2, 3), (1, 2, 1)),
     return SimpleNamespace(trace=trace + list(extra_rounds), accepts=[list(a) for a in accepts], requests=reqs,
                            tokens=[list(t) for t in tokens], free_pages=free,
                            forwards={("verify", "graph"): 3, ("draft", "graph"): 4, ("verify", "eager"): 1,
-                                     ("prefill", "eager"): 2, ("draft prefill", "eager"): 5, ("extend", "eager"): 6})
+                                     ("prefill", "eager"): 2, ("draft prefill", "eager"): 8, ("extend", "eager"): 5})
 
 
 def greedy(tokens=OUT, margins=((1.0,) * 4, (1.0,) * 5)):
@@ -66,7 +66,7 @@ def test_a_replay_equal_to_the_trace_passes():
     assert (rc.version, rc.page_size, rc.rounds, rc.schedule, rc.seconds) == ("v1", 4, 3, [], 1.5)
     assert rc.oracle_accepts_ok and rc.tokens_ok and rc.kv_ok and rc.ok
     assert rc.tokens == "T0 production == oracle loop: yes, == greedy: yes"
-    assert (rc.graph_replays, rc.eager_forwards) == (7, 7)  # eager: verify 1 + extend 6, no prefill
+    assert (rc.graph_replays, rc.eager_forwards) == (7, 6)  # eager: verify 1 + extend 5, no prefill
     assert rc.per_round == [
         dict(rids=[0, 1], seq_lens=[3, 2], num_accept_tokens=[2, 1], joined=[0, 1], finished=[],
              graph=["verify", "draft"], match=True),
@@ -150,6 +150,9 @@ def test_low_precision_is_t2_against_the_fp32_greedy_baseline():
     rc = check(prod=diverged, dtype=torch.bfloat16, delta=0.25)
     assert not rc.tokens_ok and not rc.ok
     assert rc.tokens == "T2 vs fp32 greedy (delta 0.25): request 1: token 2: 7 != 9 with margin 1 >= 0.25"
+    rc = check(prod=run(tokens=[[3, 4, 6, 31], [0, 8, 7, 10, 11]]), dtype=torch.bfloat16, delta=0.25)
+    assert rc.tokens == ("T2 vs fp32 greedy (delta 0.25): request 0: token 2: 6 != 5 with margin 1 >= 0.25; "
+                         "request 1: token 2: 7 != 9 with margin 1 >= 0.25")
     rc = check(prod=run(tokens=[[3, 4, 5], [0, 8, 7, 10, 11]]), base=near, dtype=torch.bfloat16)
     assert rc.tokens == "T2 vs fp32 greedy (delta 0.01): request 0: lengths 3 != 4"
 
@@ -163,3 +166,85 @@ def test_run_check_ok_needs_every_verdict():
     good, bad = RunCheck(**base), RunCheck(**dict(base, kv_ok=False))
     assert not ReplayReport("t", "cpu", "float32", "emulator", "m", "perfect", [good, bad]).ok
     assert ReplayReport("t", "cpu", "float32", "emulator", "m", "perfect", []).ok
+
+
+# A tree-trace replay compares each phase's FA3 output with the slot oracle under T1 (TOL-002):
+# refspec.traces.replay_tree._compare records the worst error per phase and a failure line.
+
+class Pool:
+    """A one-layer KV pool's flat slot view (layer 0 only: another layer is a KeyError)."""
+
+    def __init__(self, k, v):
+        self.kv = {0: (k, v)}
+
+    def get_flat_kv(self, layer):
+        return self.kv[layer]
+
+
+def one_slot_rows():
+    """Two rows (H = 2, Hkv = 1, D = 4), each attending one key, so the fp32 oracle's output is
+    exactly that slot's value: row 0 reads slot 3, row 1 slot 5; v[s, 0, j] = 0.5 + s / 16 + j / 64."""
+    s, j = torch.arange(8.0).view(8, 1, 1), torch.arange(4.0).view(1, 1, 4)
+    v = 0.5 + s / 16 + j / 64
+    k = torch.ones(8, 1, 4)
+    q = torch.ones(2, 2, 4)
+    want = torch.stack([v[3, 0], v[3, 0]]), torch.stack([v[5, 0], v[5, 0]])
+    return q, Pool(k, v), [[3], [5]], torch.stack(want)
+
+
+@pytest.mark.parametrize("phase,inv", [("draft", "TR-008"), ("verify", "TR-012"), ("extend", "SD-004")])
+def test_compare_names_the_phase_rule_when_the_output_is_off(phase, inv):
+    from refspec.traces.replay_tree import TreeRoundCheck, _compare
+
+    q, pool, slots, want = one_slot_rows()
+    check = TreeRoundCheck(0, [0], [5], [2])
+    _compare(check, phase, want.clone(), q, pool, slots, "what")
+    assert check.failures == [] and check.worst == {phase: 0.0}
+    near = want.clone()
+    near[1, 0, 2] += 2 ** -17  # err 2^-17 of the fp32 budget 2e-5: 38.1 %
+    _compare(check, phase, near, q, pool, slots, "what")
+    assert check.failures == [] and check.worst[phase] == pytest.approx(100 * 2 ** -17 / 2e-5, rel=1e-9)
+    _compare(check, phase, want.clone(), q, pool, slots, "what")  # the worst so far stays
+    assert check.worst[phase] == pytest.approx(100 * 2 ** -17 / 2e-5, rel=1e-9)
+    off = want.clone()
+    off[0, 1, 0] -= 2 ** -10
+    _compare(check, phase, off, q, pool, slots, "what")
+    assert check.failures == [f"[{inv}] what: FA3 vs oracle err 0.000977 = 4882.8% of budget 2e-05"]
+    assert check.worst[phase] == pytest.approx(100 * 2 ** -10 / 2e-5, rel=1e-9)
+    assert list(check.worst) == [phase]
+
+
+def test_compare_budgets_a_low_precision_output_by_the_oracles_own_error():
+    """bf16: the budget is twice the bf16 oracle's distance from the fp32 one plus the bf16 floor
+    (TOL-002).  Values near 100 (bf16 steps of 0.5 there) over 6 slots: the bf16 oracle itself is
+    off by more than the floor 1.6e-2, and must pass; twice its distance past it must not."""
+    from refspec.core.tolerance import T1_FLOOR, t1
+    from refspec.oracle.slots import attention_over_slots
+    from refspec.traces.replay_tree import TreeRoundCheck, _compare
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(8, 1, 4, generator=g).to(torch.bfloat16)
+    v = (100 + 10 * torch.randn(8, 1, 4, generator=g)).to(torch.bfloat16)
+    q = torch.randn(3, 2, 4, generator=g).to(torch.bfloat16)
+    slots = [[1, 2, 3, 4, 5, 6], [0, 7], [2, 4, 6]]
+    ref = attention_over_slots(q, k, v, slots, out_dtype=torch.float32)
+    low = attention_over_slots(q, k, v, slots, upcast=False)
+    gap = float((low.float() - ref).abs().max())
+    assert gap > T1_FLOOR[torch.bfloat16]  # the case is one where the budget's base matters
+    check = TreeRoundCheck(0, [0], [5], [2])
+    _compare(check, "verify", low, q, Pool(k, v), slots, "what")
+    assert check.failures == []
+    assert check.worst["verify"] == pytest.approx(t1(low, ref, low).pct, rel=1e-9)
+    assert check.worst["verify"] == pytest.approx(100 * gap / (2 * gap + T1_FLOOR[torch.bfloat16]), rel=1e-6)
+    bad = (ref + 3 * (low.float() - ref) + torch.sign(low.float() - ref)).to(torch.bfloat16)
+    _compare(check, "verify", bad, q, Pool(k, v), slots, "what")
+    assert len(check.failures) == 1 and check.failures[0].startswith("[TR-012] what: FA3 vs oracle err ")
+
+
+def test_a_tree_replay_passes_when_no_round_failed():
+    from refspec.traces.replay_tree import TreeReplayReport, TreeRoundCheck
+
+    good, bad = TreeRoundCheck(0, [0], [5], [2]), TreeRoundCheck(1, [0], [7], [2], failures=["[TR-004] x"])
+    assert TreeReplayReport("t", "cpu", "float32", "emulator", "", [good, good]).ok
+    assert TreeReplayReport("t", "cpu", "float32", "emulator", "", []).ok
+    assert not TreeReplayReport("t", "cpu", "float32", "emulator", "", [good, bad]).ok
