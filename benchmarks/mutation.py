@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -282,7 +283,33 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def write_report(rows: list[dict], path: Path, argv: list[str]) -> None:
+class LoadSampler:
+    """The machine's 1-minute load average every ``every`` seconds while the run lasts (a shared
+    CPU makes wall times incomparable without it)."""
+
+    def __init__(self, every: float = 15.0):
+        self.samples, self._stop = [os.getloadavg()[0]], threading.Event()
+        self._t = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._t.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> str:
+        self._stop.set()
+        x = self.samples
+        return f"load average (1 min) over the run: mean {sum(x) / len(x):.1f}, min {min(x):.1f}, max {max(x):.1f}"
+
+
+FRESH = SCRATCH / "last_fresh_run.json"  # written by a fresh run of every module (make mutation)
+
+
+def _last_fresh() -> dict | None:
+    return json.loads(FRESH.read_text()) if FRESH.exists() else None
+
+
+def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", wall: float | None = None) -> None:
     dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--", "refspec", "tests") else ""
     lines = [
         "# Mutation testing of the checkers (issue 26)",
@@ -294,7 +321,12 @@ def write_report(rows: list[dict], path: Path, argv: list[str]) -> None:
         f"commit `{_git('rev-parse', '--short', 'HEAD')}`{dirty}",
         f"* tool: mutmut {version('mutmut')} (`--max-children 1`, process_isolation = forkserver), "
         f"pytest {version('pytest')}, Python {platform.python_version()}, torch {version('torch')}",
-        f"* machine: {os.cpu_count()} CPU(s), {platform.machine()}",
+        f"* machine: {os.cpu_count()} CPU(s), {platform.machine()}, this run at niceness {os.nice(0)}"
+        + (f"; {load}" if load else ""),
+        *([f"* wall time of this command: {wall:.0f} s ({wall / 60:.1f} min)"] if wall is not None else []),
+        *([f"* the last fresh run of every module (`make mutation`): {fresh['date']} at commit `{fresh['commit']}`, "
+           f"wall {fresh['wall_s']:.0f} s ({fresh['wall_s'] / 60:.1f} min), {fresh['load']}"]
+          if (fresh := _last_fresh()) is not None and argv else []),
         "",
         "A mutant is *killed* when the module's tests fail (or time out) on it; *equivalent* when "
         "no test can tell it from the original (one line each below); anything else *survived*.",
@@ -348,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--only: unknown module(s) {sorted(bad)}; known: {sorted(names)}")
     mods = [m for m in MODULES if args.only is None or m.name in args.only]
-    rows = []
+    rows, load, t0 = [], LoadSampler(), time.monotonic()
     for m in mods:
         print(f"mutation: {m.name} ({m.path}) against {' '.join(m.tests)}", flush=True)
         r = run_module(m, args.keep, args.timeout, args.report_only)
@@ -358,7 +390,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  survived {s[0]} ({s[1]}): {s[2]}", flush=True)
         rows.append(r)
     shown = list(argv if argv is not None else sys.argv[1:])
-    write_report(rows, args.report, shown)
+    wall, load_line = (None, "") if args.report_only else (time.monotonic() - t0, load.stop())
+    if not args.keep and not args.report_only and args.only is None:  # the fresh run of every module
+        FRESH.write_text(json.dumps(dict(date=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                                         commit=_git("rev-parse", "--short", "HEAD"), wall_s=wall, load=load_line)))
+    write_report(rows, args.report, shown, load_line, wall)
     print(f"report: {args.report.relative_to(ROOT) if args.report.is_relative_to(ROOT) else args.report}")
     return 1 if any(r["survived"] for r in rows) else 0
 
