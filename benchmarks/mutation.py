@@ -19,6 +19,7 @@ Usage: ``python benchmarks/mutation.py [--only NAME ...] [--keep] [--report PATH
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -107,6 +108,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        "elsewhere a non-ASCII file would tell them apart"
        for line in ('text = Path(path).read_text(encoding=None)', 'text = Path(path).read_text()',
                     'text = Path(path).read_text(, )')},
+    **{("traces.chain", line): "get's default is None, and bool(None) is bool(False): a config without "
+       "overlap is no overlap either way"
+       for line in ('rounds, overlap = trace["rounds"], bool(trace["config"].get("overlap", None))',
+                    'rounds, overlap = trace["rounds"], bool(trace["config"].get("overlap", ))')},
     ("traces.tree_checks", "if not 0 <= page < num_pages:"):
         "page 0 has returned its PA-008 line just above, so 0 <= page and 0 < page agree here",
     ("traces.tree_checks", 'elif not 0 <= r <= cfg["max_batch"]:'):
@@ -220,9 +225,18 @@ def _statuses(d: Path, mod: Module) -> dict[str, int | None]:
     return {k: c for k, c in codes.items() if mod.selected(k)}
 
 
-def _mutated_line(d: Path, name: str) -> str:
-    """The first added line of ``mutmut show NAME``'s diff, stripped (the EQUIVALENT key)."""
-    out = _mutmut(d, "show", name).stdout
+def _mutated_line(d: Path, name: str, path: str) -> str:
+    """The first added line of ``mutmut show NAME``'s diff, stripped (the EQUIVALENT key).
+
+    In this process (mutmut's own diff, ``get_diff_for_mutant``, which ``show`` prints): a
+    ``mutmut show`` process per mutant cost seconds each, minutes per run."""
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+        with contextlib.chdir(d):
+            out = get_diff_for_mutant(name, path=path)
+    except (ImportError, OSError, ValueError):  # another mutmut layout: ask its CLI
+        out = _mutmut(d, "show", name).stdout
     added = [ln[1:].strip() for ln in out.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     return added[0] if added else out.strip()
 
@@ -269,7 +283,7 @@ def _classify(d: Path, mod: Module, codes: dict, rerun_s: float | None, status_b
         if status in KILLED:
             row["killed"] += 1
             continue
-        line = _mutated_line(d, name)
+        line = _mutated_line(d, name, mod.path)
         why = EQUIVALENT.get((mod.name, line))
         short = name.split(".")[-1]
         if why is not None and status == "survived":
