@@ -356,7 +356,9 @@ def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", 
         m, non_eq = r["module"], r["total"] - len(r["equivalent"])
         score = f"{100 * r['killed'] / non_eq:.1f} %" if non_eq else "n/a"
         tests = "<br>".join(f"`{t}`" for t in m.tests)
-        lines.append(f"| `{m.path}` | {tests} | {r['total']} | {r['killed']} | {len(r['equivalent'])} | "
+        only = "<br>only " + ", ".join(f"`{f.split('ǁ')[-1].removeprefix('x_')}`" for f in m.functions) \
+            if m.functions else ""
+        lines.append(f"| `{m.path}`{only} | {tests} | {r['total']} | {r['killed']} | {len(r['equivalent'])} | "
                      f"{len(r['survived'])} | {score} | {r['wall_s']:.0f} s"
                      + (f" ({r['rerun_s']:.0f} s)" if r["rerun_s"] is not None else "") + " |")
     tot = sum(r["total"] for r in rows)
