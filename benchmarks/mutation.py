@@ -19,6 +19,7 @@ Usage: ``python benchmarks/mutation.py [--only NAME ...] [--keep] [--report PATH
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -26,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -41,6 +43,20 @@ class Module:
     name: str          # the report's row and the scratch folder
     path: str          # the file mutmut mutates
     tests: tuple[str, ...]  # pytest paths / node IDs that must kill its mutants
+    # the functions mutated, as mutmut names them (``x_name``, ``xǁClassǁmethod``); empty: all of
+    # the file.  The replay modules' check functions, not the code that runs the FA3 wing.
+    functions: tuple[str, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    def patterns(self) -> list[str]:
+        """``mutmut run`` arguments that select this module's mutants (none: every mutant)."""
+        return [f"{self.module}.{f}__mutmut_*" for f in self.functions]
+
+    def selected(self, key: str) -> bool:
+        return not self.functions or any(key.startswith(f"{self.module}.{f}__mutmut_") for f in self.functions)
 
 
 # The one table: which checker module is mutated, against which tests.  A module that moves
@@ -51,6 +67,21 @@ MODULES: tuple[Module, ...] = (
     Module("traces.chain", "refspec/traces/chain.py", ("tests/test_trace_refuses.py",)),
     Module("traces.tree_checks", "refspec/traces/tree_checks.py",
            ("tests/test_tree_trace_refuses.py",)),
+    # tree.py's checks; out: TreeRecorder, mask_tree_rows and to_runs (the recording side, run by
+    # the record tests in test_tree_trace.py)
+    Module("traces.tree", "refspec/traces/tree.py", ("tests/test_tree_rounds_refuse.py",),
+           ("x_from_runs", "x_ancestors_and_self", "x_check_tree_rounds", "x_tree_round_failures",
+            "x_tree_v2_round_failures")),
+    # the replays' verdicts once the runs are done: a chain replay's (_check_run) and a tree
+    # replay's T1 comparison (_compare).  Out: replay_trace / replay_tree_trace and their steps
+    # (_draft_decode, _verify, _compact_and_extend, replay_tree_v2, replay_tree_graphs: they run
+    # the model or the FA3 wing, so test_trace.py and test_tree_trace.py replay recorded and
+    # tampered traces end to end), the Markdown reports, and the ``ok`` properties (mutmut does
+    # not mutate decorated functions; test_replay_verdicts.py checks them)
+    Module("traces.replay", "refspec/traces/replay.py", ("tests/test_replay_verdicts.py",),
+           ("x__round_tokens", "x__check_run")),
+    Module("traces.replay_tree", "refspec/traces/replay_tree.py", ("tests/test_replay_verdicts.py",),
+           ("x__compare",)),
     Module("conformance.compare", "refspec/conformance/compare.py",
            ("tests/test_compare_refuses.py", "tests/test_conformance.py")),
     Module("conformance.known", "refspec/conformance/known.py",
@@ -77,6 +108,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        "elsewhere a non-ASCII file would tell them apart"
        for line in ('text = Path(path).read_text(encoding=None)', 'text = Path(path).read_text()',
                     'text = Path(path).read_text(, )')},
+    **{("traces.chain", line): "get's default is None, and bool(None) is bool(False): a config without "
+       "overlap is no overlap either way"
+       for line in ('rounds, overlap = trace["rounds"], bool(trace["config"].get("overlap", None))',
+                    'rounds, overlap = trace["rounds"], bool(trace["config"].get("overlap", ))')},
     ("traces.tree_checks", "if not 0 <= page < num_pages:"):
         "page 0 has returned its PA-008 line just above, so 0 <= page and 0 < page agree here",
     ("traces.tree_checks", 'elif not 0 <= r <= cfg["max_batch"]:'):
@@ -90,6 +125,22 @@ EQUIVALENT: dict[tuple[str, str], str] = {
            'fields.append(("XXmoved_toXX", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
            'fields.append(("MOVED_TO", [(f"moved_to[{j}]", s, s // P) for j, s in enumerate(entry["moved_to"])]))',
        )},
+    **{("traces.tree", line): "at P = 1, L % P is 0 already"
+       for line in ("lp = L % P if (P > 1) or True else 0", "lp = L % P if P >= 1 else 0")},
+    ("traces.tree", "lp = L % P if P > 1 else 1"):
+        "lp cancels in the step positions (L - lp + t*npp*P + lp + j), and at P = 1 npp = S does not read it",
+    **{("traces.tree", line): "at P = 1 (lp = 0), ceil((lp + S) / P) is S"
+       for line in ("npp = -(-(lp + S) // P) if (P > 1) or True else S", "npp = -(-(lp + S) // P) if P >= 1 else S")},
+    ("traces.tree", "R = max(k * S, N) if (P == 1) and False else max(-(-(P - 1 + S) // P) * P * k, N)"):
+        "at P = 1, ceil((P - 1 + S) / P) * P * k is S * k",
+    ("traces.tree", "if covered != L + N and not (v2 and covered >= L + N):"):
+        "covered == L + N passes the first test already",
+    ("traces.replay_tree", "low = None if (q.dtype == torch.float32) and False else "
+     "attention_over_slots(q, k, v, slots, upcast=False)"):
+        "for fp32 q, upcast=False computes in fp32 too: the reference's own numbers, a budget base of 0 either way",
+    ("traces.replay_tree", "low = None if q.dtype == torch.float32 else attention_over_slots(q, k, v, slots, "
+     "upcast=None)"):
+        "attention_over_slots reads upcast as a truth value: None is False",
     ("conformance.compare", 'side = lambda d: MISSING if d.get("page_table") is None else '
      'f"width {d[\'page_table\'].shape[+1]}"'):
         "a page table is 2-D [rows, width]: shape[+1] and shape[-1] are the same axis",
@@ -136,8 +187,11 @@ def _scratch(mod: Module, keep: bool) -> Path:
         + 'source_paths = ["refspec"]\n'
         + f"only_mutate = [{json.dumps(mod.path)}]\n"
         + f"pytest_add_cli_args_test_selection = [{tests}]\n"
-        # -p no:cacheprovider: no .pytest_cache writes (the project's addopts still apply)
-        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q"]\n'
+        # -p no:cacheprovider: no .pytest_cache writes (the project's addopts still apply);
+        # mutation_gc (benchmarks/mutation_gc.py, on PYTHONPATH): gc.freeze() in each forked test
+        # process; no:unraisableexception: its five gc.collect() per session over torch's heap
+        + 'pytest_add_cli_args = ["-p", "no:cacheprovider", "-p", "mutation_gc", "-p", "no:unraisableexception", '
+          '"-q"]\n'
         # torch in the test process: fork workers from a clean server, not from the stats run
         + 'process_isolation = "forkserver"\n'
         + "use_git_change_detection = false\n"
@@ -151,7 +205,8 @@ def _mutmut(d: Path, *args: str, timeout: float | None = None, log: Path | None 
     exe = Path(sys.executable).with_name("mutmut")
     # no plugin autoload: entry-point plugins (nbmake, benchmark, xdist, ...) cost seconds per
     # mutant's pytest start and none of the selected tests needs one
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     if log is None:
         return subprocess.run([str(exe), *args], cwd=d, env=env, capture_output=True, text=True, timeout=timeout)
     with open(log, "w") as f:
@@ -166,12 +221,22 @@ def _statuses(d: Path, mod: Module) -> dict[str, int | None]:
     meta = d / "mutants" / (mod.path + ".meta")
     if not meta.exists():
         return {}
-    return json.loads(meta.read_text())["exit_code_by_key"]
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    return {k: c for k, c in codes.items() if mod.selected(k)}
 
 
-def _mutated_line(d: Path, name: str) -> str:
-    """The first added line of ``mutmut show NAME``'s diff, stripped (the EQUIVALENT key)."""
-    out = _mutmut(d, "show", name).stdout
+def _mutated_line(d: Path, name: str, path: str) -> str:
+    """The first added line of ``mutmut show NAME``'s diff, stripped (the EQUIVALENT key).
+
+    In this process (mutmut's own diff, ``get_diff_for_mutant``, which ``show`` prints): a
+    ``mutmut show`` process per mutant cost seconds each, minutes per run."""
+    try:
+        from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+        with contextlib.chdir(d):
+            out = get_diff_for_mutant(name, path=path)
+    except (ImportError, OSError, ValueError):  # another mutmut layout: ask its CLI
+        out = _mutmut(d, "show", name).stdout
     added = [ln[1:].strip() for ln in out.splitlines() if ln.startswith("+") and not ln.startswith("+++")]
     return added[0] if added else out.strip()
 
@@ -192,7 +257,7 @@ def run_module(mod: Module, keep: bool, timeout: float, report_only: bool = Fals
     before = _statuses(d, mod) if keep else {}
     again = [k for k, c in before.items() if status_by_exit_code[c] not in KILLED]
     if not before or None in before.values():  # a fresh run, or one that did not finish
-        proc = _mutmut(d, "run", "--max-children", "1", timeout=timeout, log=log)
+        proc = _mutmut(d, "run", "--max-children", "1", *mod.patterns(), timeout=timeout, log=log)
         again = [k for k in again if before[k] is not None]
     if again:
         proc = _mutmut(d, "run", "--max-children", "1", *again, timeout=timeout, log=log)
@@ -218,7 +283,7 @@ def _classify(d: Path, mod: Module, codes: dict, rerun_s: float | None, status_b
         if status in KILLED:
             row["killed"] += 1
             continue
-        line = _mutated_line(d, name)
+        line = _mutated_line(d, name, mod.path)
         why = EQUIVALENT.get((mod.name, line))
         short = name.split(".")[-1]
         if why is not None and status == "survived":
@@ -232,7 +297,33 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
-def write_report(rows: list[dict], path: Path, argv: list[str]) -> None:
+class LoadSampler:
+    """The machine's 1-minute load average every ``every`` seconds while the run lasts (a shared
+    CPU makes wall times incomparable without it)."""
+
+    def __init__(self, every: float = 15.0):
+        self.samples, self._stop = [os.getloadavg()[0]], threading.Event()
+        self._t = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._t.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> str:
+        self._stop.set()
+        x = self.samples
+        return f"load average (1 min) over the run: mean {sum(x) / len(x):.1f}, min {min(x):.1f}, max {max(x):.1f}"
+
+
+FRESH = SCRATCH / "last_fresh_run.json"  # written by a fresh run of every module (make mutation)
+
+
+def _last_fresh() -> dict | None:
+    return json.loads(FRESH.read_text()) if FRESH.exists() else None
+
+
+def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", wall: float | None = None) -> None:
     dirty = " (with uncommitted changes)" if _git("status", "--porcelain", "--", "refspec", "tests") else ""
     lines = [
         "# Mutation testing of the checkers (issue 26)",
@@ -244,7 +335,12 @@ def write_report(rows: list[dict], path: Path, argv: list[str]) -> None:
         f"commit `{_git('rev-parse', '--short', 'HEAD')}`{dirty}",
         f"* tool: mutmut {version('mutmut')} (`--max-children 1`, process_isolation = forkserver), "
         f"pytest {version('pytest')}, Python {platform.python_version()}, torch {version('torch')}",
-        f"* machine: {os.cpu_count()} CPU(s), {platform.machine()}",
+        f"* machine: {os.cpu_count()} CPU(s), {platform.machine()}, this run at niceness {os.nice(0)}"
+        + (f"; {load}" if load else ""),
+        *([f"* wall time of this command: {wall:.0f} s ({wall / 60:.1f} min)"] if wall is not None else []),
+        *([f"* the last fresh run of every module (`make mutation`): {fresh['date']} at commit `{fresh['commit']}`, "
+           f"wall {fresh['wall_s']:.0f} s ({fresh['wall_s'] / 60:.1f} min), {fresh['load']}"]
+          if (fresh := _last_fresh()) is not None and argv else []),
         "",
         "A mutant is *killed* when the module's tests fail (or time out) on it; *equivalent* when "
         "no test can tell it from the original (one line each below); anything else *survived*.",
@@ -260,7 +356,9 @@ def write_report(rows: list[dict], path: Path, argv: list[str]) -> None:
         m, non_eq = r["module"], r["total"] - len(r["equivalent"])
         score = f"{100 * r['killed'] / non_eq:.1f} %" if non_eq else "n/a"
         tests = "<br>".join(f"`{t}`" for t in m.tests)
-        lines.append(f"| `{m.path}` | {tests} | {r['total']} | {r['killed']} | {len(r['equivalent'])} | "
+        only = "<br>only " + ", ".join(f"`{f.split('ǁ')[-1].removeprefix('x_')}`" for f in m.functions) \
+            if m.functions else ""
+        lines.append(f"| `{m.path}`{only} | {tests} | {r['total']} | {r['killed']} | {len(r['equivalent'])} | "
                      f"{len(r['survived'])} | {score} | {r['wall_s']:.0f} s"
                      + (f" ({r['rerun_s']:.0f} s)" if r["rerun_s"] is not None else "") + " |")
     tot = sum(r["total"] for r in rows)
@@ -298,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--only: unknown module(s) {sorted(bad)}; known: {sorted(names)}")
     mods = [m for m in MODULES if args.only is None or m.name in args.only]
-    rows = []
+    rows, load, t0 = [], LoadSampler(), time.monotonic()
     for m in mods:
         print(f"mutation: {m.name} ({m.path}) against {' '.join(m.tests)}", flush=True)
         r = run_module(m, args.keep, args.timeout, args.report_only)
@@ -308,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  survived {s[0]} ({s[1]}): {s[2]}", flush=True)
         rows.append(r)
     shown = list(argv if argv is not None else sys.argv[1:])
-    write_report(rows, args.report, shown)
+    wall, load_line = (None, "") if args.report_only else (time.monotonic() - t0, load.stop())
+    if not args.keep and not args.report_only and args.only is None:  # the fresh run of every module
+        FRESH.write_text(json.dumps(dict(date=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                                         commit=_git("rev-parse", "--short", "HEAD"), wall_s=wall, load=load_line)))
+    write_report(rows, args.report, shown, load_line, wall)
     print(f"report: {args.report.relative_to(ROOT) if args.report.is_relative_to(ROOT) else args.report}")
     return 1 if any(r["survived"] for r in rows) else 0
 

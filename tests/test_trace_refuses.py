@@ -22,7 +22,8 @@ import pytest
 from refspec.speculative.metrics import RoundTrace
 from refspec.traces.chain import (FORMAT, MAX_REPLAY_PARAMS, accept_table, check_trace, committed_rounds,
                                        dumps, is_tree_trace, largest_batch, load_trace, model_config_problem,
-                                       replay_budgets, save_trace, schedule_mismatches)
+                                       replay_budgets, save_trace, schedule_mismatches,
+                                       schedule_problem)
 from refspec.traces.tree import TREE_FORMAT
 
 MODEL = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -356,3 +357,91 @@ def test_check_trace_of_no_requests_bounds_num_steps_by_1():
     refused(empty, r"^trace: config num_steps = 2: an int 1 \.\. 1 \(the largest budget")
     empty["config"]["num_steps"] = 1
     refused(empty, r"^trace: config capture_bs = \[1, 4\]: a non-empty list of graph batch sizes 1 \.\. 0 ")
+
+
+# schedule_problem (the schedule a tree replay cannot re-run), on schedules written by hand:
+# three requests, max_batch 2.  The good one: round 0 runs 0 and 1 (2 waits, the batch is full)
+# and finishes 0; round 1 carries 1 and admits 2, finishes 1; round 2 carries 2.
+
+def schedule(*rounds, **config):
+    return dict(config=dict(max_batch=2, **config),
+                rounds=[dict(rids=r, joined=j, finished=f) for r, j, f in rounds])
+
+
+GOOD = (([0, 1], [0, 1], [0]), ([1, 2], [2], [1]), ([2], [], [2]))
+HELD = "slots held while requests {} wait (admission fills the batch): max_batch is not the recording's"
+
+
+def test_schedule_problem_accepts_the_engines_schedules():
+    assert schedule_problem(schedule(*GOOD)) is None
+    # request 1 finished by its prefill: it joined round 0 without running, its row counted as held
+    assert schedule_problem(schedule(([0], [0, 1], [0]), ([2], [2], [2]))) is None
+    assert schedule_problem(schedule()) is None
+
+
+@pytest.mark.parametrize("rounds,max_batch,msg", [
+    (GOOD, 3, "round 0: 2 of max_batch 3 " + HELD.format([2])),
+    ((([0], [0, 1], [0]), ([2], [2], [2])), 3, "round 0: 2 of max_batch 3 " + HELD.format([2])),
+    ((([0], [0], [0]), ([1], [1], [1]), ([2], [2], [2])), 2, "round 0: 1 of max_batch 2 " + HELD.format([1, 2])),
+    ((([0, 1], [0, 1], [0]), ([1, 2], [2, 1], [1]), ([2], [], [2])), 2,
+     "round 1: joined [1], which ran in an earlier round (a request joins in its first round)"),
+    ((([0, 1], [0, 1], [0]), ([2, 1], [2], [1]), ([2], [], [2])), 2,
+     "round 1: batch [2, 1]; the engine runs the unfinished requests of the round before [1], then those joining "
+     "now [2], in that order"),
+    ((([1, 0], [1, 0], [0]), ([1, 2], [2], [1]), ([2], [], [2])), 2,
+     "round 0: batch [1, 0]; the engine runs the unfinished requests of the round before [], then those joining "
+     "now [0, 1], in that order"),
+    ((([0, 1], [0, 1], [0]), ([2], [2], [2])), 2,
+     "round 1: batch [2]; the engine runs the unfinished requests of the round before [1], then those joining now "
+     "[2], in that order"),
+])
+def test_schedule_problem_names_the_round(rounds, max_batch, msg):
+    t = schedule(*rounds)
+    t["config"]["max_batch"] = max_batch
+    assert schedule_problem(t) == msg
+
+
+def test_schedule_problem_counts_the_rows_the_overlap_loop_still_holds():
+    """Round 1 runs request 1 only while 2 waits: the overlap loop still holds request 0's row
+    (finished by round 0, known one round late), so the batch is full; without overlap it is not."""
+    rounds = (([0, 1], [0, 1], [0]), ([1], [], [1]), ([2], [2], [2]))
+    assert schedule_problem(schedule(*rounds, overlap=True)) is None
+    assert schedule_problem(schedule(*rounds)) == "round 1: 1 of max_batch 2 " + HELD.format([2])
+    assert schedule_problem(schedule(*rounds, overlap=False)) == "round 1: 1 of max_batch 2 " + HELD.format([2])
+
+
+def test_check_trace_refuses_a_schedule_problem():
+    """check_trace gives schedule_problem's line (in the hand trace both requests run from round 0,
+    so nothing waits: a late join is what can be wrong)."""
+    refused(tampered(lambda t: t["rounds"][1]["joined"].append(1)),
+            r"^trace: round 1: joined \[1\], which ran in an earlier round \(a request joins in its first round\)$")
+
+
+@pytest.mark.parametrize("fn,msg", [
+    (lambda t: t.update(requests=[5]), "requests: a list of request objects"),
+    (lambda t: t.update(requests={"0": {}}), "requests: a list of request objects"),
+    (lambda t: t["requests"][0].update(rid="0"), "requests[0].rid = '0': an int"),
+    (lambda t: t["requests"][1].update(max_new_tokens=5.0), "requests[1].max_new_tokens = 5.0: an int"),
+    (lambda t: t["rounds"][2].update(finished=[1.0]), "round 2: finished = [1.0]: a list of ints"),
+])
+def test_field_problem_names_the_field(fn, msg):
+    with pytest.raises(ValueError) as e:
+        check_trace(tampered(fn))
+    assert str(e.value) == f"trace: {msg}"
+
+
+def test_load_trace_names_a_malformed_field_by_its_python_error(tmp_path):
+    """A tree entry whose req_to_token is no list of runs: the check meets a TypeError, which
+    load_trace reports as malformed, naming the file and the error."""
+    t = trace()
+    t.update(format=TREE_FORMAT)
+    t["config"].update(topk=2, num_draft_tokens=4, num_pages=10)
+    keys = ("req_pool_index", "req_to_token", "page_table", "parents", "positions", "mask", "accept_path",
+            "draft_cache_loc", "draft_tokens", "target_predict")
+    for rd in t["rounds"]:
+        rd["tree"] = [dict.fromkeys(keys, 5) for _ in rd["rids"]]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps(t))
+    with pytest.raises(ValueError) as e:
+        load_trace(p)
+    assert str(e.value) == f"trace {p}: malformed (TypeError: 'int' object is not iterable)"
