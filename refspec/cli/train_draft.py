@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=positive_int(), default=d.steps, help="optimizer steps (default %(default)s)")
     ap.add_argument("--batch-rows", type=positive_int(), default=d.batch_rows,
                     help="rows per step (default %(default)s)")
-    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     ap.add_argument("--unroll", type=positive_int(), default=d.unroll, help="draft steps trained (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--seed", type=int, default=d.seed, help="data order and init seed (default %(default)s)")
     ap.add_argument("--rows", type=positive_int(), help="use only the first N rows (a quick run)")
-    ap.add_argument("--heldout-rows", type=positive_int(), default=d.heldout_rows)
+    ap.add_argument("--heldout-rows", type=positive_int(), default=d.heldout_rows,
+                    help="rows kept out of training for the evaluation (default %(default)s)")
     ap.add_argument("--train-seconds", type=float, metavar="S",
                     help="fix --steps from the speed of the first 30 steps so that training takes about S s "
                          "(the card records the count; --steps N repeats the run)")
