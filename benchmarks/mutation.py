@@ -157,6 +157,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
            "if b.shape[0] <= r or b.shape[1] < m or a.shape[1] < m or _vec(a[r, :m], m) != _vec(b[r, :m], None):",
            "if b.shape[0] > r and _vec(a[r, m:], None) != _vec(b[r, m:], b.shape[1]):",
            "if b.shape[0] > r and _vec(a[r, m:], a.shape[1]) != _vec(b[r, m:], None):",
+           "if b.shape[0] > r and _vec(a[r, m:w], None) != _vec(b[r, m:w], w):  # the dead columns both tables have",
+           "if b.shape[0] > r and _vec(a[r, m:w], w) != _vec(b[r, m:w], None):  # the dead columns both tables have",
        )},
     ("conformance.compare", "if a is None and b is None or a != b:"):
         "exactly one side None makes a != b true as well; both None is the and-branch",

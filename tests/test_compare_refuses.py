@@ -261,3 +261,11 @@ def test_tree_fields_are_reported_in_name_order_after_the_parts():
     theirs = parts(prefix=md(max_q=2), tree={"retrive_index": i32(9), "draft_tokens": i32(2)})
     assert [d[0] for d in pdiffs(ours, theirs, EP=4)] == [
         "prefix:max_seq_len_q", "tree:draft_tokens", "tree:retrive_index"]
+
+
+def test_rows_with_no_keys_set_no_bound_a_zero_width_upstream_table_is_not_below_it():
+    """K = 0 everywhere (no page read): the bound is 0 pages, so a 0-column upstream table only
+    differs in width (documented), never "below the kernel bound"."""
+    ours = md(K=(0, 0))
+    theirs = dict(ours, page_table=torch.zeros((2, 0), dtype=torch.int32))
+    assert diffs(ours, theirs) == [("page_table[dead]", "width 4, rows differing []", "width 0", False)]

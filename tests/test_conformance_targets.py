@@ -166,6 +166,7 @@ OLD_RELEASES = (
     ("0.5.6", ("decode", "draft_extend_v2"), 1),  # is_hybrid_swa; no DRAFT_EXTEND_V2 replay branch
     ("0.5.13", ("decode",), 1),  # graph hooks without runtime_context.py
     ("0.5.16", ("decode",), 1),  # model_runner.server_args beside the runtime-context override
+    ("0.5.17", ("decode",), 1),  # model_runner.token_to_kv_pool_allocator (the unified-pool probe)
     ("0.5.19", ("tree_verify",), 1),  # the tree dispatch by platform flags
 )
 
@@ -197,7 +198,7 @@ def test_old_releases_are_driven_by_the_adapter_their_shape_picks(version, modes
         replay = [r for r in by_mode["draft_extend_v2"] if r.phase == "replay"]
         assert replay and all(r.error and r.error.startswith("NoMetadata:") for r in replay)
         assert {f.rule for r in replay for f in r.findings} == {"CG-004"}
-    if version in ("0.5.13", "0.5.16"):
+    if version in ("0.5.13", "0.5.16", "0.5.17"):
         assert all(r.error is None for r in rows)
     if version == "0.5.19":
         assert all(r.ok for r in rows), [r.findings for r in rows if not r.ok]

@@ -78,7 +78,10 @@ class Upstream:
                 req_to_token_pool=rows, token_to_kv_pool=pool, kv_cache_dtype=None, kv_cache_dtype_str="auto",
                 page_size=P, is_draft_worker=draft, attention_chunk_size=None, attn_cp_size=1, tp_size=1,
                 is_hybrid=False, ps=NS(attn_cp_size=1, tp_size=1),  # (0.5.16 on: model_runner.ps.attn_cp_size)
-                server_args=sa)
+                server_args=sa,
+                # 0.5.17 / 0.5.18 probe it for a unified MLA pool (unified_mla_hooks: no full_v2p_page_table
+                # means the static pool, which is what these cases model)
+                token_to_kv_pool_allocator=NS())
         if self.translator is not None:
             mr.kv_index_translator = call(self.translator, req_to_token=R, token_to_kv_pool_allocator=None,
                                           token_to_kv_pool=pool, page_size=P, device="cpu", is_draft_worker=draft)
