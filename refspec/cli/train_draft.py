@@ -18,6 +18,7 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                      "no license declared in the package)", "rows": int(rows.shape[0]),
                      "row_tokens": int(rows.shape[1]),
                      "train_tokens": res["tokens"], "heldout_tokens": res["heldout_tokens"]},
-            "recipe": {k: v for k, v in vars(recipe).items()}, "steps": res["step"],
+            "recipe": dataclasses.asdict(recipe), "steps": res["step"],
             "metrics": {"heldout_top1_per_step": res["metrics"]["top1"], "heldout_ce_per_step": res["metrics"]["ce"],
                         "final_train": res["log"][-1] if res["log"] else {}},
             "seconds": res["seconds"], "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -249,9 +249,6 @@ def evaluate(head: EagleDraft, ids, lengths, hidden, greedy, recipe: Recipe, bat
 
 
 # ------------------------------------------------------------------ files
-HEAD_KEYS = ("fc.weight", "norm.weight")  #: plus ``layer.*`` (the decoder layer, HF Llama names)
-
-
 def head_state(head: EagleDraft, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """The head's own parameters (not the shared embedding / LM head) as contiguous CPU tensors."""
     return {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
@@ -315,8 +312,7 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
     ids = torch.from_numpy(rows.astype(np.int64)).to(dev)
     lens = torch.from_numpy(lengths.astype(np.int64)).to(dev)
     hidden, greedy = extract_features(target, ids, batch=feature_batch)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(dev)
     t_feat = time.perf_counter() - t0
 
     torch.manual_seed(recipe.seed)
