@@ -100,6 +100,53 @@ def test_production_greedy_stops_at_eos():
     assert run.tokens[0] == full[: full.index(eos) + 1]
 
 
+@pytest.mark.spec("SD-002", "KV-006")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_production_greedy_eos_in_a_batch_drops_the_late_step(graphs):
+    """Overlap: request 0 emits EOS mid-run while the others go on.  Its EOS is read after the
+    next step was launched, so that step's token for it is dropped; the others' tokens equal the
+    oracle's, and every page comes back (the dropped step's slot included)."""
+    m = _model()
+    budgets = [10, 10, 6]
+    ref = [greedy(m, p, n).tokens for p, n in zip(PROMPTS, budgets)]
+    eos = ref[0][3]
+    want = [r[: r.index(eos) + 1] if eos in r else r for r in ref]
+    assert len(want[0]) == 4 and len(want[1]) > 4  # the case is what it says: one early stop
+    run = production_greedy(m, PROMPTS, budgets, eos=eos, page_size=4, graphs=graphs, capture_bs=(1, 2, 4))
+    assert run.tokens == want
+    assert run.free_pages[0] == run.free_pages[1]
+    # a request stopped by EOS before its budget ran one decode step past it (launched before
+    # the read); one stopped by its budget ran exactly len - 1 decode steps
+    late = [len(w) - 1 + (len(w) < n) for w, n in zip(want, budgets)]
+    assert run.steps == max(late)
+
+
+def test_production_greedy_launches_the_next_step_before_reading_tokens(monkeypatch):
+    """The k-th token read (k >= 1) happens after decode step k was launched: the host never
+    waits for a step's tokens before the next step is queued (module doc, overlap)."""
+    import refspec.speculative.greedy as g
+
+    seen = []
+    runs = {"steps": 0}
+    orig_wait, orig_step = g.ResultCopy.wait, g.decode_batch
+
+    def wait(self):
+        seen.append(runs["steps"])
+        return orig_wait(self)
+
+    def counted(*a, **k):
+        runs["steps"] += 1
+        return orig_step(*a, **k)
+
+    monkeypatch.setattr(g.ResultCopy, "wait", wait)
+    monkeypatch.setattr(g, "decode_batch", counted)
+    run = production_greedy(_model(), [PROMPTS[0]], [6], page_size=1, graphs=False)
+    assert len(run.tokens[0]) == 6 and run.steps == 5
+    # read 0 (the prefill token) after step 1 was built, ..., read 4 after step 5; the last read
+    # (step 5's token) has no step after it
+    assert seen == [1, 2, 3, 4, 5, 5]
+
+
 def test_production_greedy_rejects_bad_input():
     m = _model()
     with pytest.raises(ValueError, match="budget"):

@@ -207,9 +207,16 @@ def bench_teacher_forced(device, quick):
     return run(device, quick)
 
 
+def bench_peer(device, quick):
+    """Graph greedy vs a compiled static-cache greedy loop, B = 1, 4, 16 (:mod:`refspec.cli._bench_peer`)."""
+    from refspec.cli._bench_peer import bench_peer as run
+
+    return run(device, quick)
+
+
 SECTIONS = {"kernel": bench_kernel, "scale": bench_scale, "metadata": bench_metadata, "loop": bench_loop,
             "profile": bench_profile, "seed": bench_seed, "drafts": bench_drafts, "host": bench_host,
-            "eagle": bench_eagle, "teacher-forced": bench_teacher_forced}
+            "eagle": bench_eagle, "teacher-forced": bench_teacher_forced, "peer": bench_peer}
 
 
 def to_markdown(rows) -> str:

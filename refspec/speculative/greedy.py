@@ -7,8 +7,20 @@ captured per batch size (padded, CG-007), ``seq_lens`` L including the token bei
 emitting ``eos``; its pages are freed (KV-006 holds at the end).
 
 This is the number a user compares speculative decoding with: "graph greedy" in
-``python -m refspec demo --device cuda``.  The host reads each step's tokens once (one
-device -> host read per step, counted in ``syncs``), as a non-overlapped server does.
+``python -m refspec demo --device cuda``.
+
+**Overlapped like SGLang's overlap scheduler.**  Step i + 1 is launched *before* the host
+reads step i's tokens: its input ids are step i's device output, and its lengths and slots
+follow from counts the host already has (one token per live request per step), so nothing
+waits for the read.  The tokens of step i come back through a pinned, non-blocking copy
+(:class:`~refspec.core.transfer.ResultCopy`), read after the next launch (one read per step,
+counted in ``syncs``; the GPU is never idle for it).  A budget stop is known on the host before
+the launch; an EOS is seen one step late, so a request that emitted EOS at step i has run step
+i + 1 too: that token is dropped and its KV slot freed with the row.  SGLang:
+``Scheduler.event_loop_overlap`` (the previous batch's result is processed after the next
+batch is launched) and ``TpModelWorkerClient``'s ``copy_to_cpu`` / ``copy_done``
+(`python/sglang/srt/managers/scheduler.py@v0.4.6 <https://github.com/sgl-project/sglang/blob/v0.4.6/python/sglang/srt/managers/scheduler.py>`_,
+`tp_worker_overlap_thread.py@v0.4.6 <https://github.com/sgl-project/sglang/blob/v0.4.6/python/sglang/srt/managers/tp_worker_overlap_thread.py>`_).
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import torch
 from refspec.core.batch import decode_batch, extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.modes import ForwardMode
+from refspec.core.transfer import ResultCopy, h2d
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.graphs.runner import GraphRunner
 
@@ -37,6 +50,7 @@ class GreedyRun:
     graph_steps: int = 0
     eager_steps: int = 0
     seconds: float = 0.0  #: wall time from the prefill on (graph capture excluded; synchronized on CUDA)
+    decode_seconds: float = 0.0  #: the decode steps' part of ``seconds`` (from the prefill's tokens read on)
 
 
 @torch.no_grad()
@@ -69,45 +83,59 @@ def production_greedy(target, prompts: list[list[int]], max_new_tokens: list[int
     if graphs:
         runner = GraphRunner(ForwardMode.DECODE, [be], step_fn, kv=kv, capture_bs=capture_bs, tokens_per_req=1,
                              inputs={"ids": ((), torch.long)})
-    if p0.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if p0.device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     rows = [kv.alloc_req() for _ in range(B)]
     lens = [len(p) for p in prompts]
     kv.alloc_extend(rows, [0] * B, lens)
     fb = extend_batch(kv, rows, [0] * B, lens)
     be.init_forward_metadata(fb)
-    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=p0.device)
-    last = torch.tensor([sum(lens[:b + 1]) - 1 for b in range(B)], device=p0.device)
+    ids = h2d([t for p in prompts for t in p], p0.device)
+    last = h2d([sum(lens[:b + 1]) - 1 for b in range(B)], p0.device)
     nxt = target.forward(ids, fb, be)[0][last].argmax(-1)
     run = GreedyRun([[] for _ in range(B)])
-    live = list(range(B))
-    while True:
+    fed = [0] * B  # generated tokens of request b whose KV is written (fed back as inputs)
+    done: set[int] = set()
+    pending = (list(range(B)), ResultCopy(nxt))  # the last launched step's rows and tokens, not yet read
+    t_dec = None
+    while pending is not None:
+        # launch the next step before reading the last one's tokens: inputs stay on the device
+        # and a request's budget is known on the host; only an EOS is seen one step late
+        prev_rows, copy = pending
+        nxt_rows = [b for b in prev_rows if b not in done and fed[b] + 1 < max_new_tokens[b]]
+        pending = None
+        if nxt_rows:
+            if len(nxt_rows) != len(prev_rows):
+                keep = {b: i for i, b in enumerate(prev_rows)}
+                nxt = nxt[h2d([keep[b] for b in nxt_rows], p0.device)]
+            L = [lens[b] + fed[b] + 1 for b in nxt_rows]  # includes the token decoded now
+            r = [rows[b] for b in nxt_rows]
+            kv.alloc_extend(r, [x - 1 for x in L], L)
+            fb = decode_batch(kv, r, L)
+            for b in nxt_rows:
+                fed[b] += 1
+            run.steps += 1
+            if runner is not None and runner.can_run(fb):
+                run.graph_steps += 1
+                nxt = runner.replay(fb, {"ids": nxt})
+            else:
+                run.eager_steps += 1
+                be.init_forward_metadata(fb)
+                nxt = step_fn(fb, {"ids": nxt})
+            pending = (nxt_rows, ResultCopy(nxt))
         run.syncs += 1
-        for b, t in zip(live, nxt.tolist()):
+        for b, t in zip(prev_rows, copy.wait()):
+            if b in done:
+                continue  # a step launched before this request's EOS was read: its token is dropped
             run.tokens[b].append(t)
-        done = [b for b in live if len(run.tokens[b]) >= max_new_tokens[b] or run.tokens[b][-1] == eos]
-        for b in done:
-            kv.free_req(rows[b], lens[b] + len(run.tokens[b]) - 1)  # the last token has no KV yet
-        keep = [i for i, b in enumerate(live) if b not in done]
-        live = [live[i] for i in keep]
-        if not live:
-            break
-        nxt = nxt[torch.tensor(keep, device=p0.device)] if len(keep) != len(nxt) else nxt
-        L = [lens[b] + len(run.tokens[b]) for b in live]  # includes the token decoded now
-        r = [rows[b] for b in live]
-        kv.alloc_extend(r, [x - 1 for x in L], L)
-        fb = decode_batch(kv, r, L)
-        run.steps += 1
-        if runner is not None and runner.can_run(fb):
-            run.graph_steps += 1
-            nxt = runner.replay(fb, {"ids": nxt})
-        else:
-            run.eager_steps += 1
-            be.init_forward_metadata(fb)
-            nxt = step_fn(fb, {"ids": nxt})
-    if p0.device.type == "cuda":
-        torch.cuda.synchronize()
-    run.seconds = time.perf_counter() - t0
+            if len(run.tokens[b]) >= max_new_tokens[b] or t == eos:
+                done.add(b)
+                kv.free_req(rows[b], lens[b] + fed[b])  # every fed token has KV (the last one has none)
+        if t_dec is None:
+            t_dec = time.perf_counter()  # the prefill's tokens are read: decode starts
+    sync()
+    t1 = time.perf_counter()
+    run.seconds, run.decode_seconds = t1 - t0, t1 - t_dec
     run.free_pages = (start_free, kv.allocator.num_free_pages)
     return run

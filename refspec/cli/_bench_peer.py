@@ -1,0 +1,201 @@
+"""``bench --sections peer``: refspec's graph greedy against the simplest fast loop a user would write.
+
+The **peer** (:class:`PeerGreedy`) is the gpt-fast recipe (pytorch-labs/gpt-fast ``generate.py``
+and ``model.py``): a static KV cache ``[B, Hkv, S, D]`` per layer held as module buffers, each
+decode step writes its k / v with one indexed write per cache and attends with
+``scaled_dot_product_attention`` under a position mask, the whole step (embedding to argmax)
+compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (inductor kernels
+replayed from a CUDA graph), the tokens kept on the device and read once at the end.  It uses
+the same weights, RMSNorm and ``apply_rope`` as :class:`~refspec.model.llama.LlamaModel`.  What
+differs from gpt-fast: positions are per request (MT-Bench prompts differ in length), so the
+cache write is an ``index_put_`` at ``(b, :, pos_b)`` instead of ``index_copy_`` at one shared
+position; prefill runs eagerly, one request at a time.
+
+The section measures, in one process, at B = 1, 4 and 16 on the same prompts and budgets
+(``PEER_NEW`` tokens per request, no EOS stop): the peer and refspec's graph greedy
+(:func:`~refspec.speculative.greedy.production_greedy`, the fused model, FA3, P = 16), each
+timed on its second run (compilation and capture in the first), decode only (prefill excluded
+on both sides: ``PeerRun.decode_seconds``, ``GreedyRun.decode_seconds``), and checks refspec's
+tokens against the peer's under T2 (TOL-003, the peer's own top-2 margins).  Then (``peer spec``
+rows, CUDA, B = 1 and 16) spec v2 against the same peer figure: the perfect drafter and the best
+real draft (:func:`_spec_rows`).  CPU ``--quick``:
+the tiny model in fp32, the peer not compiled (what ``make test`` runs to keep this working).
+
+This is a benchmark, not part of the reference: a learner can skip it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from refspec.model.llama import apply_rope, rope_cos_sin
+
+PEER_NEW = 128  #: tokens per request (the first from the prefill, then PEER_NEW - 1 decode steps)
+
+
+@dataclass
+class PeerRun:
+    """``tokens[b]``: request b's output; ``margins[b][i]``: top-2 logit margin of its token i;
+    ``decode_seconds``: wall time of the decode steps (after the prefill, synchronized)."""
+
+    tokens: list[list[int]]
+    margins: list[list[float]]
+    decode_seconds: float
+
+
+class PeerGreedy(nn.Module):
+    """The compiled static-cache greedy loop (module doc) for ``model`` and B requests.
+
+    Args: ``model`` a :class:`~refspec.model.llama.LlamaModel`; ``batch_size`` B; ``max_len`` S,
+    the cache length (tokens, >= prompt + budget); ``compile`` (default: on CUDA).
+    """
+
+    def __init__(self, model, batch_size: int, max_len: int, compile: bool | None = None):
+        super().__init__()
+        self.m, c = model, model.config
+        p = next(model.parameters())
+        shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
+        for i in range(c.num_hidden_layers):
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=p.dtype, device=p.device))
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=p.dtype, device=p.device))
+        self.register_buffer("slots", torch.arange(max_len, device=p.device))
+        self.register_buffer("heads", torch.arange(c.num_key_value_heads, device=p.device))
+        compile = p.device.type == "cuda" if compile is None else compile
+        self.decode = (torch.compile(self.forward, mode="reduce-overhead", fullgraph=True) if compile
+                       else self.forward)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor):
+        """``ids, pos [R, T]`` int64 (tokens, positions) of cache rows ``rows [R]`` ->
+        (argmax ``[R, T]``, top-2 margin ``[R, T]`` fp32)."""
+        c, m = self.m.config, self.m.model
+        R, T = ids.shape
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        h = m.embed_tokens(ids).view(R * T, -1)
+        cos, sin = rope_cos_sin(pos.flatten(), D, c.rope_theta, h.dtype)
+        G = H // Hkv
+        mask = (self.slots[None, None, None, :] <= pos[:, None, :, None]).repeat(1, 1, G, 1)  # [R, 1, G*T, S]
+        b_idx, h_idx, p_idx = rows[:, None, None], self.heads[None, :, None], pos[:, None, :]
+        for i, lay in enumerate(m.layers):
+            a = lay.self_attn
+            x = lay.input_layernorm(h)
+            q = apply_rope(a.q_proj(x).view(R * T, H, D), cos, sin).view(R, T, Hkv, G, D).permute(0, 2, 3, 1, 4)
+            k = apply_rope(a.k_proj(x).view(R * T, Hkv, D), cos, sin).view(R, T, Hkv, D).transpose(1, 2)
+            v = a.v_proj(x).view(R, T, Hkv, D).transpose(1, 2)
+            kc, vc = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+            kc.index_put_((b_idx, h_idx, p_idx), k)
+            vc.index_put_((b_idx, h_idx, p_idx), v)
+            if R != kc.shape[0]:  # prefill of one request: its cache row
+                kc, vc = kc[rows], vc[rows]
+            # GQA without copying the cache: the G = H / Hkv query heads of a KV head as G * T rows
+            o = F.scaled_dot_product_attention(q.reshape(R, Hkv, G * T, D), kc, vc, attn_mask=mask)
+            h = h + a.o_proj(o.view(R, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(R * T, H * D))
+            h = h + lay.mlp(lay.post_attention_layernorm(h))
+        top2 = self.m.logits(h).float().topk(2, dim=-1)
+        return top2.indices[:, 0].view(R, T), (top2.values[:, 0] - top2.values[:, 1]).view(R, T)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> PeerRun:
+        """Greedy ``max_new_tokens`` tokens for each of the B prompts (module doc)."""
+        dev = self.slots.device
+        B = len(prompts)
+        toks = torch.zeros(B, max_new_tokens, dtype=torch.long, device=dev)
+        margins = torch.zeros(B, max_new_tokens, device=dev)
+        for b, p in enumerate(prompts):  # prefill, eager, one request at a time
+            t, mg = self.forward(torch.tensor([p], device=dev), torch.arange(len(p), device=dev)[None],
+                                 torch.tensor([b], device=dev))
+            toks[b, 0], margins[b, 0] = t[0, -1], mg[0, -1]
+        pos = torch.tensor([[len(p)] for p in prompts], device=dev)
+        rows = torch.arange(B, device=dev)
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for j in range(1, max_new_tokens):
+            t, mg = self.decode(toks[:, j - 1:j].clone(), pos.clone(), rows)
+            toks[:, j:j + 1].copy_(t)
+            margins[:, j:j + 1].copy_(mg)
+            pos += 1
+        sync()
+        dt = time.perf_counter() - t0
+        return PeerRun(toks.tolist(), margins.tolist(), dt)
+
+
+def bench_peer(device, quick):
+    """The peer vs graph greedy at B = 1, 4, 16 (module doc)."""
+    from refspec.cli._bench_profile import _workload
+    from refspec.core.tolerance import t2
+    from refspec.model.fused import FusedLlama
+    from refspec.speculative.greedy import production_greedy
+
+    if quick:
+        from refspec.model.llama import LlamaModel, init_random_, tiny_config
+        model = init_random_(LlamaModel(tiny_config()), seed=0).to(device).eval()
+        prompts_all = [[(7 * i + j) % 128 for j in range(5 + 3 * i)] for i in range(4)]
+        batches, M, label = (1, 4), 12, "tiny random model, fp32 (CPU smoke run)"
+    else:
+        model, prompts_all, label = _workload(16)
+        batches, M = (1, 4, 16), PEER_NEW
+    fast = FusedLlama(model)
+    rows = []
+    for B in batches:
+        prompts = prompts_all[:B]
+        S = -(-(max(map(len, prompts)) + M) // 64) * 64
+        peer = PeerGreedy(model, B, S, compile=None if device.type == "cuda" else False)
+        cap = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B)
+        for _ in range(2):  # the second run of each is timed
+            pr = peer.generate(prompts, M)
+            g = production_greedy(fast if device.type == "cuda" else model, prompts, [M] * B, page_size=16,
+                                  validate=False, capture_bs=cap)
+        verdicts = [t2(g.tokens[b], pr.tokens[b], pr.margins[b]) for b in range(B)]
+        decode_tokens = B * (M - 1)
+        peer_tps, ours = decode_tokens / pr.decode_seconds, decode_tokens / g.decode_seconds
+        rows.append({"section": "peer", "workload": label, "B": B, "tokens": M,
+                     "peer_tok_per_s": peer_tps, "graph_greedy_tok_per_s": ours, "x_peer": ours / peer_tps,
+                     "t2_vs_peer": f"{sum(ok for ok, _ in verdicts)}/{B} pass",
+                     "t2_notes": "; ".join(sorted({why for _, why in verdicts}))[:160]})
+        del peer
+        if not quick and B in (1, 16):
+            rows += _spec_rows(model, fast, prompts, g, peer_tps, label)
+    return rows
+
+
+def _spec_rows(model, fast, prompts, g, peer_tps, label):
+    """Spec v2 (overlap, FA3, graphs, P = 16) against the peer at this B: the perfect drafter
+    (the ceiling: a 1-layer draft forward whose proposals are the target's own greedy tokens,
+    ``g``, so a = Sd + 1) at Sd = 3, 5, 7 (B = 1; B = 16: Sd = 3), and the best real draft (the trained EAGLE head with
+    the real weights, else early-exit:25), Sd = 3, and at B = 1 the head's tree (k = 4, N = 8).
+    ``host_ms`` / ``wait_ms`` per round (:class:`~refspec.cli._bench_profile.HostTimers`): a
+    round whose ``wait_ms`` is ~0 is
+    host-bound (the GPU waits for the host's launches)."""
+    from refspec.cli._bench_eagle import _head
+    from refspec.cli._bench_profile import profile_config
+
+    B = len(prompts)
+    own = {i: list(p) + list(t) for i, (p, t) in enumerate(zip(prompts, g.tokens))}
+    head, why = _head(model)
+    configs = [(f"perfect drafter Sd={Sd}", "early-exit:1", "perfect", Sd) for Sd in ((3, 5, 7) if B == 1 else (3,))]
+    configs.append(("trained EAGLE head Sd=3", head, None, 3) if head is not None else
+                   (f"early-exit:25 Sd=3 (no head: {why})", "early-exit:25", None, 3))
+    if B == 1 and head is not None:  # issue 24's tree target: tree v2 vs chain v2, the same draft
+        configs.append(("trained EAGLE head tree k=4 N=8 Sd=3", head, None, 3))
+    rows = []
+    for name, draft, drafter, Sd in configs:
+        kw = {"reference": own} if drafter else {}
+        if "tree" in name:
+            kw.update(topk=4, num_draft_tokens=8)
+        try:
+            r = profile_config(fast, prompts, version="v2", draft=draft, drafter=drafter, num_steps=Sd,
+                               max_new=PEER_NEW - 1, **kw)
+        except Exception as e:  # noqa: BLE001 - one failing configuration is a row, not the end of the run
+            rows.append({"section": "peer spec", "B": B, "config": name, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        same = sum(a[:len(b)] == b[:len(a)] for a, b in zip(r["text"], g.tokens))
+        rows.append({"section": "peer spec", "workload": label, "B": B, "config": f"spec v2 {name}",
+                     "accept_length": r["accept_length"], "wall_ms_per_round": r["wall_ms"],
+                     "host_ms": r.get("host_ms"), "wait_ms": r.get("wait_ms"), "tok_per_s": r["tok_per_s"],
+                     "x_peer": r["tok_per_s"] / peer_tps, "same_text_as_graph_greedy": f"{same}/{B}"})
+    return rows
