@@ -17,6 +17,7 @@ from refspec.harness.teacher_forced import (
 )
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.real import missing_reason
 from refspec.speculative import generate
 from refspec.speculative.api import greedy_reference
 
@@ -186,3 +187,28 @@ def test_bad_tree_input_is_refused_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         teacher_forced_tree_accepts(m, make_draft("early-exit:1", m), args.pop("prompt"), args.pop("reference"),
                                     **args)
+
+
+@pytest.mark.real
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
+def test_the_production_tree_loop_accepts_what_the_trained_head_teacher_forced_gives():
+    """The diagnosis of the H200 tree row (docs/eagle-head.md, "Tree acceptance"), small: on the
+    real model in fp32 with the committed head, the production tree loop (FA3 emulator, v2,
+    P = 16, k = 4, N = 8, Sd = 3) emits the greedy text and accepts exactly what teacher forcing
+    on that text gives, round by round: the loop loses nothing."""
+    from refspec.real.eagle_head import load_eagle_head
+    from refspec.real.run import chat_prompts, load_target, pick_questions
+
+    model, _ = load_target(torch.float32)
+    head = load_eagle_head(model)
+    prompts = chat_prompts(pick_questions(2))
+    k, N, Sd, M = 4, 8, 3, 24
+    ref = greedy_reference(model, prompts, [M + Sd] * len(prompts))
+    res = generate(model, prompts, backend="fa3", version="v2", draft=head, topk=k, num_draft_tokens=N,
+                   num_steps=Sd, max_new_tokens=M, page_size=16, provider="emulator")
+    for i, p in enumerate(prompts):
+        assert res.requests[i].tokens == ref[i][len(p):len(p) + M]
+        tf = teacher_forced_tree_accepts(model, head, p, ref[i], topk=k, num_steps=Sd, num_draft_tokens=N,
+                                         max_new_tokens=M)
+        assert tf == res.requests[i].accepts, i
+    assert max(a for r in res.requests for a in r.accepts) >= 3  # the head accepts along the tree
