@@ -24,12 +24,14 @@ this one agree for chain drafts, v1 and v2: the kept draft-extend row sees commi
 Top-k > 1 trees (:func:`teacher_forced_tree_accepts`, docs/spec/tree.md) use the same extend:
 the round at L takes its k root children from the softmax top-k of the extend's row L-1 (TR-001),
 then Sd - 1 draft steps over k frontier rows per round, all rounds in parallel; row t of a round
-feeds its frontier token with its own draft hidden at position L + s and sees keys ``0..L-1`` of
-the extend plus the keys *its row* kept at steps 0..s (TR-008, the same :class:`BranchBackend`);
-the frontier is re-ranked by cumulative score after every step (the oracle's
-:func:`refspec.oracle.tree.expand`).  The N - 1 drafts are selected and linked by the oracle's
-``select`` / ``build_tree`` (TR-002, TR-003) and accepted greedily along the text (TR-006): the
-target's argmax at a node on the text at depth d is ``t_(L+d+1)``.
+feeds its frontier token at position L + s with the draft hidden state that produced it (its
+parent row's output; the extend's row L-1 at step 0) and sees keys ``0..L-1`` of the extend plus
+the keys *its row* kept at steps 0..s (TR-008, the same :class:`BranchBackend`); the frontier is
+re-ranked by cumulative score after every step (the oracle's :func:`refspec.oracle.tree.expand`).
+The N - 1 drafts are selected and linked by the oracle's ``select`` / ``build_tree`` (TR-002,
+TR-003) and accepted greedily along the text (TR-006): the target's argmax at a node on the text
+at depth d is ``t_(L+d+1)``.  Round by round a tree accepts at least the chain's drafts only when
+it holds the chain's path computed the chain's way (docs/eagle-head.md, "Tree acceptance").
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -176,15 +178,15 @@ def tree_rounds(target, draft, text: Sequence[int], first: int, *, topk: int, nu
                   for r in range(R)]
         if hid is not None:  # hidden states follow the parent row (TR-001); KV history stays the row's
             hid = out[torch.tensor([r * k + j for r in range(R) for j in fronts[r].parent_row], device=ids.device)]
-    out = []
+    result = []
     for r in range(R):
         L = int(starts[r])
         tree = build_tree(text[L], cands[r], select(cands[r], N), L)
         # the target's argmax at a node of depth d on the text is t_(L+d+1); a depth-Sd node has no
         # children, so its entry (past the text in the last round) only names the bonus: unused here
         predict = [text[L + d + 1] if L + d + 1 < T else -1 for d in tree.depth]
-        out.append(TreeRound(cands[r], tree, greedy_accept(tree, predict)))
-    return out
+        result.append(TreeRound(cands[r], tree, greedy_accept(tree, predict)))
+    return result
 
 
 def _check(prompt, reference, num_steps, max_new_tokens) -> list[int]:
