@@ -9,9 +9,9 @@
   text, the target's greedy continuation of MT-Bench prompts: the trained head (Sd = 3, 5),
   early-exit:25 and early-exit:4 (Sd = 3), on the same tokens; the tree k = 4, N = 8, Sd = 3
   (:func:`~refspec.harness.teacher_forced.teacher_forced_tree_accepts`) for the head and
-  early-exit:4; ``prompt0_accept_length`` is the first prompt's alone (the eagle section's
-  B = 1 request); then the production tree loop (FA3, v2, P = 16, eager) with the head on the
-  same prompts, with ``same_text`` against the fixed text.  On a CPU with ``--quick``: two
+  early-exit:4 (not with ``--quick``); ``prompt0_accept_length`` is the first prompt's alone
+  (the eagle section's B = 1 request); then the production tree loop (FA3, v2, P = 16, eager)
+  with the head on the same prompts, with ``same_text`` against the fixed text.  On a CPU with ``--quick``: two
   prompts, 24 tokens, fp32.
 
 An instrument: a learner reading the reference can skip this module.
@@ -107,7 +107,7 @@ def bench_teacher_forced(device, quick):
     drafts = ([("eagle (trained head)", head, 3, {}), ("eagle (trained head)", head, 5, {}),
                ("eagle (trained head)", head, 3, tree)] if head is not None else []) + [
         (f"early-exit:{k}", make_draft(f"early-exit:{k}", model), 3, kw) for k in (25, 4)
-        for kw in ({}, tree) if k <= model.config.num_hidden_layers and (k == 4 or not kw)]
+        for kw in ({}, tree) if k <= model.config.num_hidden_layers and (not kw or (k == 4 and not quick))]
     if head is None:
         rows.append({"section": "teacher-forced", "what": f"trained head not measured: {why}"})
     for name, d, Sd, kw in drafts:
