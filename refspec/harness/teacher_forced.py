@@ -148,12 +148,13 @@ class TreeRound:
 
 @torch.no_grad()
 def tree_rounds(target, draft, text: Sequence[int], first: int, *, topk: int, num_steps: int,
-                num_draft_tokens: int) -> list[TreeRound]:
+                num_draft_tokens: int | None) -> list[TreeRound]:
     """The candidates, the tree and its greedy acceptance along ``text`` of the round at every
     committed length ``L`` in ``first .. len(text) - 1 - num_steps`` (item ``L - first``), module doc.
 
     Shapes: ``text`` T token ids; k = ``topk``, Sd = ``num_steps``, N = ``num_draft_tokens``
-    (root included).  Each :class:`~refspec.oracle.tree.Tree` has N nodes, node 0 = ``t_L``.
+    (root included; None only at k = 1, meaning Sd + 1).  Each :class:`~refspec.oracle.tree.Tree`
+    has N nodes, node 0 = ``t_L``.
     Raises ``ValueError`` for bad k / Sd / N (:func:`refspec.core.args.tree_args`, TR-002) or a
     text too short for one round.
     """
