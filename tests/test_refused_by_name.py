@@ -17,6 +17,7 @@ import pytest
 
 from refspec.core.args import tree_args
 from refspec.core.invariants import InvariantError
+from refspec.harness.teacher_forced import teacher_forced_tree_accepts
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.tree_loop import speculative_tree_greedy
@@ -76,7 +77,7 @@ def test_greedy_reference_refuses_the_eos_generate_refuses(model, eos):
 @pytest.mark.spec("TR-002")
 def test_every_entry_point_refuses_a_too_large_tree_by_the_same_rule(model):
     """k = 2, Sd = 2: N - 1 <= 2 + 1*4 = 6, so N = 8 breaks TR-002 in the oracle tree loop, the
-    production TreeEngine and generate alike (before: TR-002 vs a plain ValueError)."""
+    production TreeEngine, generate and teacher-forced tree acceptance alike (before: TR-002 vs a plain ValueError)."""
     from refspec.speculative.tree.engine import TreeEngine
 
     calls = {
@@ -86,6 +87,9 @@ def test_every_entry_point_refuses_a_too_large_tree_by_the_same_rule(model):
         "oracle tree loop": lambda: speculative_tree_greedy(model, make_draft("eagle", model), [1, 2], num_steps=2,
                                                             topk=2, num_draft_tokens=8, max_new_tokens=2),
         "TreeEngine": lambda: TreeEngine(model, make_draft("eagle", model), topk=2, num_steps=2, num_draft_tokens=8),
+        "teacher-forced tree": lambda: teacher_forced_tree_accepts(model, make_draft("eagle", model), [1, 2],
+                                                                   [1, 2] + [3] * 10, topk=2, num_steps=2,
+                                                                   num_draft_tokens=8, max_new_tokens=2),
     }
     for name, call in calls.items():
         with pytest.raises(InvariantError, match=r"^\[TR-002\].*N = 8") as e:

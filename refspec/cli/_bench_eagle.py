@@ -7,7 +7,11 @@
   same process (``x_graph_greedy``) and checked token for token against it (``same_text``).
 * ``teacher-forced``: :func:`refspec.harness.teacher_forced.teacher_forced_accepts` on a fixed
   text, the target's greedy continuation of MT-Bench prompts: the trained head (Sd = 3, 5),
-  early-exit:25 and early-exit:4 (Sd = 3), on the same tokens.  On a CPU with ``--quick``: two
+  early-exit:25 and early-exit:4 (Sd = 3), on the same tokens; the tree k = 4, N = 8, Sd = 3
+  (:func:`~refspec.harness.teacher_forced.teacher_forced_tree_accepts`) for the head and
+  early-exit:4 (not with ``--quick``); ``prompt0_accept_length`` is the first prompt's alone
+  (the eagle section's B = 1 request); then the production tree loop (FA3, v2, P = 16, eager)
+  with the head on the same prompts, with ``same_text`` against the fixed text.  On a CPU with ``--quick``: two
   prompts, 24 tokens, fp32.
 
 An instrument: a learner reading the reference can skip this module.
@@ -79,8 +83,9 @@ def bench_eagle(device, quick):
 
 def bench_teacher_forced(device, quick):
     """Teacher-forced accept lengths of several drafts on one fixed text (module doc)."""
-    from refspec.harness.teacher_forced import teacher_forced_accepts
+    from refspec.harness.teacher_forced import teacher_forced_accepts, teacher_forced_tree_accepts
     from refspec.model.drafts import make_draft
+    from refspec.speculative import generate
     from refspec.speculative.api import greedy_reference
 
     B, M = (2, 24) if quick else (16, EAGLE_NEW)
@@ -98,15 +103,36 @@ def bench_teacher_forced(device, quick):
         ref = greedy_reference(model, prompts, [M + 6] * B)
     rows = [{"section": "teacher-forced", "workload": label, "what": f"reference: {B} prompts x {M + 6} greedy tokens",
              "seconds": round(time.perf_counter() - t, 1)}]
-    drafts = ([("eagle (trained head)", head, 3), ("eagle (trained head)", head, 5)] if head is not None else []) + [
-        (f"early-exit:{k}", make_draft(f"early-exit:{k}", model), 3) for k in (25, 4)
-        if k <= model.config.num_hidden_layers]
+    tree = {"topk": 4, "num_draft_tokens": 8}  # the eagle section's tree (B = 1 there)
+    drafts = ([("eagle (trained head)", head, 3, {}), ("eagle (trained head)", head, 5, {}),
+               ("eagle (trained head)", head, 3, tree)] if head is not None else []) + [
+        (f"early-exit:{k}", make_draft(f"early-exit:{k}", model), 3, kw) for k in (25, 4)
+        for kw in ({}, tree) if k <= model.config.num_hidden_layers and (not kw or (k == 4 and not quick))]
     if head is None:
         rows.append({"section": "teacher-forced", "what": f"trained head not measured: {why}"})
-    for name, d, Sd in drafts:
+    for name, d, Sd, kw in drafts:
         t = time.perf_counter()
-        acc = [a for i, p in enumerate(prompts)
-               for a in teacher_forced_accepts(model, d, p, ref[i], num_steps=Sd, max_new_tokens=M)]
-        rows.append({"section": "teacher-forced", "draft": name, "Sd": Sd, "rounds": len(acc),
-                     "accept_length": statistics.fmean(acc), "seconds": round(time.perf_counter() - t, 1)})
+        if kw:
+            per = [teacher_forced_tree_accepts(model, d, p, ref[i], num_steps=Sd, max_new_tokens=M, **kw)
+                   for i, p in enumerate(prompts)]
+        else:
+            per = [teacher_forced_accepts(model, d, p, ref[i], num_steps=Sd, max_new_tokens=M)
+                   for i, p in enumerate(prompts)]
+        acc = [a for x in per for a in x]
+        row = {"section": "teacher-forced", "draft": name, "Sd": Sd, "rounds": len(acc),
+               "accept_length": statistics.fmean(acc), "prompt0_accept_length": statistics.fmean(per[0]),
+               "seconds": round(time.perf_counter() - t, 1)}
+        if kw:
+            row["tree"] = f"k={kw['topk']} N={kw['num_draft_tokens']}"
+        rows.append(row)
+    if head is not None:  # the production tree loop on the same prompts, against the teacher-forced row above
+        t = time.perf_counter()
+        r = generate(model, prompts, backend="fa3", version="v2", draft=head, num_steps=3, max_new_tokens=M,
+                     page_size=16, validate=False, **tree)
+        same = sum(q.tokens == ref[i][len(prompts[i]):len(prompts[i]) + M] for i, q in enumerate(r.requests))
+        rows.append({"section": "teacher-forced", "draft": "eagle (trained head), production tree loop (fa3 v2 P=16)",
+                     "Sd": 3, "tree": "k=4 N=8", "rounds": sum(len(q.accepts) for q in r.requests),
+                     "accept_length": statistics.fmean(a for q in r.requests for a in q.accepts),
+                     "prompt0_accept_length": statistics.fmean(r.requests[0].accepts), "same_text": f"{same}/{B}",
+                     "seconds": round(time.perf_counter() - t, 1)})
     return rows
