@@ -91,13 +91,21 @@ def assign_draft_cache_locs(kv: KVCache, rows: list[int], seq_lens: list[int], t
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
 
 
-def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int,
+def tail_copy_slots(kv: KVCache, rows, seq_lens, topk: int,
                     num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """TR-015: ``(src, tgt)`` int64 slots: the lp tail tokens, copied into every branch t >= 1.
 
     ``src = req_to_token[r, prefix_base + i]``, ``tgt = req_to_token[r, prefix_base + t*npp*P + i]``
-    for i < lp, t = 1..k-1.  Empty at P = 1 and whenever L is page-aligned.
+    for i < lp, t = 1..k-1.  Two forms of the same rule:
+
+    * ``rows`` / ``seq_lens`` host lists: exactly those pairs, request-major (empty at P = 1 and
+      whenever L is page-aligned) -- the readable form, compared with upstream's kernels;
+    * ``rows`` / ``seq_lens`` device tensors ``[B]`` (the production rounds: L may be known only
+      on the device): fixed shape ``[B*(k-1)*(P-1)]``, every i >= lp padded as slot 0 -> slot 0
+      (the reserved dummy page, PA-008: a no-op copy), no host read.
     """
+    if isinstance(seq_lens, torch.Tensor):
+        return _tail_copy_slots_device(kv, rows, seq_lens, topk, num_steps)
     P, dev = kv.page_size, kv.device
     src, tgt = [], []
     for r, L in zip(rows, seq_lens):
@@ -107,6 +115,47 @@ def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int
             tgt.append(kv.req_to_token[r, base + t * npp * P:base + t * npp * P + lp].long())
     cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
     return cat(src), cat(tgt)
+
+
+# ------------------------------------------------------------------ the same rules on device lengths
+def branch_geometry_device(seq_lens: torch.Tensor, num_steps: int, page_size: int):
+    """:func:`branch_geometry` per request: ``(prefix_base, lp, npp)`` int64 ``[B]`` each."""
+    L = seq_lens.long()
+    if page_size == 1:
+        return L, torch.zeros_like(L), torch.full_like(L, num_steps)
+    lp = L % page_size
+    return L - lp, lp, (lp + num_steps + page_size - 1) // page_size
+
+
+def branch_step_positions_device(seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
+    """TR-015, :func:`branch_step_positions` for every request: int64 ``[B, k, S]`` row positions."""
+    base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, page_size))
+    t = torch.arange(topk, device=seq_lens.device)[None, :, None]
+    j = torch.arange(num_steps, device=seq_lens.device)[None, None, :]
+    return base + t * npp * page_size + lp + j
+
+
+def assign_draft_cache_locs_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int,
+                                   num_steps: int) -> torch.Tensor:
+    """:func:`assign_draft_cache_locs` from device ``rows`` / ``seq_lens`` ``[B]``: int64 ``[B*k*S]``
+    (layout ``[B, k, S]``), one gather from ``req_to_token``, no host read."""
+    pos = branch_step_positions_device(seq_lens, topk, num_steps, kv.page_size).flatten(1)
+    return kv.req_to_token[rows.long()[:, None], pos].long().flatten()
+
+
+def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int, num_steps: int):
+    P, dev = kv.page_size, kv.device
+    if P == 1:
+        z = torch.zeros(0, dtype=torch.long, device=dev)
+        return z, z
+    base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, P))
+    i = torch.arange(P - 1, device=dev)[None, None, :]
+    t = torch.arange(1, topk, device=dev)[None, :, None]
+    valid = (i < lp).expand(-1, topk - 1, -1)
+    r = rows.long()[:, None, None]
+    src = kv.req_to_token[r, (base + i).expand(-1, topk - 1, -1)].long()
+    tgt = kv.req_to_token[r, base + t * npp * P + i].long()
+    return torch.where(valid, src, 0).flatten(), torch.where(valid, tgt, 0).flatten()
 
 
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
