@@ -127,12 +127,15 @@ class TreeGraphRunner:
         return out
 
     def _pad_mask(self, live_mask, B, bs):
-        """Padded requests (L = 1): every node sees the prefix slot, the root and itself."""
-        N = self.N
-        eye = torch.eye(N, dtype=torch.bool)
+        """Padded requests (L = 1): every node sees the prefix slot, the root and itself (built on
+        the device: no host copy at replay).  Under the overlap schedule the live mask is sized
+        from host bounds (``build_tree_device``'s ``mask_numel``) and its unused tail is True, so
+        the padded blocks, placed by the exact device L, may land in that tail: a padded node then
+        sees all N slots of the dummy row 0 (slot 0, CG-005), never a live request's."""
+        N, dev = self.N, self.r.kv.device
+        eye = torch.eye(N, dtype=torch.bool, device=dev)
         eye[:, 0] = True
-        pad = torch.cat([torch.ones((N, 1), dtype=torch.bool), eye], dim=1).flatten().repeat(bs - B)
-        pad = pad.to(self.r.kv.device)
+        pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
         return pad if live_mask is None else torch.cat([live_mask, pad])
 
     def _fill(self, fb, live, bs):
