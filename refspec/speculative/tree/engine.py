@@ -8,12 +8,14 @@ its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
    ``backup_state``, copy the partial tail page into branches t >= 1, run the S - 1 draft steps
    over B*k branch rows with the per-step top-k expansion, restore the allocator (the draft
    slots are transient, as in v1);
-2. **tree** (TR-016): ``organize_draft_results`` + ``build_tree`` -> N nodes per request,
-   positions L + depth, the flat FULL_MASK;
+2. **tree** (TR-016): ``organize_draft_results`` + ``build_tree_device`` -> N nodes per
+   request, positions L + depth, the flat FULL_MASK (on the device,
+   :mod:`refspec.speculative.tree.device`);
 3. **verify** (TR-010..TR-012): allocate L..L+N-1, TARGET_VERIFY (cascade prefix + expand);
-4. **accept** (TR-016 / TR-006): ``verify_tree_greedy`` -> path, n, a = n + 1 (1 host read);
-5. **compact** (TR-017): the path's target KV to L..L+a-1, whole pages from
-   ``ceil_P(L + a)`` on freed;
+4. **accept** (TR-016 / TR-006): ``verify_tree_greedy_device`` -> path, n, a = n + 1; the
+   round's one device -> host read (``"in_round"``): a, the path and its tokens;
+5. **compact** (TR-017): the path's target KV to L..L+a-1 (on the device), whole pages from
+   ``ceil_P(L + a)`` on freed (``free_tail``: the allocator's host mirror);
 6. **draft extend** (v1 DRAFT_EXTEND, SD-004): the a emitted tokens at draft KV L..L+a-1 with
    the target hidden of the path nodes; the last row's softmax top-k seed the next round.
 
@@ -28,8 +30,15 @@ c_(N-1), d_1 .. d_S, draft_len]`` with ``c[:a]`` the emitted tokens (then -1) an
 accepted drafts (then -1).  Upstream: ``eagle_worker.py`` ``EAGLEWorker.forward_batch_generation``
 -> ``draft`` / ``verify`` / ``forward_draft_extend_after_decode``; ``eagle_info.py``
 ``EagleVerifyInput.verify`` (v1).  The spec-v2 tree round (upstream's only EAGLE worker from
-v0.5.14 on, ``EAGLEWorkerV2``) is :func:`refspec.speculative.tree.v2.round_tree_v2`; both run
-without the overlap schedule.
+v0.5.14 on, ``EAGLEWorkerV2``) is :func:`refspec.speculative.tree.v2.round_tree_v2`; it also runs
+under the overlap schedule (``overlap=True``, v2 only).  Both read each request's inputs (L, root,
+root children, draft hidden) from the engine's
+:class:`~refspec.speculative.tree.future.TreeFutureMap` and write the next round's there.
+
+**Host reads per round** (``Engine.syncs``; before this module used the device twins the tree
+was built and accepted by host ports, 7 more device reads per round in both versions, and v1's
+compaction read 4 more): v1 1 (``"in_round"``), v2 0 inside + 1 after (``"post_round"``; under
+overlap after the next round was launched).
 """
 
 from __future__ import annotations

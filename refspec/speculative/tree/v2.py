@@ -1,17 +1,22 @@
-"""The production top-k > 1 round under spec v2 (EAGLE tree, ``EAGLEWorkerV2``), non-overlapped.
+"""The production top-k > 1 round under spec v2 (EAGLE tree, ``EAGLEWorkerV2``), with or without overlap.
 
-One round over the running batch at committed lengths L (roots t_L known; the previous draft
-extend left each request's root children ``topk_p``, ``topk_index`` and draft hidden), B
-requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode`:
+One round over the running batch at committed lengths L, B requests, k = topk, S = num_steps,
+N = num_draft_tokens, R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode`.  Its inputs
+are on the device, in the engine's :class:`~refspec.speculative.tree.future.TreeFutureMap` by
+``req_to_token`` row: L, the root t_L, the root children ``topk_p`` / ``topk_index`` and the
+draft hidden the previous draft extend left.
 
 0. **reserve** (TR-020, :func:`prepare_tree_v2`, before the round): each row is topped up to
-   ``alloc_len = L + R`` positions.  Nothing is allocated or freed inside the round;
+   ``alloc_len = L + R`` positions (overlap: ``ceil_P(L + 2R)``, below).  Nothing is allocated
+   or freed inside the round;
 1. **draft** (TR-013..TR-015): the branch layout of v1 (branch t, step j at row position
    ``prefix_base + t*npp*P + lp + j``, the partial tail page copied into branches t >= 1), but
-   the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``;
-2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``, as v1;
-3. **accept** (TR-016): ``verify_tree_greedy`` -> ``predict`` [B*N] (0 off the path),
-   ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
+   the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``; slots,
+   tail copies and positions are gathered on the device from the device L;
+2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``:
+   :func:`~refspec.speculative.tree.device.build_tree_device`;
+3. **accept** (TR-016): :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` ->
+   ``predict`` [B*N] (0 off the path), ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
 4. **compact** (TR-020): the path's target KV moves to the first a verify slots of each
    request (:func:`move_accept_tokens_to_target_kvcache`); ``predict`` and the target hidden
    are gathered to the front of each request's N-row block (:func:`compact_accept_to_front`).
@@ -21,14 +26,26 @@ requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.spe
    request at KV ``L .. L+N-1`` (``seq_lens = L + N``), tokens = compacted ``predict``, hidden =
    compacted target hidden; row ``b*N + a_b - 1`` (``select_index``) seeds the next round:
    its softmax top-k are the next root children, its hidden the next draft hidden, and
-   ``predict`` there (the bonus) the next root.  ``seq_lens`` advances by a (``new_seq_lens =
-   seq_lens + accept_lens``).
+   ``predict`` there (the bonus) the next root, all written to the future map with the next
+   L = ``L + a`` (``new_seq_lens = seq_lens + accept_lens``).
 
-Returns ``[B, 2 + N + S]`` on the device: ``[a, c_0 .. c_(N-1), d_1 .. d_S, draft_len]`` with
-``c[:a]`` the emitted tokens (then -1), ``d`` the accepted drafts (then -1), ``draft_len = L + a``;
-the engine reads it once after the round (``"post_round"``).  refspec's tree building and
-acceptance are host ports (as in v1), so this round is not free of device -> host reads the way
-upstream's kernels are.
+Returns ``[B, 3 + N + S]`` on the device: ``[a, c_0 .. c_(N-1), d_1 .. d_S, draft_len, L]`` with
+``c[:a]`` the emitted tokens (then -1), ``d`` the accepted drafts (then -1), ``draft_len = L + a``
+and the device L the round started from; the engine reads it once after the round
+(``"post_round"``).  **No device -> host read inside the round** (``tests/test_tree_overlap.py``
+pins every value read of a run to host data).
+
+**Overlap** (``TreeEngine(version="v2", overlap=True)``; the loop is the chain's,
+:mod:`refspec.speculative.overlap`): round k+1 is launched before round k's rows are read, so
+the host does not know its L.  The engine's launch hook (``TreeEngine._overlap_round``) passes
+host bounds ``L_hi`` (``L_hi = L + N`` for a request whose round is in flight, L for a
+newcomer) and the round takes L from the future map; ``seq_lens_cpu`` holds the bounds
+(``seq_lens_cpu_is_bound``, MD-006: they size ``max_seqlen_k`` and the page tables), the flat
+FULL_MASK is sized ``sum(L_hi) * N + B*N*N`` (its blocks at the exact device offsets, the unused
+tail True).  The reserve is upstream's 2x: ``ceil((L + 2R) / P) * P`` past the host's L (the
+start of the round in flight), so the exact start ``L' <= L + N <= L + R`` still has its R
+positions (:func:`reserve_len`).  Finishes are seen one round late and their rows dropped
+(``RoundTrace.discarded``), as in the chain's overlap loop.
 
 Upstream, sgl-project/sglang v0.5.23:
 
@@ -44,12 +61,22 @@ Upstream, sgl-project/sglang v0.5.23:
   ``move_accept_tokens_to_target_kvcache``;
 * https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/allocation_sizing.py
   ``get_alloc_len_per_decode`` / ``get_alloc_reserve_per_decode``, and ``eagle_utils.py``
-  ``eagle_prepare_for_decode`` (the reserve).
+  ``eagle_prepare_for_decode`` (the reserve);
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/managers/scheduler.py
+  ``event_loop_overlap`` and ``managers/overlap_utils.py`` ``FutureMap`` (the overlap schedule).
 
-Where refspec differs: the reserve is 1x (upstream reserves ``2 * get_alloc_len_per_decode()``,
-the double buffer of the overlap schedule, rounded up to whole pages); refspec runs this round
-without overlap (``TreeEngine(overlap=True)`` is refused).  Draft step s runs at position L + s
-(SD-007).
+Where refspec differs from upstream: (1) without overlap the reserve is 1x (upstream always
+reserves ``2 * get_alloc_len_per_decode()``, rounded up to whole pages); (2) overlap is off
+unless asked for (upstream's v2 worker overlaps by default), and refspec's overlap loop is the
+one of :mod:`refspec.speculative.overlap` (one result read per round, after the next launch;
+finishes one round late), not upstream's scheduler with its separate forward thread / stream;
+(3) tree building and acceptance are torch tensor programs
+(:mod:`refspec.speculative.tree.device`) run eagerly between the verify and draft-extend
+forwards, where upstream calls one CUDA kernel each (``build_tree_kernel_efficient``,
+``verify_tree_greedy``); they are graph-capturable but not inside refspec's captured graphs;
+(4) the tail copies are a fixed-shape gather padded with slot 0 -> slot 0 copies (upstream's
+``duplicate_prefix_tail_to_draft_branches`` kernel copies exactly lp slots per branch);
+(5) draft step s runs at position L + s (SD-007).
 """
 
 from __future__ import annotations
