@@ -88,7 +88,11 @@ class TreeRunners(SpecRunners):
 
     # ---- forward functions (eager and graphed alike) ----
     def _tree_verify_fn(self, fb, x):
-        return self.target.forward(x["ids"], fb, self.tree_verify_be)
+        """TARGET_VERIFY over the tree -> ``(target_predict [B*N] int64, hidden [B*N, E])``: the
+        argmax is taken inside the forward (inside the graph when replayed), so the ``[B*N, V]``
+        logits never leave it (upstream ``EagleVerifyInput.verify``'s ``target_predict``)."""
+        logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be)
+        return logits.argmax(-1), hidden
 
     def _tree_draft_fn(self, fb, x):
         """S - 1 draft steps + the expansion between them.  ``x``: ``topk_p``, ``topk_index``
@@ -113,7 +117,8 @@ class TreeRunners(SpecRunners):
 
     # ---- public phases ----
     def tree_verify(self, ids, fb: TreeVerifyBatch):
-        """TARGET_VERIFY over the tree: ``ids [B*N]`` -> ``logits [B*N, V]``, ``hidden [B*N, E]``."""
+        """TARGET_VERIFY over the tree: ``ids [B*N]`` -> ``target_predict [B*N]`` (the argmax per
+        node, int64), ``hidden [B*N, E]``."""
         return self._run("tree_verify", fb, {"ids": ids}, self._tree_verify_fn,
                          self.tree_verify_be.init_forward_metadata)
 
@@ -185,9 +190,8 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, scores, tokens,
         seq_lens_cpu=torch.tensor(hi, dtype=torch.long), out_cache_loc=window[1].flatten(),
         positions=tree["positions"], num_draft_tokens=N, topk=k, custom_mask=tree["custom_mask"],
         seq_lens_cpu_is_bound=bound)
-    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    target_predict, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
-    target_predict = logits.argmax(-1)
     predict, accept_index, n = verify_tree_greedy_device(
         tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
         tree["retrive_next_sibling"], target_predict, S + 1)
