@@ -128,10 +128,41 @@ def full_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, numel: int) -> to
     return out
 
 
+def tree_structure(parent_list, top_scores_index, topk: int):
+    """The request-length-free part of ``build_tree_efficient``: ``(parents, retrive_next_token,
+    retrive_next_sibling, ancestors, depth)``, int64 ``[B, N]`` x 3, bool ``[B, N, N]``, int64
+    ``[B, N]``, from ``parent_list`` / ``top_scores_index`` alone (TR-003, TR-004, TR-005).
+
+    Static shapes and no host read: the production draft forward returns it from inside its
+    CUDA graph (:meth:`refspec.speculative.tree.runners.TreeRunners._tree_draft_fn`).
+    """
+    parents = tree_parents_device(parent_list, top_scores_index, topk)
+    nxt, sib = child_lists(parents)
+    anc = ancestor_mask(parents)
+    return parents, nxt, sib, anc, anc.sum(-1) - 1
+
+
+def assemble_tree(verified_id, draft_tokens, structure, seq_lens, mask_numel: int) -> dict:
+    """The rest of ``build_tree_kernel_efficient`` once L is known: :func:`build_tree_device`'s
+    dict from the roots ``[B]``, ``draft_tokens [B, N-1]``, :func:`tree_structure`'s tuple and
+    ``seq_lens [B]`` (device): positions ``L + depth``, the flat FULL_MASK (:func:`full_mask`).
+    Raises: InvariantError TR-004 if ``mask_numel < B*N*N``."""
+    parents, nxt, sib, anc, depth = structure
+    B, N = parents.shape
+    require(mask_numel >= B * N * N, "TR-004", f"custom_mask needs >= sum(L)*N + B*N*N entries, got {mask_numel}")
+    return dict(draft_tokens=torch.cat([verified_id[:, None], draft_tokens], dim=1).flatten(),
+                positions=(seq_lens.long()[:, None] + depth).flatten(),
+                custom_mask=full_mask(anc, seq_lens, mask_numel),
+                retrive_index=torch.arange(B * N, dtype=torch.long, device=parents.device).view(B, N),
+                retrive_next_token=nxt, retrive_next_sibling=sib, parents=parents,
+                tree_mask=anc.reshape(B * N, N))
+
+
 def build_tree_device(verified_id, parent_list, top_scores_index, draft_tokens, seq_lens, topk: int,
                       num_draft_tokens: int, mask_numel: int) -> dict:
     """``build_tree_kernel_efficient`` (FULL_MASK) on the device: the twin of
-    :func:`refspec.speculative.tree.build.build_tree`.
+    :func:`refspec.speculative.tree.build.build_tree` (:func:`tree_structure`, then
+    :func:`assemble_tree`).
 
     Args: ``verified_id`` int64 ``[B]`` (the roots), ``parent_list`` ``[B, 1 + (S-1) k]``,
     ``top_scores_index`` / ``draft_tokens`` ``[B, N-1]``
@@ -144,19 +175,10 @@ def build_tree_device(verified_id, parent_list, top_scores_index, draft_tokens, 
     Raises: InvariantError TR-004 if ``mask_numel`` is below a host-known lower bound
     ``B*N*N`` (the exact bound needs L, which stays on the device).
     """
-    N, B = num_draft_tokens, verified_id.shape[0]
-    require(mask_numel >= B * N * N, "TR-004", f"custom_mask needs >= sum(L)*N + B*N*N entries, got {mask_numel}")
-    parents = tree_parents_device(parent_list, top_scores_index, topk)
-    nxt, sib = child_lists(parents)
-    anc = ancestor_mask(parents)
-    depth = anc.sum(-1) - 1
-    dev = verified_id.device
-    return dict(draft_tokens=torch.cat([verified_id[:, None], draft_tokens], dim=1).flatten(),
-                positions=(seq_lens.long()[:, None] + depth).flatten(),
-                custom_mask=full_mask(anc, seq_lens, mask_numel),
-                retrive_index=torch.arange(B * N, dtype=torch.long, device=dev).view(B, N),
-                retrive_next_token=nxt, retrive_next_sibling=sib, parents=parents,
-                tree_mask=anc.reshape(B * N, N))
+    require(top_scores_index.shape[1] == num_draft_tokens - 1, "TR-002",
+            f"top_scores_index has {top_scores_index.shape[1]} columns, N - 1 = {num_draft_tokens - 1}")
+    return assemble_tree(verified_id, draft_tokens, tree_structure(parent_list, top_scores_index, topk), seq_lens,
+                         mask_numel)
 
 
 def _list_order(nxt: torch.Tensor, sib: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,7 @@ from refspec.speculative.tree.runners import TreeRunners, draft_in_branches, rou
 
 def _draft(eng, reqs, rows_dev, L_dev, L, x, hidden):
     """Step 1: the branch regions (allocated for the round, given back after it), the tail
-    copies, the S - 1 steps -> scores, tokens, parents."""
+    copies, the S - 1 steps and the tree structure (``TreeRunners._tree_draft_fn``)."""
     kv, k, S = eng.kv, eng.topk, eng.Sd
     if S == 1:
         return eng.runners._tree_draft_fn(None, x)
@@ -78,13 +78,13 @@ def round_tree_v1(eng, reqs) -> list[RoundRow]:
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
     B = len(reqs)
     rows_dev, L_dev, roots, x, dhid = round_inputs(eng, reqs)
-    scores, tokens, parents = _draft(eng, reqs, rows_dev, L_dev, L, x, dhid)
+    drafted = _draft(eng, reqs, rows_dev, L_dev, L, x, dhid)
     # 2.-4. the tree, verify at L..L+N-1 (its slots allocated first), accept
     kv.alloc_extend(rows, L, [l + N for l in L])
     for r, l in zip(reqs, L):
         r.alloc_len = l + N
     tree, fb, target_predict, hidden, predicts, accept_index, n, _ = tree_verify_accept(
-        eng, reqs, rows_dev, L_dev, L, False, roots, scores, tokens, parents)
+        eng, reqs, rows_dev, L_dev, L, False, roots, drafted)
     W = accept_index.shape[1]  # S + 1
     path_tokens = torch.where(accept_index >= 0, predicts[accept_index.clamp(min=0)], -1)
     host = eng.host("in_round", torch.cat([(n + 1)[:, None], accept_index, path_tokens], dim=1))

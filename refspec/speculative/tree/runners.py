@@ -33,7 +33,7 @@ from refspec.speculative.tree.build import (
     select_top_k_tokens_first,
     select_top_k_tokens_later,
 )
-from refspec.speculative.tree.device import build_tree_device, verify_tree_greedy_device
+from refspec.speculative.tree.device import assemble_tree, tree_structure, verify_tree_greedy_device
 
 
 def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
@@ -95,10 +95,14 @@ class TreeRunners(SpecRunners):
         return logits.argmax(-1), hidden
 
     def _tree_draft_fn(self, fb, x):
-        """S - 1 draft steps + the expansion between them.  ``x``: ``topk_p``, ``topk_index``
-        [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).  Returns ``(scores [B, C],
-        tokens [B, C], parents [B, 1 + (S-1) k])`` with C = k + (S-1) k^2: SGLang's
-        ``score_list`` / ``token_list`` concatenated and ``parents_list[:-1]`` concatenated."""
+        """S - 1 draft steps + the expansion between them, then the tree's structure.  ``x``:
+        ``topk_p``, ``topk_index`` [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).
+
+        Returns ``(draft_tokens [B, N-1], parents, retrive_next_token, retrive_next_sibling
+        [B, N], ancestors [B, N, N], depth [B, N])``: SGLang's ``organize_draft_results`` over
+        ``score_list`` / ``token_list`` / ``parents_list``, then the length-free part of
+        ``build_tree_efficient`` (:func:`~refspec.speculative.tree.device.tree_structure`), all
+        inside the draft graph when replayed; the round adds L (positions, the flat mask)."""
         k, S = self.topk, self.Sd
         hidden = x.get("hidden")
         ids, hid, scores, info = select_top_k_tokens_first(x["topk_p"], x["topk_index"], hidden, k)
@@ -111,9 +115,9 @@ class TreeRunners(SpecRunners):
             score_list.append(info[0])
             token_list.append(info[1])
             parents_list.append(info[2])
-        B = x["topk_p"].shape[0]
-        return (torch.cat(score_list, dim=1).flatten(1), torch.cat(token_list, dim=1),
-                torch.cat(parents_list[:-1], dim=1) if S > 1 else torch.zeros((B, 0), dtype=torch.long))
+        parent_list, top, draft_tokens = organize_draft_results(score_list, token_list, parents_list,
+                                                                self.num_draft_tokens)
+        return (draft_tokens, *tree_structure(parent_list, top, k))
 
     # ---- public phases ----
     def tree_verify(self, ids, fb: TreeVerifyBatch):
@@ -123,7 +127,7 @@ class TreeRunners(SpecRunners):
                          self.tree_verify_be.init_forward_metadata)
 
     def tree_draft(self, fb: TreeDraftBatch, topk_p, topk_index, hidden):
-        """All draft steps of a round (module doc) -> ``(scores, tokens, parents)``."""
+        """All draft steps of a round and the tree's structure (:meth:`_tree_draft_fn`)."""
         x = {"topk_p": topk_p, "topk_index": topk_index}
         if hidden is not None and self.draft.uses_hidden:
             x["hidden"] = hidden
@@ -161,7 +165,7 @@ def draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, hidden):
     """Draft decode over the k branches once their slots exist (v1: allocated for the round; v2:
     inside the reserve): branch slots (TR-013), the partial tail page copied into branches t >= 1
     (TR-015), the S - 1 steps.  ``L`` [B] on the device, ``hi`` its host value or bound.
-    Returns the runner's (scores, tokens, parents)."""
+    Returns the runner's draft outputs (:meth:`TreeRunners._tree_draft_fn`)."""
     kv, k, S = eng.kv, eng.topk, eng.Sd
     loc = tree_kv.assign_draft_cache_locs_device(kv, rows_dev, L, k, S)
     src, tgt = tree_kv.tail_copy_slots(kv, rows_dev, L, k, S)
@@ -172,18 +176,17 @@ def draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, hidden):
     return out
 
 
-def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, scores, tokens, parents):
+def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
     """The tree (TR-001/002, TR-016), TARGET_VERIFY at L..L+N-1 (whose slots must exist) and
     greedy tree acceptance, all on the device (:mod:`refspec.speculative.tree.device`): no host
-    read.  ``L`` [B] on the device, ``hi`` its host value (or, ``bound``, an upper bound, which
-    sizes the flat ``custom_mask``).  Returns (tree, fb, target_predict, hidden, predict,
-    accept_index, n, window); ``target_predict`` int64 [B*N] is the target's argmax per node
-    (upstream ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens
-    (TR-016), ``window`` the ``(positions, slots)`` ``[B, N]`` of L..L+N-1."""
+    read.  ``drafted``: the draft phase's outputs (:meth:`TreeRunners._tree_draft_fn`); ``L``
+    [B] on the device, ``hi`` its host value (or, ``bound``, an upper bound, which sizes the
+    flat ``custom_mask``).  Returns (tree, fb, target_predict, hidden, predict, accept_index, n,
+    window); ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
+    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016),
+    ``window`` the ``(positions, slots)`` ``[B, N]`` of L..L+N-1."""
     kv, k, S, N, B = eng.kv, eng.topk, eng.Sd, eng.N, len(reqs)
-    # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
-    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
-    tree = build_tree_device(roots, parent_list, top, draft_tokens, L, k, N, sum(hi) * N + B * N * N)
+    tree = assemble_tree(roots, drafted[0], drafted[1:], L, sum(hi) * N + B * N * N)
     window = round_window(kv, [r.row for r in reqs], rows_dev, L, hi, N)
     fb = TreeVerifyBatch(
         forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_dev, seq_lens=L.to(torch.int32),

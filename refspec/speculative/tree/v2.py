@@ -71,9 +71,11 @@ unless asked for (upstream's v2 worker overlaps by default), and refspec's overl
 one of :mod:`refspec.speculative.overlap` (one result read per round, after the next launch;
 finishes one round late), not upstream's scheduler with its separate forward thread / stream;
 (3) tree building and acceptance are torch tensor programs
-(:mod:`refspec.speculative.tree.device`) run eagerly between the verify and draft-extend
-forwards, where upstream calls one CUDA kernel each (``build_tree_kernel_efficient``,
-``verify_tree_greedy``); they are graph-capturable but not inside refspec's captured graphs;
+(:mod:`refspec.speculative.tree.device`) where upstream calls one CUDA kernel each
+(``build_tree_kernel_efficient``, ``verify_tree_greedy``): ``organize_draft_results`` and the
+tree's length-free structure run inside the draft graph (its last ops), the target's argmax
+inside the verify graph; positions, the flat mask (its size is a host value) and the greedy
+walk run eagerly between the graphs (graph-capturable, not captured);
 (4) the tail copies are a fixed-shape gather padded with slot 0 -> slot 0 copies (upstream's
 ``duplicate_prefix_tail_to_draft_branches`` kernel copies exactly lp slots per branch);
 (5) draft step s runs at position L + s (SD-007).
@@ -177,11 +179,11 @@ def round_tree_v2(eng, reqs, seq_lens_hi: list[int] | None = None) -> torch.Tens
                                                 f"with slots (branches and verify window), the row holds {r.alloc_len}")
     rows_dev, L, roots, x, dhid = round_inputs(eng, reqs)
     # 1. draft: the branch slots are inside the reserve (no allocation)
-    scores, tokens, parents = (eng.runners._tree_draft_fn(None, x) if S == 1
+    drafted = (eng.runners._tree_draft_fn(None, x) if S == 1
                                else draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, dhid))
     # 2.-3. the tree, verify at L..L+N-1 (the slots exist), accept: a = n + 1 stays on the device
     tree, fb, target_predict, hidden, predict, accept_index, n, window = tree_verify_accept(
-        eng, reqs, rows_dev, L, hi, bound, roots, scores, tokens, parents)
+        eng, reqs, rows_dev, L, hi, bound, roots, drafted)
     a = n + 1
     # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
     # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
