@@ -54,18 +54,20 @@ def _engine(model, draft, P, k, N, S=3, arrivals=(0, 0, 0, 0), **kw):
 
 @pytest.mark.spec("TR-019", "TR-020", "TR-021", "SD-002", "SD-008", "KV-006")
 @pytest.mark.parametrize("graphs", (False, True), ids=("eager", "graphs"))
-@pytest.mark.parametrize("P", (1, 4, 16))
-@pytest.mark.parametrize("k,N", ((2, 5), (4, 8)))
-def test_v2_tree_loop_with_overlap_is_lossless(model, P, k, N, graphs):
+@pytest.mark.parametrize("P", (1, 4, 16, 64))
+@pytest.mark.parametrize("k,N,S", ((2, 5, 3), (4, 8, 3), (2, 3, 5), (3, 10, 2)))
+def test_v2_tree_loop_with_overlap_is_lossless(model, P, k, N, S, graphs):
     """Overlapped, with arrivals (joins) and a full batch (a later request waits): every request
-    equals plain greedy and its accept counts the oracle v2 tree loop's; every page comes back."""
+    equals plain greedy and its accept counts the oracle v2 tree loop's; every page comes back.
+    (2, 3, 5): fewer nodes than steps (N < S + 1)."""
     draft = make_draft(model, model)
-    eng = _engine(model, draft, P, k, N, arrivals=(0, 1, 1, 2), overlap=True, graphs=graphs)
+    eng = _engine(model, draft, P, k, N, S, arrivals=(0, 1, 1, 2), overlap=True, graphs=graphs)
     eng.run()
     done = sorted(eng.done, key=lambda r: r.rid)
-    for r, (g, o) in zip(done, _reference(model, draft, k, N)):
+    for r, (g, o) in zip(done, _reference(model, draft, k, N, S)):
         assert r.output == g and r.accepts == o.accepts
-    assert max(a for r in done for a in r.accepts) >= 3 and min(a for r in done for a in r.accepts) == 1
+    assert max(a for r in done for a in r.accepts) >= (3 if N >= 5 else 2)  # drafts accepted: compaction runs
+    assert min(a for r in done for a in r.accepts) == 1
     assert any(t.joined for t in eng.trace[1:])
     if graphs:
         assert {ph for (ph, how), n in eng.runners.counts.items() if how == "graph" and n} == \
