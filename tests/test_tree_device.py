@@ -171,3 +171,19 @@ def test_full_mask_with_a_larger_buffer_keeps_the_blocks_and_a_true_tail():
     n = host["custom_mask"].numel()
     big = full_mask(dev["tree_mask"].view(3, 6, 6), torch.tensor([4, 9, 2]), n + 40)
     assert torch.equal(big[:n], host["custom_mask"]) and bool(big[n:].all())
+
+
+@pytest.mark.spec("TR-016")
+def test_device_twins_read_no_tensor_value():
+    """No ``tolist`` / ``item`` / ``int()`` / ``bool()`` of any tensor inside the twins (on a GPU
+    each would be a sync, and would break a CUDA-graph capture)."""
+    from refspec.audits.sync import host_reads
+
+    sl, tl, pl = random_draft(3, 3, 4, 0, 0)
+    organized = organize_draft_results(sl, tl, pl, 12)
+    roots, L = torch.tensor([4, 5, 6]), torch.tensor([7, 30, 2])
+    with host_reads() as reads:
+        dev = build_tree_device(roots, *organized, L, 3, 12, 64 * 12 + 3 * 144)
+        verify_tree_greedy_device(dev["draft_tokens"].view(3, 12), dev["retrive_index"], dev["retrive_next_token"],
+                                  dev["retrive_next_sibling"], torch.zeros(36, dtype=torch.long), 5)
+    assert not reads, f"value reads: {dict(reads)}"
