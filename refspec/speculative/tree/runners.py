@@ -88,11 +88,24 @@ class TreeRunners(SpecRunners):
 
     # ---- forward functions (eager and graphed alike) ----
     def _tree_verify_fn(self, fb, x):
-        """TARGET_VERIFY over the tree -> ``(target_predict [B*N] int64, hidden [B*N, E])``: the
-        argmax is taken inside the forward (inside the graph when replayed), so the ``[B*N, V]``
-        logits never leave it (upstream ``EagleVerifyInput.verify``'s ``target_predict``)."""
+        """TARGET_VERIFY over the tree, then greedy tree acceptance: ``x`` holds ``ids`` [B*N] (the
+        node tokens, root first) and the child lists ``retrive_next_token`` /
+        ``retrive_next_sibling`` [B*N] (request-local node ids, -1 = none).
+
+        Returns ``(target_predict [B*N], hidden [B*N, E], predict [B*N], accept_index [B, S+1],
+        accept_token_num [B])``: the argmax and
+        :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` run inside the forward
+        (inside the verify graph when replayed), so the ``[B*N, V]`` logits never leave it
+        (upstream ``EagleVerifyInput.verify``: ``target_predict``, then ``verify_tree_greedy``)."""
+        N = self.num_draft_tokens
         logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be)
-        return logits.argmax(-1), hidden
+        target_predict = logits.argmax(-1)
+        B = target_predict.shape[0] // N
+        ridx = torch.arange(B * N, device=target_predict.device).view(B, N)
+        predict, accept_index, n = verify_tree_greedy_device(
+            x["ids"].view(B, N), ridx, x["retrive_next_token"].view(B, N), x["retrive_next_sibling"].view(B, N),
+            target_predict, self.Sd + 1)
+        return target_predict, hidden, predict, accept_index, n
 
     def _tree_draft_fn(self, fb, x):
         """S - 1 draft steps + the expansion between them, then the tree's structure.  ``x``:
@@ -120,11 +133,12 @@ class TreeRunners(SpecRunners):
         return (draft_tokens, *tree_structure(parent_list, top, k))
 
     # ---- public phases ----
-    def tree_verify(self, ids, fb: TreeVerifyBatch):
-        """TARGET_VERIFY over the tree: ``ids [B*N]`` -> ``target_predict [B*N]`` (the argmax per
-        node, int64), ``hidden [B*N, E]``."""
-        return self._run("tree_verify", fb, {"ids": ids}, self._tree_verify_fn,
-                         self.tree_verify_be.init_forward_metadata)
+    def tree_verify(self, ids, retrive_next_token, retrive_next_sibling, fb: TreeVerifyBatch):
+        """TARGET_VERIFY over the tree and greedy acceptance (:meth:`_tree_verify_fn`): ``ids``
+        [B*N], the child lists [B, N] -> ``(target_predict, hidden, predict, accept_index, n)``."""
+        x = {"ids": ids, "retrive_next_token": retrive_next_token.flatten(),
+             "retrive_next_sibling": retrive_next_sibling.flatten()}
+        return self._run("tree_verify", fb, x, self._tree_verify_fn, self.tree_verify_be.init_forward_metadata)
 
     def tree_draft(self, fb: TreeDraftBatch, topk_p, topk_index, hidden):
         """All draft steps of a round and the tree's structure (:meth:`_tree_draft_fn`)."""
@@ -185,7 +199,7 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
     window); ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
     ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016),
     ``window`` the ``(positions, slots)`` ``[B, N]`` of L..L+N-1."""
-    kv, k, S, N, B = eng.kv, eng.topk, eng.Sd, eng.N, len(reqs)
+    kv, k, N, B = eng.kv, eng.topk, eng.N, len(reqs)
     tree = assemble_tree(roots, drafted[0], drafted[1:], L, sum(hi) * N + B * N * N)
     window = round_window(kv, [r.row for r in reqs], rows_dev, L, hi, N)
     fb = TreeVerifyBatch(
@@ -193,9 +207,7 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
         seq_lens_cpu=torch.tensor(hi, dtype=torch.long), out_cache_loc=window[1].flatten(),
         positions=tree["positions"], num_draft_tokens=N, topk=k, custom_mask=tree["custom_mask"],
         seq_lens_cpu_is_bound=bound)
-    target_predict, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    target_predict, hidden, predict, accept_index, n = eng.runners.tree_verify(
+        tree["draft_tokens"], tree["retrive_next_token"], tree["retrive_next_sibling"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
-    predict, accept_index, n = verify_tree_greedy_device(
-        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
-        tree["retrive_next_sibling"], target_predict, S + 1)
     return tree, fb, target_predict, hidden, predict, accept_index, n, window

@@ -73,9 +73,9 @@ finishes one round late), not upstream's scheduler with its separate forward thr
 (3) tree building and acceptance are torch tensor programs
 (:mod:`refspec.speculative.tree.device`) where upstream calls one CUDA kernel each
 (``build_tree_kernel_efficient``, ``verify_tree_greedy``): ``organize_draft_results`` and the
-tree's length-free structure run inside the draft graph (its last ops), the target's argmax
-inside the verify graph; positions, the flat mask (its size is a host value) and the greedy
-walk run eagerly between the graphs (graph-capturable, not captured);
+tree's length-free structure run inside the draft graph (its last ops), the target's argmax and
+the greedy walk inside the verify graph; only positions and the flat mask (its size is a host
+value) are assembled eagerly between the graphs;
 (4) the tail copies are a fixed-shape gather padded with slot 0 -> slot 0 copies (upstream's
 ``duplicate_prefix_tail_to_draft_branches`` kernel copies exactly lp slots per branch);
 (5) draft step s runs at position L + s (SD-007).
