@@ -52,8 +52,6 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
-import torch
-
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
@@ -123,8 +121,7 @@ class TreeRecorder:
         elif event == "tree_accept":
             acc = info["accept_index"].tolist()
             N = eng.N
-            par = info["parents"]
-            self._cur["parents"] = par.tolist() if isinstance(par, torch.Tensor) else [list(p) for p in par]
+            self._cur["parents"] = info["parents"].tolist()
             self._cur["accept_path"] = [[x - b * N for x in row if x >= 0] for b, row in enumerate(acc)]
             self._cur["draft_tokens"] = info["draft_tokens"].view(-1, N).tolist()
             self._cur["target_predict"] = info["target_predict"].view(-1, N).tolist()

@@ -20,7 +20,7 @@ its hidden state), B requests, k = topk, S = num_steps, N = num_draft_tokens:
    the target hidden of the path nodes; the last row's softmax top-k seed the next round.
 
 Observer events (``Engine.observe``, v1 and v2 rounds): ``draft_decode`` (``fb``: the TreeDraftBatch), ``verify``
-(the TreeVerifyBatch), ``tree_accept`` (``parents``: per request the N parent node ids;
+(the TreeVerifyBatch), ``tree_accept`` (``parents``: int64 [B, N], each node's parent node id;
 ``accept_index`` [B, S+1]: the accepted path; ``draft_tokens`` and ``target_predict`` [B*N]: the
 node tokens, root first, and the target's argmax per node) and ``draft_extend``; a trace recorder
 (:mod:`refspec.traces.tree`) reads them.
