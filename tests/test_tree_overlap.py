@@ -119,6 +119,7 @@ TREE_HOST_SITES = {
     ("core/kv_cache.py", "alloc_extend"): "req_to_token_cpu, the allocator's host mirror (KV-007)",
     ("core/kv_cache.py", "row_pages"): "req_to_token_cpu (KV-007)",
     ("core/kv_cache.py", "free_pages"): "the allocator's host in-use bitmap",
+    ("core/kv_cache.py", "is_in_use"): "the allocator's host in-use bitmap (v1's TR-017 check)",
     ("fa3/metadata.py", "eager_cache_seqlens"): "max(seq_lens_cpu) (MD-006), the prefill / draft extend",
     ("fa3/metadata.py", "eager_query_layout"): "seq_lens_cpu vs extend_seq_lens_cpu",
     ("fa3/graph_metadata.py", "_update_lengths"): "seq_lens_cpu (MD-006)",

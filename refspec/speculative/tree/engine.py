@@ -92,10 +92,8 @@ def round_tree_v1(eng, reqs) -> list[RoundRow]:
                 draft_tokens=tree["draft_tokens"], target_predict=target_predict)  # for recorders
     a = [h[0] for h in host]
     # 5. compact the path's target KV to L..L+a-1; free whole pages past ceil_P(L + a) (TR-017)
-    acc = accept_index[:, :min(W, N)]
-    tree_v2.move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
+    tree_kv.compact_accepted_path(kv, eng.target_pool, rows, L, fb.out_cache_loc, accept_index, a, N)
     for r, l, ab in zip(reqs, L, a):
-        kv.free_tail(r.row, keep_len=l + ab, alloc_len=l + N)
         r.alloc_len = r.seq_len = r.target_kv_len = l + ab
     # 6. v1 draft extend over the a emitted tokens (their KV index L + j consumes t_(L+j+1))
     de = draft_extend_batch(kv, rows, [l + ab for l, ab in zip(L, a)], a, num_draft_tokens=S + 1)

@@ -132,11 +132,7 @@ def move_accept_tokens_to_target_kvcache(pool: KVPool, out_cache_loc: torch.Tens
     already at its target (j = node) and overlapping moves are safe.  Device only: no host read.
     Returns ``(tgt, src)`` int64 [B*(S+1)].
     """
-    B, W = accept_index.shape
-    valid = accept_index >= 0
-    window = out_cache_loc.view(B, num_draft_tokens)[:, :W]
-    tgt = torch.where(valid, window, torch.zeros_like(window)).flatten()
-    src = torch.where(valid, out_cache_loc[accept_index.clamp(min=0).long()], torch.zeros_like(window)).flatten()
+    tgt, src = tree_kv.path_to_window_slots(out_cache_loc, accept_index, num_draft_tokens)
     tree_kv.move_kv_cache(pool, tgt, src)
     return tgt, src
 
