@@ -187,3 +187,30 @@ def test_device_twins_read_no_tensor_value():
         verify_tree_greedy_device(dev["draft_tokens"].view(3, 12), dev["retrive_index"], dev["retrive_next_token"],
                                   dev["retrive_next_sibling"], torch.zeros(36, dtype=torch.long), 5)
     assert not reads, f"value reads: {dict(reads)}"
+
+
+@pytest.mark.spec("TR-015", "TR-013")
+@pytest.mark.parametrize("P", (1, 2, 4, 16, 64))
+@pytest.mark.parametrize("k,S", ((2, 1), (2, 3), (4, 5), (3, 2)))
+def test_device_branch_slots_and_tail_copies_equal_the_host_rule(P, k, S):
+    """The rounds' device forms (lengths on the device) give the host rule's branch slots, and
+    the host rule's tail-copy pairs plus only slot 0 -> 0 no-ops, for L on and off page edges."""
+    from refspec.harness.tree_scenario import make_cache
+    from refspec.speculative.tree import kv as tree_kv
+
+    Ls = [1, P, P + 1, 3 * P - 1, 37]
+    width = max(tree_kv.draft_alloc_len(L, k, S, P) for L in Ls)
+    kv, _ = make_cache(P, len(Ls), width, seed=P + k)
+    rows = [kv.alloc_req() for _ in Ls]
+    kv.alloc_extend(rows, [0] * len(Ls), [tree_kv.draft_alloc_len(L, k, S, P) for L in Ls])
+    rows_dev, L_dev = torch.tensor(rows), torch.tensor(Ls)
+    assert torch.equal(tree_kv.assign_draft_cache_locs_device(kv, rows_dev, L_dev, k, S),
+                       tree_kv.assign_draft_cache_locs(kv, rows, Ls, k, S))
+    for b, L in enumerate(Ls):
+        assert torch.equal(tree_kv.branch_step_positions_device(L_dev, k, S, P)[b],
+                           tree_kv.branch_step_positions(L, k, S, P))
+    src, tgt = tree_kv.tail_copy_slots(kv, rows, Ls, k, S)
+    dsrc, dtgt = tree_kv.tail_copy_slots(kv, rows_dev, L_dev, k, S)
+    real = (dsrc != 0) | (dtgt != 0)
+    assert sorted(zip(dtgt[real].tolist(), dsrc[real].tolist())) == sorted(zip(tgt.tolist(), src.tolist()))
+    assert dsrc.numel() == (0 if P == 1 else len(Ls) * (k - 1) * (P - 1))
