@@ -9,14 +9,15 @@ loops run a *static* count fixed by the shapes (``ceil(log2 N)`` pointer-doublin
 
 Upstream (sgl-project/sglang v0.5.23), one CUDA kernel each:
 
-* https://github.com/sgl-project/sglang/blob/v0.5.23/sgl-kernel/csrc/speculative/eagle_utils.cu
-  ``build_tree_efficient`` (FULL_MASK) and ``VerifyTreeGreedy``;
-* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_utils.py
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_utils.py#L138
   ``build_tree_kernel_efficient`` (the wrapper: ``draft_tokens = cat(verified_id, drafts)``, the
   flat ``tree_mask`` of ``seq_lens_sum * N + B * N * N`` entries, or a preallocated
-  ``tree_mask_buf``);
-* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/spec_utils.py
-  (``verify_tree_greedy`` call in ``EagleVerifyInput.verify`` / the v2 verify).
+  ``tree_mask_buf``), over the CUDA op ``build_tree_efficient`` (FULL_MASK);
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/ops/speculative/spec_tree.py#L480
+  ``verify_tree_greedy_func``, over the CUDA op ``VerifyTreeGreedy``;
+* both ops: ``sgl-kernel/csrc/speculative/eagle_utils.cu`` (``build_tree_efficient``,
+  ``VerifyTreeGreedy``), the kernels the host ports of :mod:`refspec.speculative.tree.build`
+  follow line by line.
 
 How the rules become tensor ops (B requests, N nodes; node 0 = the root):
 
