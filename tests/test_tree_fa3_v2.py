@@ -229,10 +229,13 @@ def test_v2_tree_with_fewer_nodes_than_steps(model):
     assert eng.kv.allocator.num_free_pages == eng.free_pages_at_start
 
 
-def test_tree_engine_refuses_overlap_and_unknown_versions(model):
-    with pytest.raises(ValueError, match="overlap"):
-        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2", overlap=True)
+def test_tree_engine_refuses_v1_overlap_and_unknown_versions(model):
+    with pytest.raises(ValueError, match="overlap schedule needs version 'v2'"):
+        TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v1", overlap=True)
     with pytest.raises(ValueError, match="'v1' or 'v2'"):
         TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v3")
-    with pytest.raises(ValueError, match="overlap"):
-        generate(model, PROMPTS, backend="fa3", version="v2", topk=2, num_draft_tokens=4, overlap=True)
+    with pytest.raises(ValueError, match="overlap schedule needs version 'v2'"):
+        generate(model, PROMPTS, backend="fa3", version="v1", topk=2, num_draft_tokens=4, overlap=True)
+    assert TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2",
+                      overlap=True).overlap is True
+    assert TreeEngine(model, make_draft("eagle", model), topk=2, num_draft_tokens=4, version="v2").overlap is False

@@ -205,7 +205,7 @@ def test_generate_oracle_topk_is_lossless_and_reports_accepts_per_round():
     ({"topk": 1, "num_draft_tokens": 3}, r"SD-010"),
     ({"topk": 0}, "topk"),
     ({"topk": 2, "num_draft_tokens": 6, "backend": "paged-oracle"}, "backend 'oracle' or 'fa3'"),
-    ({"topk": 2, "num_draft_tokens": 6, "backend": "fa3", "version": "v2", "overlap": True}, "overlap"),
+    ({"topk": 2, "num_draft_tokens": 6, "backend": "fa3", "version": "v1", "overlap": True}, "overlap"),
     ({"topk": 2, "num_draft_tokens": 6, "version": "v3"}, "version"),
     ({"topk": 2, "num_draft_tokens": 6, "drafter": "perfect"}, "drafter"),
     ({"topk": 129, "num_draft_tokens": 6}, r"vocab_size V = 128.*TR-001"),

@@ -172,6 +172,10 @@ def main(argv=None) -> int:
                     help="auto: the engine default (on for v2 on CUDA)")
     ap.add_argument("--page-size", type=int, default=4)
     ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1,
+                    help="k > 1: the EAGLE tree engine (TreeEngine; overlap only with --overlap on, v2)")
+    ap.add_argument("--num-draft-tokens", type=int, default=None,
+                    help="N tree nodes per request with --topk > 1 (default 2k)")
     ap.add_argument("--tiny", action="store_true", help="the tiny test config instead of SmolLM2's shapes")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a launch phase synchronized")
     ap.add_argument("--profiler", action="store_true",
@@ -184,10 +188,14 @@ def main(argv=None) -> int:
     model, prompts = audit_workload(dev, ns.tiny, ns.batch)
     cfg = model.config
     ctx = max(map(len, prompts)) + ns.max_new_tokens
-    eng = Engine(model, make_draft("early-exit:" + str(cfg.num_hidden_layers * 5 // 6), model), version=ns.version,
+    engine, tree_kw = Engine, {}
+    if ns.topk > 1:
+        from refspec.speculative.tree.engine import TreeEngine
+        engine, tree_kw = TreeEngine, dict(topk=ns.topk, num_draft_tokens=ns.num_draft_tokens or 2 * ns.topk)
+    eng = engine(model, make_draft("early-exit:" + str(cfg.num_hidden_layers * 5 // 6), model), version=ns.version,
                  num_steps=ns.num_steps, page_size=ns.page_size, max_context=ctx, max_batch=ns.batch, graphs=True,
                  capture_bs=sorted({1, 2, 4, 8, ns.batch}), validate=False,
-                 overlap={"auto": None, "on": True, "off": False}[ns.overlap])
+                 overlap={"auto": None, "on": True, "off": False}[ns.overlap], **tree_kw)
     for i, p in enumerate(prompts):
         eng.add_request(i, p, ns.max_new_tokens)
     runtime = Counter()
@@ -200,7 +208,7 @@ def main(argv=None) -> int:
             eng.run()
             seen = Counter()
     rounds = eng.rounds_launched
-    print(f"device {dev}, {ns.version}, overlap {eng.overlap}, B = {ns.batch}, rounds {rounds}")
+    print(f"device {dev}, {ns.version}, topk {ns.topk}, overlap {eng.overlap}, B = {ns.batch}, rounds {rounds}")
     print(f"counted reads (Engine.syncs): {dict(eng.syncs)}  -> model-result reads per round "
           f"{(eng.syncs['post_round'] + eng.syncs['in_round']) / max(rounds, 1):.2f}")
     print("\nvalue reads by site (any device; on a GPU those of device tensors are syncs):")

@@ -45,15 +45,18 @@ def record(model, questions, prompts, max_new, *, version="v2", page_size=4, num
     the overlap loop (v2; stored in the config: its schedule lags finishes by one round, so a
     replay must use it too).  ``topk`` > 1: the tree loop of ``version`` (v1 or v2, no overlap)
     with N = ``num_draft_tokens`` (default 2k); the result is a tree trace.
-    Raises: ValueError for a tree run with overlap (tree + overlap is not implemented).
+    Raises: ValueError for a tree run with overlap (recording a tree under the overlap schedule
+    is not implemented: the tree recorder pairs a round's FA3 inputs with its ``round_end``, which
+    overlap delays past the next round's launch).
     """
     from refspec.real import CONFIG_KEYS
 
     observer, tree_kw = bar.observer if bar else None, {}
     if topk > 1:
         if overlap:
-            raise ValueError("top-k > 1 with the overlap schedule is not implemented (the tree rounds run "
-                             "non-overlapped, docs/spec/tree.md); record with overlap=False")
+            raise ValueError("recording top-k > 1 with the overlap schedule is not implemented (the tree "
+                             "recorder pairs each round's inputs with its round_end, docs/spec/tree.md); record "
+                             "with overlap=False")
         num_draft_tokens = num_draft_tokens or 2 * topk
         observer = recorder = TreeRecorder(observer)
         tree_kw = dict(topk=topk, num_draft_tokens=num_draft_tokens)

@@ -270,7 +270,8 @@ RULES: dict[str, Rule] = {
                     sgl("srt/speculative/eagle_worker_common.py", NEW, 241, "prepare_for_draft"),
                     sgl(SPEC_UTILS, NEW, 859, "move_accept_tokens_to_target_kvcache")), (NEW,),
                    upstream="upstream reserves 2x (get_alloc_reserve_per_decode, the overlap double buffer) "
-                            "rounded up to whole pages; refspec's non-overlapped round reserves 1x"),
+                            "rounded up to whole pages; refspec reserves that under its overlap schedule "
+                            "and 1x in its non-overlapped round"),
     "TR-021": Rule("v2 tree draft extend: DRAFT_EXTEND_V2 over all N = num_draft_tokens window rows at L..L+N-1, "
                    "predict and hidden compacted to the front, row b*N + a - 1 kept", U,
                    (sgl("srt/speculative/eagle_worker_v2.py", NEW, 1110, "EagleDraftWorker._draft_extend_for_decode"),

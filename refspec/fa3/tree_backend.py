@@ -111,7 +111,7 @@ class FlashAttentionTreeBackend:
         """Row b*k + t may read only branch t's tail copy and its own steps 0..s (TR-014)."""
         s, S, P = self.speculative_step_id, self.num_steps, self.page_size
         rows = tm.draft_cache_loc_rows(fb.draft_cache_loc, S)
-        tails = tm.branch_tail_slots(fb.draft_cache_loc, fb.seq_lens_cpu, self.topk, S, P)
+        tails = tm.branch_tail_slots(fb.draft_cache_loc, fb.seq_lens, self.topk, S, P)  # exact L (overlap: bound)
         allowed = [set(tails[t]) | set(rows[t, :s + 1].tolist()) for t in range(rows.shape[0])]
         tm.check_expand_reads_own_rows(self.forward_metadata_spec_decode_expand, allowed, P)
 

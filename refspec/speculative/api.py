@@ -96,8 +96,8 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
         num_draft_tokens: N tree nodes verified per round, root included; default Sd + 1 (the
             only value at k = 1, SD-010); needed for k > 1, with ``N - 1 <= k + (Sd-1) k^2``
             (TR-002).  k > 1 runs with backend "oracle" or "fa3" (the production
-            :class:`~refspec.speculative.tree.engine.TreeEngine`), v1 or v2, without overlap (``overlap=True``
-            raises), no drafter / accept.
+            :class:`~refspec.speculative.tree.engine.TreeEngine`), v1 or v2; overlap only with v2
+            and only when asked (``overlap=True``; None = off for trees), no drafter / accept.
         accept: a ``(rid, k) -> a`` hook or ``{rid: [a, ...]}`` (scripted acceptance).
         reference: ``rid -> prompt + greedy`` for the drafters (computed when needed and absent,
             N tokens past each budget so that even the last round's drafts are known).

@@ -115,7 +115,7 @@ class Engine:
         self.max_batch, self.eos, self.observer = max_batch, eos, observer
         self.accept = accept
         span = self._row_span()  # positions past the committed length a round may give slots
-        width = overlap_loop.row_width(max_context, self.N, page_size) if overlap else max_context + 4 + span
+        width = overlap_loop.row_width(max_context, span, page_size) if overlap else max_context + 4 + span
         num_pages = num_pages or 1 + max_batch * (-(-width // page_size) + 1)
         self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=width - max_context,
                           device=p.device, seed=shuffle_pages)
@@ -157,6 +157,12 @@ class Engine:
         hidden (EAGLE), stashed in the future map by ``req_to_token`` row."""
         self.future.stash(fb.req_pool_indices, seq_lens=fb.seq_lens, root=first, d1=draft_logits.argmax(-1),
                           hidden=draft_hidden if self.draft.uses_hidden else None)
+
+    def _overlap_round(self, reqs, seq_lens_hi, batches):
+        """One round launched by the overlap loop (:func:`refspec.speculative.overlap.launch`): the
+        2x reserve (KV-005), then :func:`~refspec.speculative.rounds.round_v2` on ``batches``."""
+        overlap_loop.prepare(self, reqs)
+        return rounds.round_v2(self, reqs, batches)
 
     def _run_round(self, reqs):
         """One round's rows (module :mod:`refspec.speculative.rounds`), v1 or v2."""

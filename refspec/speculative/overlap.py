@@ -87,7 +87,6 @@ from refspec.core.future_batch import (
 )
 from refspec.core.invariants import require
 from refspec.core.transfer import ResultCopy, h2d
-from refspec.speculative import rounds
 from refspec.speculative.drafters import Drafter
 from refspec.speculative.round_row import unpack
 
@@ -109,7 +108,8 @@ def reserve_len(L: int, N: int, P: int) -> int:
 
 
 def row_width(max_context: int, N: int, P: int) -> int:
-    """``req_to_token`` columns for the overlap loop: the largest reserve, ``reserve_len(max_context, N, P)``."""
+    """``req_to_token`` columns for the overlap loop: the largest reserve, ``reserve_len(max_context, N, P)``
+    (N: the positions one round may give slots past L; a tree passes its ALLOC, TR-020)."""
     return reserve_len(max_context, N, P)
 
 
@@ -159,9 +159,8 @@ def launch(eng, reqs, joined: list[int]) -> InFlight:
         return (steps, verify_batch_future(kv, rows, rows_dev, L_dev, hi, N, win),
                 draft_extend_v2_batch_future(kv, rows, rows_dev, L_dev, hi, N, win))
 
-    prepare(eng, reqs)
     before, counts = eng.syncs["in_round"], Counter(eng.runners.counts)
-    out = rounds.round_v2(eng, reqs, batches)
+    out = eng._overlap_round(reqs, hi, batches)  # prepare (the 2x reserve) + round_v2; trees: their own
     for r in reqs:
         r.launched += 1
     eng.rounds_launched += 1

@@ -121,7 +121,7 @@ class TreeRecorder:
         elif event == "tree_accept":
             acc = info["accept_index"].tolist()
             N = eng.N
-            self._cur["parents"] = [list(p) for p in info["parents"]]
+            self._cur["parents"] = info["parents"].tolist()
             self._cur["accept_path"] = [[x - b * N for x in row if x >= 0] for b, row in enumerate(acc)]
             self._cur["draft_tokens"] = info["draft_tokens"].view(-1, N).tolist()
             self._cur["target_predict"] = info["target_predict"].view(-1, N).tolist()
@@ -147,7 +147,7 @@ class TreeRecorder:
     def _verify(self, eng, fb: TreeVerifyBatch, reqs) -> None:
         N, P = fb.num_draft_tokens, eng.P
         self.num_pages = eng.kv.allocator.num_pages
-        Ls, rows = fb.seq_lens_cpu.tolist(), fb.req_pool_indices.tolist()
+        Ls, rows = fb.seq_lens.tolist(), fb.req_pool_indices.tolist()  # exact L (seq_lens_cpu: a bound under overlap)
         pt = eng.runners.tree_verify_be.forward_metadata.page_table  # what the prefix call read (graph or eager)
         pos = fb.positions.tolist()
         # v1: the row at verify time, L + N positions; v2: the whole reserve the round runs in (TR-020)

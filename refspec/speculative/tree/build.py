@@ -16,6 +16,10 @@ A readable port of (sgl-project/sglang):
   target's argmax at the last accepted node; ``predicts[last] = bonus``.
 
 Shapes: B requests, k = topk, S = num_steps, N = num_draft_tokens.  Scores fp32, tokens int64.
+
+``build_tree`` and ``verify_tree_greedy`` loop over requests and nodes on the host: the readable
+side.  The production rounds run their device twins, :mod:`refspec.speculative.tree.device`
+(same outputs, bitwise: ``tests/test_tree_device.py``).
 """
 
 from __future__ import annotations

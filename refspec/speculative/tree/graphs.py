@@ -21,6 +21,14 @@ buffer (unsliced, as at 0.5.12.post1 before sgl-project/sglang#27360's slice, it
 writes past the buffer: the #25077 family).  The draft
 extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2 DRAFT_EXTEND_V2
 at N rows (:func:`capture_tree_graphs`).
+
+What the captured functions return (:class:`~refspec.speculative.tree.runners.TreeRunners`):
+the draft graph ends with ``organize_draft_results`` and the tree's length-free structure
+(parents, child lists, ancestors, depth: :func:`~refspec.speculative.tree.device.tree_structure`),
+the verify graph with the target argmax and greedy tree acceptance
+(:func:`~refspec.speculative.tree.device.verify_tree_greedy_device`; its inputs are the node
+tokens and the child lists), so neither the ``[B*N, V]`` logits nor a host loop sit between
+them.  Replay keeps B*N rows of a per-node output and B of a per-request one.
 """
 
 from __future__ import annotations
@@ -82,7 +90,8 @@ class TreeGraphRunner:
                         positions=z(max_bs * self.per_req, dt=torch.long))
         if phase == "verify":
             self.backends = [runners.tree_verify_be]
-            self.inputs = {"ids": z(max_bs * self.N, dt=torch.long)}
+            self.inputs = {n: z(max_bs * self.N, dt=torch.long)  # node tokens, the tree's child lists (local ids)
+                           for n in ("ids", "retrive_next_token", "retrive_next_sibling")}
             rows, xw = [max_bs * self.N], [self.N]
             self.fn = runners._tree_verify_fn
         else:
@@ -127,12 +136,15 @@ class TreeGraphRunner:
         return out
 
     def _pad_mask(self, live_mask, B, bs):
-        """Padded requests (L = 1): every node sees the prefix slot, the root and itself."""
-        N = self.N
-        eye = torch.eye(N, dtype=torch.bool)
+        """Padded requests (L = 1): every node sees the prefix slot, the root and itself (built on
+        the device: no host copy at replay).  Under the overlap schedule the live mask is sized
+        from host bounds (``build_tree_device``'s ``mask_numel``) and its unused tail is True, so
+        the padded blocks, placed by the exact device L, may land in that tail: a padded node then
+        sees all N slots of the dummy row 0 (slot 0, CG-005), never a live request's."""
+        N, dev = self.N, self.r.kv.device
+        eye = torch.eye(N, dtype=torch.bool, device=dev)
         eye[:, 0] = True
-        pad = torch.cat([torch.ones((N, 1), dtype=torch.bool), eye], dim=1).flatten().repeat(bs - B)
-        pad = pad.to(self.r.kv.device)
+        pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
         return pad if live_mask is None else torch.cat([live_mask, pad])
 
     def _fill(self, fb, live, bs):
@@ -185,11 +197,17 @@ class TreeGraphRunner:
         self._fill(fb, live, bs)
         rows = B * (self.N if self.phase == "verify" else 1)
         for name, buf in x.items():
-            buf[:rows].copy_(inputs[name])
-            buf[rows:].zero_()
+            if name in inputs:
+                buf[:rows].copy_(inputs[name])
+                buf[rows:].zero_()
+            else:  # an input this caller does not use (a metadata-only capture): zeros
+                buf.zero_()
         self._write_metadata(fb, bs)
         out = self.graphs[bs].replay()
-        return tuple(o[:rows].clone() for o in out)
+        # verify: per-node outputs ([bs*N, ...]) keep B*N rows, per-request ones ([bs, ...]: the
+        # accepted path and its length) keep B; draft: every output is per request (B rows)
+        keep = [B if o.shape[0] == bs else rows for o in out]
+        return tuple(o[:n].clone() for o, n in zip(out, keep))
 
 
 def capture_tree_graphs(runners, capture_bs, dtype) -> None:

@@ -91,13 +91,21 @@ def assign_draft_cache_locs(kv: KVCache, rows: list[int], seq_lens: list[int], t
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=dev)
 
 
-def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int,
+def tail_copy_slots(kv: KVCache, rows, seq_lens, topk: int,
                     num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """TR-015: ``(src, tgt)`` int64 slots: the lp tail tokens, copied into every branch t >= 1.
 
     ``src = req_to_token[r, prefix_base + i]``, ``tgt = req_to_token[r, prefix_base + t*npp*P + i]``
-    for i < lp, t = 1..k-1.  Empty at P = 1 and whenever L is page-aligned.
+    for i < lp, t = 1..k-1.  Two forms of the same rule:
+
+    * ``rows`` / ``seq_lens`` host lists: exactly those pairs, request-major (empty at P = 1 and
+      whenever L is page-aligned) -- the readable form, compared with upstream's kernels;
+    * ``rows`` / ``seq_lens`` device tensors ``[B]`` (the production rounds: L may be known only
+      on the device): fixed shape ``[B*(k-1)*(P-1)]``, every i >= lp padded as slot 0 -> slot 0
+      (the reserved dummy page, PA-008: a no-op copy), no host read.
     """
+    if isinstance(seq_lens, torch.Tensor):
+        return _tail_copy_slots_device(kv, rows, seq_lens, topk, num_steps)
     P, dev = kv.page_size, kv.device
     src, tgt = [], []
     for r, L in zip(rows, seq_lens):
@@ -107,6 +115,47 @@ def tail_copy_slots(kv: KVCache, rows: list[int], seq_lens: list[int], topk: int
             tgt.append(kv.req_to_token[r, base + t * npp * P:base + t * npp * P + lp].long())
     cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long, device=dev))
     return cat(src), cat(tgt)
+
+
+# ------------------------------------------------------------------ the same rules on device lengths
+def branch_geometry_device(seq_lens: torch.Tensor, num_steps: int, page_size: int):
+    """:func:`branch_geometry` per request: ``(prefix_base, lp, npp)`` int64 ``[B]`` each."""
+    L = seq_lens.long()
+    if page_size == 1:
+        return L, torch.zeros_like(L), torch.full_like(L, num_steps)
+    lp = L % page_size
+    return L - lp, lp, (lp + num_steps + page_size - 1) // page_size
+
+
+def branch_step_positions_device(seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
+    """TR-015, :func:`branch_step_positions` for every request: int64 ``[B, k, S]`` row positions."""
+    base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, page_size))
+    t = torch.arange(topk, device=seq_lens.device)[None, :, None]
+    j = torch.arange(num_steps, device=seq_lens.device)[None, None, :]
+    return base + t * npp * page_size + lp + j
+
+
+def assign_draft_cache_locs_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int,
+                                   num_steps: int) -> torch.Tensor:
+    """:func:`assign_draft_cache_locs` from device ``rows`` / ``seq_lens`` ``[B]``: int64 ``[B*k*S]``
+    (layout ``[B, k, S]``), one gather from ``req_to_token``, no host read."""
+    pos = branch_step_positions_device(seq_lens, topk, num_steps, kv.page_size).flatten(1)
+    return kv.req_to_token[rows.long()[:, None], pos].long().flatten()
+
+
+def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int, num_steps: int):
+    P, dev = kv.page_size, kv.device
+    if P == 1:
+        z = torch.zeros(0, dtype=torch.long, device=dev)
+        return z, z
+    base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, P))
+    i = torch.arange(P - 1, device=dev)[None, None, :]
+    t = torch.arange(1, topk, device=dev)[None, :, None]
+    valid = (i < lp).expand(-1, topk - 1, -1)
+    r = rows.long()[:, None, None]
+    src = kv.req_to_token[r, (base + i).expand(-1, topk - 1, -1)].long()
+    tgt = kv.req_to_token[r, base + t * npp * P + i].long()
+    return torch.where(valid, src, 0).flatten(), torch.where(valid, tgt, 0).flatten()
 
 
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
@@ -149,27 +198,45 @@ def get_target_cache_loc(out_cache_loc: torch.Tensor, num_correct_drafts: torch.
     return torch.cat(tgt), torch.cat(free)
 
 
+def path_to_window_slots(out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
+                         num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tgt, src)`` int64 ``[B*W]``: entry (b, j) of the accepted path (``accept_index`` [B, W],
+    flat node ids, -1 padded, ``W <= N``) moves ``out_cache_loc[accept_index[b, j]]`` to the j-th
+    verify slot ``out_cache_loc[b*N + j]``; a padded entry is slot 0 -> slot 0 (the reserved
+    dummy page, PA-008).  Device only: no host read, no data-dependent shape."""
+    B, W = accept_index.shape
+    valid = accept_index >= 0
+    window = out_cache_loc.view(B, num_draft_tokens)[:, :W]
+    zero = torch.zeros_like(window)
+    tgt = torch.where(valid, window, zero).flatten()
+    src = torch.where(valid, out_cache_loc[accept_index.clamp(min=0).long()], zero).flatten()
+    return tgt, src
+
+
 def compact_accepted_path(kv: KVCache, target_pool: KVPool, rows: list[int], seq_lens: list[int],
                           out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
-                          num_correct_drafts: torch.Tensor, num_draft_tokens: int) -> list[int]:
-    """TR-017: free the whole pages past ``keep_len``, then move the accepted KV to the front.
+                          num_accept: list[int], num_draft_tokens: int) -> list[int]:
+    """TR-017 (v1), once a is on the host: move the accepted KV to the front, free the whole
+    pages past ``keep_len = min(ceil_P(L + a), L + N)``.
 
-    After it, positions L..L+n of each row hold the accepted path's target KV (in path order)
-    and the row owns exactly ``ceil(keep_len / P)`` pages.  Returns ``keep_len`` per request (the
-    row's new ``alloc_len``).  Raises: InvariantError TR-017 if a freed page still backs a kept
-    position of its row (a leak-or-corrupt layout).
+    ``accept_index`` [B, S+1] (device, flat node ids, -1 padded), ``num_accept`` the host a per
+    request (the v1 round's one read).  The move is :func:`path_to_window_slots` +
+    :func:`move_kv_cache` on the device; the frees use the allocator's host mirror
+    (``free_tail``, KV-004's page rule: the page of position L + a - 1 stays).  After it,
+    positions L..L+a-1 of each row hold the path's target KV (in path order) and the row owns
+    exactly ``ceil(keep_len / P)`` pages.  Returns ``keep_len`` per request.  Raises:
+    InvariantError TR-017 if a page backing a kept position was freed.  Upstream computes
+    the same slots with ``get_src_tgt_cache_loc`` / ``get_target_cache_loc`` (above: the
+    readable form, with its device reads).
     """
-    N, P, dev = num_draft_tokens, kv.page_size, kv.device
-    L = torch.as_tensor(seq_lens, dtype=torch.long, device=dev)
-    src, keep, to_free_num = get_src_tgt_cache_loc(L, out_cache_loc, accept_index, num_correct_drafts, N, P)
-    tgt, to_free = get_target_cache_loc(out_cache_loc, num_correct_drafts, to_free_num, N)
-    keep_len = keep.tolist()
-    if to_free.numel():
-        freed = set((to_free // P).tolist())
-        for r, k in zip(rows, keep_len):
-            kept = set(kv.row_pages(r, k))
-            require(not (freed & kept), "TR-017",
-                    f"row {r}: pages {sorted(freed & kept)} are freed but back positions < keep_len {k}")
-        kv.allocator.free(to_free)
+    N, P = num_draft_tokens, kv.page_size
+    tgt, src = path_to_window_slots(out_cache_loc, accept_index[:, :min(accept_index.shape[1], N)], N)
     move_kv_cache(target_pool, tgt, src)
+    keep_len = []
+    for r, L, a in zip(rows, seq_lens, num_accept):
+        kv.free_tail(r, keep_len=L + a, alloc_len=L + N)
+        keep = min(-(-(L + a) // P) * P, L + N)
+        freed = [p for p in kv.row_pages(r, keep) if not kv.allocator.is_in_use(p)]
+        require(not freed, "TR-017", f"row {r}: pages {freed} are freed but back positions < keep_len {keep}")
+        keep_len.append(keep)
     return keep_len

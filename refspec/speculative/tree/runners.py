@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from refspec.core.future_batch import round_window
 from refspec.core.modes import ForwardMode
 from refspec.fa3.tree_backend import (
     FlashAttentionTreeBackend,
@@ -27,13 +28,12 @@ from refspec.fa3.tree_backend import (
 from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.runners import SpecRunners
 from refspec.speculative.tree.build import (
-    build_tree,
     draft_topk,
     organize_draft_results,
     select_top_k_tokens_first,
     select_top_k_tokens_later,
-    verify_tree_greedy,
 )
+from refspec.speculative.tree.device import assemble_tree, tree_structure, verify_tree_greedy_device
 
 
 def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
@@ -88,13 +88,34 @@ class TreeRunners(SpecRunners):
 
     # ---- forward functions (eager and graphed alike) ----
     def _tree_verify_fn(self, fb, x):
-        return self.target.forward(x["ids"], fb, self.tree_verify_be)
+        """TARGET_VERIFY over the tree, then greedy tree acceptance: ``x`` holds ``ids`` [B*N] (the
+        node tokens, root first) and the child lists ``retrive_next_token`` /
+        ``retrive_next_sibling`` [B*N] (request-local node ids, -1 = none).
+
+        Returns ``(target_predict [B*N], hidden [B*N, E], predict [B*N], accept_index [B, S+1],
+        accept_token_num [B])``: the argmax and
+        :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` run inside the forward
+        (inside the verify graph when replayed), so the ``[B*N, V]`` logits never leave it
+        (upstream ``EagleVerifyInput.verify``: ``target_predict``, then ``verify_tree_greedy``)."""
+        N = self.num_draft_tokens
+        logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be)
+        target_predict = logits.argmax(-1)
+        B = target_predict.shape[0] // N
+        ridx = torch.arange(B * N, device=target_predict.device).view(B, N)
+        predict, accept_index, n = verify_tree_greedy_device(
+            x["ids"].view(B, N), ridx, x["retrive_next_token"].view(B, N), x["retrive_next_sibling"].view(B, N),
+            target_predict, self.Sd + 1)
+        return target_predict, hidden, predict, accept_index, n
 
     def _tree_draft_fn(self, fb, x):
-        """S - 1 draft steps + the expansion between them.  ``x``: ``topk_p``, ``topk_index``
-        [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).  Returns ``(scores [B, C],
-        tokens [B, C], parents [B, 1 + (S-1) k])`` with C = k + (S-1) k^2: SGLang's
-        ``score_list`` / ``token_list`` concatenated and ``parents_list[:-1]`` concatenated."""
+        """S - 1 draft steps + the expansion between them, then the tree's structure.  ``x``:
+        ``topk_p``, ``topk_index`` [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).
+
+        Returns ``(draft_tokens [B, N-1], parents, retrive_next_token, retrive_next_sibling
+        [B, N], ancestors [B, N, N], depth [B, N])``: SGLang's ``organize_draft_results`` over
+        ``score_list`` / ``token_list`` / ``parents_list``, then the length-free part of
+        ``build_tree_efficient`` (:func:`~refspec.speculative.tree.device.tree_structure`), all
+        inside the draft graph when replayed; the round adds L (positions, the flat mask)."""
         k, S = self.topk, self.Sd
         hidden = x.get("hidden")
         ids, hid, scores, info = select_top_k_tokens_first(x["topk_p"], x["topk_index"], hidden, k)
@@ -107,18 +128,20 @@ class TreeRunners(SpecRunners):
             score_list.append(info[0])
             token_list.append(info[1])
             parents_list.append(info[2])
-        B = x["topk_p"].shape[0]
-        return (torch.cat(score_list, dim=1).flatten(1), torch.cat(token_list, dim=1),
-                torch.cat(parents_list[:-1], dim=1) if S > 1 else torch.zeros((B, 0), dtype=torch.long))
+        parent_list, top, draft_tokens = organize_draft_results(score_list, token_list, parents_list,
+                                                                self.num_draft_tokens)
+        return (draft_tokens, *tree_structure(parent_list, top, k))
 
     # ---- public phases ----
-    def tree_verify(self, ids, fb: TreeVerifyBatch):
-        """TARGET_VERIFY over the tree: ``ids [B*N]`` -> ``logits [B*N, V]``, ``hidden [B*N, E]``."""
-        return self._run("tree_verify", fb, {"ids": ids}, self._tree_verify_fn,
-                         self.tree_verify_be.init_forward_metadata)
+    def tree_verify(self, ids, retrive_next_token, retrive_next_sibling, fb: TreeVerifyBatch):
+        """TARGET_VERIFY over the tree and greedy acceptance (:meth:`_tree_verify_fn`): ``ids``
+        [B*N], the child lists [B, N] -> ``(target_predict, hidden, predict, accept_index, n)``."""
+        x = {"ids": ids, "retrive_next_token": retrive_next_token.flatten(),
+             "retrive_next_sibling": retrive_next_sibling.flatten()}
+        return self._run("tree_verify", fb, x, self._tree_verify_fn, self.tree_verify_be.init_forward_metadata)
 
     def tree_draft(self, fb: TreeDraftBatch, topk_p, topk_index, hidden):
-        """All draft steps of a round (module doc) -> ``(scores, tokens, parents)``."""
+        """All draft steps of a round and the tree's structure (:meth:`_tree_draft_fn`)."""
         x = {"topk_p": topk_p, "topk_index": topk_index}
         if hidden is not None and self.draft.uses_hidden:
             x["hidden"] = hidden
@@ -130,42 +153,61 @@ class TreeRunners(SpecRunners):
 
 
 # ------------------------------------------------- the steps the v1 and v2 tree rounds share
-def branch_inputs(eng, reqs) -> tuple[dict, torch.Tensor | None]:
-    """The draft's inputs for the round: each request's root children ``topk_p`` / ``topk_index``
-    stacked ``[B, k]``, and its draft hidden ``[B, E]`` when the draft reads it (else None)."""
-    x = dict(topk_p=torch.stack([r.topk_p for r in reqs]), topk_index=torch.stack([r.topk_index for r in reqs]))
-    return x, (torch.stack([r.dhid for r in reqs]) if eng.draft.uses_hidden else None)
+def tree_draft_batch_device(rows_dev: torch.Tensor, seq_lens: torch.Tensor, seq_lens_hi: list[int], topk: int,
+                            num_steps: int, draft_cache_loc: torch.Tensor, bound: bool) -> TreeDraftBatch:
+    """:func:`tree_draft_batch` from device ``rows_dev`` / ``seq_lens`` ``[B]`` (L): branch row
+    ``b*k + t`` runs step j at ``L_b + j``; ``seq_lens_cpu`` = ``seq_lens_hi`` (the exact L, or an
+    upper bound under the overlap schedule: ``seq_lens_cpu_is_bound``, MD-006).  No host read."""
+    pos = (seq_lens.long()[:, None] + torch.arange(num_steps, device=seq_lens.device)).repeat_interleave(topk, 0)
+    return TreeDraftBatch(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=rows_dev, seq_lens=seq_lens.to(torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens_hi, dtype=torch.long), out_cache_loc=draft_cache_loc,
+        positions=pos.flatten(), topk=topk, num_steps=num_steps, draft_cache_loc=draft_cache_loc,
+        seq_lens_cpu_is_bound=bound)
 
 
-def draft_in_branches(eng, reqs, rows, L, x, hidden):
+def round_inputs(eng, reqs):
+    """A round's device inputs, gathered from the engine's :class:`~refspec.speculative.tree.future.TreeFutureMap`
+    by ``req_to_token`` row: ``(rows_dev [B], L [B], roots [B], x, hidden [B, E] | None)`` with
+    ``x = {topk_p, topk_index}`` ``[B, k]`` (each request's root children).  One h2d copy, no read."""
+    rows_dev = eng.ids([r.row for r in reqs])
+    L, roots, topk_p, topk_index, hidden = eng.future.gather_tree(rows_dev)
+    return rows_dev, L, roots, dict(topk_p=topk_p, topk_index=topk_index), hidden if eng.draft.uses_hidden else None
+
+
+def draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, hidden):
     """Draft decode over the k branches once their slots exist (v1: allocated for the round; v2:
     inside the reserve): branch slots (TR-013), the partial tail page copied into branches t >= 1
-    (TR-015), the S - 1 steps.  Returns the runner's (scores, tokens, parents)."""
+    (TR-015), the S - 1 steps.  ``L`` [B] on the device, ``hi`` its host value or bound.
+    Returns the runner's draft outputs (:meth:`TreeRunners._tree_draft_fn`)."""
     kv, k, S = eng.kv, eng.topk, eng.Sd
-    loc = tree_kv.assign_draft_cache_locs(kv, rows, L, k, S)
-    src, tgt = tree_kv.tail_copy_slots(kv, rows, L, k, S)
+    loc = tree_kv.assign_draft_cache_locs_device(kv, rows_dev, L, k, S)
+    src, tgt = tree_kv.tail_copy_slots(kv, rows_dev, L, k, S)
     tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
-    fb = tree_draft_batch(kv, rows, L, k, S, loc)
+    fb = tree_draft_batch_device(rows_dev, L, hi, k, S, loc, bound)
     out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
     eng.observe("draft_decode", reqs=reqs, fb=fb)
     return out
 
 
-def tree_verify_accept(eng, reqs, rows, L, scores, tokens, parents):
+def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
     """The tree (TR-001/002, TR-016), TARGET_VERIFY at L..L+N-1 (whose slots must exist) and
-    greedy tree acceptance.  Returns (tree, fb, target_predict, hidden, predict, accept_index, n),
-    all on the device; ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
-    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016)."""
-    k, S, N, B = eng.topk, eng.Sd, eng.N, len(reqs)
-    # parents is SGLang's parents_list[:-1] already concatenated; the None stands for the dropped last entry
-    parent_list, top, draft_tokens = organize_draft_results([scores], [tokens], [parents, None], N)
-    roots = torch.stack([r.root for r in reqs])
-    tree = build_tree(roots, parent_list, top, draft_tokens, torch.tensor(L), k, N)
-    fb = tree_verify_batch(eng.kv, rows, L, N, k, tree["positions"], tree["custom_mask"])
-    logits, hidden = eng.runners.tree_verify(tree["draft_tokens"], fb)
+    greedy tree acceptance, all on the device (:mod:`refspec.speculative.tree.device`): no host
+    read.  ``drafted``: the draft phase's outputs (:meth:`TreeRunners._tree_draft_fn`); ``L``
+    [B] on the device, ``hi`` its host value (or, ``bound``, an upper bound, which sizes the
+    flat ``custom_mask``).  Returns (tree, fb, target_predict, hidden, predict, accept_index, n,
+    window); ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
+    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016),
+    ``window`` the ``(positions, slots)`` ``[B, N]`` of L..L+N-1."""
+    kv, k, N, B = eng.kv, eng.topk, eng.N, len(reqs)
+    tree = assemble_tree(roots, drafted[0], drafted[1:], L, sum(hi) * N + B * N * N)
+    window = round_window(kv, [r.row for r in reqs], rows_dev, L, hi, N)
+    fb = TreeVerifyBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_dev, seq_lens=L.to(torch.int32),
+        seq_lens_cpu=torch.tensor(hi, dtype=torch.long), out_cache_loc=window[1].flatten(),
+        positions=tree["positions"], num_draft_tokens=N, topk=k, custom_mask=tree["custom_mask"],
+        seq_lens_cpu_is_bound=bound)
+    target_predict, hidden, predict, accept_index, n = eng.runners.tree_verify(
+        tree["draft_tokens"], tree["retrive_next_token"], tree["retrive_next_sibling"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
-    target_predict = logits.argmax(-1)
-    predict, accept_index, n = verify_tree_greedy(
-        tree["draft_tokens"].view(B, N), tree["retrive_index"], tree["retrive_next_token"],
-        tree["retrive_next_sibling"], target_predict, S + 1)
-    return tree, fb, target_predict, hidden, predict, accept_index, n
+    return tree, fb, target_predict, hidden, predict, accept_index, n, window

@@ -1,17 +1,22 @@
-"""The production top-k > 1 round under spec v2 (EAGLE tree, ``EAGLEWorkerV2``), non-overlapped.
+"""The production top-k > 1 round under spec v2 (EAGLE tree, ``EAGLEWorkerV2``), with or without overlap.
 
-One round over the running batch at committed lengths L (roots t_L known; the previous draft
-extend left each request's root children ``topk_p``, ``topk_index`` and draft hidden), B
-requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode`:
+One round over the running batch at committed lengths L, B requests, k = topk, S = num_steps,
+N = num_draft_tokens, R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode`.  Its inputs
+are on the device, in the engine's :class:`~refspec.speculative.tree.future.TreeFutureMap` by
+``req_to_token`` row: L, the root t_L, the root children ``topk_p`` / ``topk_index`` and the
+draft hidden the previous draft extend left.
 
 0. **reserve** (TR-020, :func:`prepare_tree_v2`, before the round): each row is topped up to
-   ``alloc_len = L + R`` positions.  Nothing is allocated or freed inside the round;
+   ``alloc_len = L + R`` positions (overlap: ``ceil_P(L + 2R)``, below).  Nothing is allocated
+   or freed inside the round;
 1. **draft** (TR-013..TR-015): the branch layout of v1 (branch t, step j at row position
    ``prefix_base + t*npp*P + lp + j``, the partial tail page copied into branches t >= 1), but
-   the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``;
-2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``, as v1;
-3. **accept** (TR-016): ``verify_tree_greedy`` -> ``predict`` [B*N] (0 off the path),
-   ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
+   the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``; slots,
+   tail copies and positions are gathered on the device from the device L;
+2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``:
+   :func:`~refspec.speculative.tree.device.build_tree_device`;
+3. **accept** (TR-016): :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` ->
+   ``predict`` [B*N] (0 off the path), ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
 4. **compact** (TR-020): the path's target KV moves to the first a verify slots of each
    request (:func:`move_accept_tokens_to_target_kvcache`); ``predict`` and the target hidden
    are gathered to the front of each request's N-row block (:func:`compact_accept_to_front`).
@@ -21,14 +26,26 @@ requests, k = topk, S = num_steps, N = num_draft_tokens, R = :func:`~refspec.spe
    request at KV ``L .. L+N-1`` (``seq_lens = L + N``), tokens = compacted ``predict``, hidden =
    compacted target hidden; row ``b*N + a_b - 1`` (``select_index``) seeds the next round:
    its softmax top-k are the next root children, its hidden the next draft hidden, and
-   ``predict`` there (the bonus) the next root.  ``seq_lens`` advances by a (``new_seq_lens =
-   seq_lens + accept_lens``).
+   ``predict`` there (the bonus) the next root, all written to the future map with the next
+   L = ``L + a`` (``new_seq_lens = seq_lens + accept_lens``).
 
-Returns ``[B, 2 + N + S]`` on the device: ``[a, c_0 .. c_(N-1), d_1 .. d_S, draft_len]`` with
-``c[:a]`` the emitted tokens (then -1), ``d`` the accepted drafts (then -1), ``draft_len = L + a``;
-the engine reads it once after the round (``"post_round"``).  refspec's tree building and
-acceptance are host ports (as in v1), so this round is not free of device -> host reads the way
-upstream's kernels are.
+Returns ``[B, 3 + N + S]`` on the device: ``[a, c_0 .. c_(N-1), d_1 .. d_S, draft_len, L]`` with
+``c[:a]`` the emitted tokens (then -1), ``d`` the accepted drafts (then -1), ``draft_len = L + a``
+and the device L the round started from; the engine reads it once after the round
+(``"post_round"``).  **No device -> host read inside the round** (``tests/test_tree_overlap.py``
+pins every value read of a run to host data).
+
+**Overlap** (``TreeEngine(version="v2", overlap=True)``; the loop is the chain's,
+:mod:`refspec.speculative.overlap`): round k+1 is launched before round k's rows are read, so
+the host does not know its L.  The engine's launch hook (``TreeEngine._overlap_round``) passes
+host bounds ``L_hi`` (``L_hi = L + N`` for a request whose round is in flight, L for a
+newcomer) and the round takes L from the future map; ``seq_lens_cpu`` holds the bounds
+(``seq_lens_cpu_is_bound``, MD-006: they size ``max_seqlen_k`` and the page tables), the flat
+FULL_MASK is sized ``sum(L_hi) * N + B*N*N`` (its blocks at the exact device offsets, the unused
+tail True).  The reserve is upstream's 2x: ``ceil((L + 2R) / P) * P`` past the host's L (the
+start of the round in flight), so the exact start ``L' <= L + N <= L + R`` still has its R
+positions (:func:`reserve_len`).  Finishes are seen one round late and their rows dropped
+(``RoundTrace.discarded``), as in the chain's overlap loop.
 
 Upstream, sgl-project/sglang v0.5.23:
 
@@ -44,40 +61,63 @@ Upstream, sgl-project/sglang v0.5.23:
   ``move_accept_tokens_to_target_kvcache``;
 * https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/allocation_sizing.py
   ``get_alloc_len_per_decode`` / ``get_alloc_reserve_per_decode``, and ``eagle_utils.py``
-  ``eagle_prepare_for_decode`` (the reserve).
+  ``eagle_prepare_for_decode`` (the reserve);
+* https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/managers/scheduler.py
+  ``event_loop_overlap`` and ``managers/overlap_utils.py`` ``FutureMap`` (the overlap schedule).
 
-Where refspec differs: the reserve is 1x (upstream reserves ``2 * get_alloc_len_per_decode()``,
-the double buffer of the overlap schedule, rounded up to whole pages); refspec runs this round
-without overlap (``TreeEngine(overlap=True)`` is refused).  Draft step s runs at position L + s
-(SD-007).
+Where refspec differs from upstream: (1) without overlap the reserve is 1x (upstream always
+reserves ``2 * get_alloc_len_per_decode()``, rounded up to whole pages); (2) overlap is off
+unless asked for (upstream's v2 worker overlaps by default), and refspec's overlap loop is the
+one of :mod:`refspec.speculative.overlap` (one result read per round, after the next launch;
+finishes one round late), not upstream's scheduler with its separate forward thread / stream;
+(3) tree building and acceptance are torch tensor programs
+(:mod:`refspec.speculative.tree.device`) where upstream calls one CUDA kernel each
+(``build_tree_kernel_efficient``, ``verify_tree_greedy``): ``organize_draft_results`` and the
+tree's length-free structure run inside the draft graph (its last ops), the target's argmax and
+the greedy walk inside the verify graph; only positions and the flat mask (its size is a host
+value) are assembled eagerly between the graphs;
+(4) the tail copies are a fixed-shape gather padded with slot 0 -> slot 0 copies (upstream's
+``duplicate_prefix_tail_to_draft_branches`` kernel copies exactly lp slots per branch);
+(5) draft step s runs at position L + s (SD-007).
 """
 
 from __future__ import annotations
 
 import torch
 
-from refspec.core.batch import draft_extend_v2_batch
+from refspec.core.future_batch import draft_extend_v2_batch_future
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVPool
 from refspec.speculative.round_row import pack
 from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.tree.build import draft_topk
-from refspec.speculative.tree.runners import branch_inputs, draft_in_branches, tree_verify_accept
+from refspec.speculative.tree.runners import draft_in_branches, round_inputs, tree_verify_accept
 
 
 # ------------------------------------------------------------------ KV rules (TR-020)
-def prepare_tree_v2(eng, reqs) -> None:
-    """Before a v2 tree round: top each row up to ``alloc_len = seq_len + R`` (TR-020).
+def reserve_len(L: int, R: int, P: int, overlap: bool) -> int:
+    """The positions a row holds before a v2 tree round launched at host-known L (tokens).
+
+    Non-overlapped: ``L + R`` (the exact L).  Overlap: ``ceil((L + 2R) / P) * P``, where L is
+    the start of the round in flight, so the exact start ``L' <= L + N <= L + R`` of the new
+    round still has its R positions (upstream's ``2 * get_alloc_len_per_decode()``).
+    """
+    return -(-(L + 2 * R) // P) * P if overlap else L + R
+
+
+def prepare_tree_v2(eng, reqs, overlap: bool = False) -> None:
+    """Before a v2 tree round: top each row up to :func:`reserve_len` (TR-020).
 
     R = :func:`~refspec.speculative.tree.kv.alloc_len_per_decode` (tokens); the row keeps any
     larger ``alloc_len`` it already has (upstream ``max(kv_allocated_len, ...)``).
     """
     R = tree_kv.alloc_len_per_decode(eng.topk, eng.Sd, eng.N, eng.P)
-    need = [r for r in reqs if r.alloc_len < r.seq_len + R]
+    want = [reserve_len(r.seq_len, R, eng.P, overlap) for r in reqs]
+    need = [(r, w) for r, w in zip(reqs, want) if r.alloc_len < w]
     if need:
-        eng.kv.alloc_extend([r.row for r in need], [r.alloc_len for r in need], [r.seq_len + R for r in need])
-    for r in need:
-        r.alloc_len = r.seq_len + R
+        eng.kv.alloc_extend([r.row for r, _ in need], [r.alloc_len for r, _ in need], [w for _, w in need])
+    for r, w in need:
+        r.alloc_len = w
 
 
 def move_accept_tokens_to_target_kvcache(pool: KVPool, out_cache_loc: torch.Tensor, accept_index: torch.Tensor,
@@ -92,11 +132,7 @@ def move_accept_tokens_to_target_kvcache(pool: KVPool, out_cache_loc: torch.Tens
     already at its target (j = node) and overlapping moves are safe.  Device only: no host read.
     Returns ``(tgt, src)`` int64 [B*(S+1)].
     """
-    B, W = accept_index.shape
-    valid = accept_index >= 0
-    window = out_cache_loc.view(B, num_draft_tokens)[:, :W]
-    tgt = torch.where(valid, window, torch.zeros_like(window)).flatten()
-    src = torch.where(valid, out_cache_loc[accept_index.clamp(min=0).long()], torch.zeros_like(window)).flatten()
+    tgt, src = tree_kv.path_to_window_slots(out_cache_loc, accept_index, num_draft_tokens)
     tree_kv.move_kv_cache(pool, tgt, src)
     return tgt, src
 
@@ -118,38 +154,32 @@ def compact_accept_to_front(x: torch.Tensor, accept_index: torch.Tensor, num_dra
 
 
 # ------------------------------------------------------------------ the round
-def _draft(eng, reqs, rows, L):
-    """Step 1: the branch slots (inside the reserve), the tail copies, the S - 1 steps."""
-    k, S, P = eng.topk, eng.Sd, eng.P
-    x, hidden = branch_inputs(eng, reqs)
-    if S == 1:
-        return eng.runners._tree_draft_fn(None, x)
-    for r, l in zip(reqs, L):
-        need = tree_kv.draft_alloc_len(l, k, S, P)
-        require(r.alloc_len >= need, "TR-020", f"request {r.rid}: the draft branches need {need} positions "
-                                               f"with slots, the row holds {r.alloc_len} (L = {l})")
-    return draft_in_branches(eng, reqs, rows, L, x, hidden)
-
-
-def round_tree_v2(eng, reqs) -> torch.Tensor:
+def round_tree_v2(eng, reqs, seq_lens_hi: list[int] | None = None) -> torch.Tensor:
     """One v2 top-k round over ``reqs`` (module doc); :func:`prepare_tree_v2` must have run.
 
-    Returns the device rows ``[B, 2 + N + S]`` int64 (module doc).  Leaves each request's next
-    ``root``, ``topk_p`` / ``topk_index`` [k] and ``dhid`` [E] as device views; host lengths
-    (``seq_len`` += a) are set by the engine from the rows.
-    Raises: InvariantError TR-020 when a row's reserve does not hold the branch regions or the
-    verify window.
+    The committed lengths L come from the engine's future map (device); ``seq_lens_hi`` are
+    host upper bounds of them (the overlap schedule), or None: the host's exact ``seq_len``.
+    Returns the device rows ``[B, 3 + N + S]`` int64 (module doc; the last column is the device
+    L, checked against the host's by the overlap loop, SD-008).  Leaves each request's next
+    L, root, root children and draft hidden in the future map.  No device -> host read.
+    Raises: InvariantError TR-020 when a row's reserve does not hold the branch regions and the
+    verify window of its bound (``alloc_len >= hi + R``).
     """
-    kv, k, S, N = eng.kv, eng.topk, eng.Sd, eng.N
-    rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
+    kv, k, S, N, P = eng.kv, eng.topk, eng.Sd, eng.N, eng.P
     B = len(reqs)
-    for r, l in zip(reqs, L):
-        require(r.alloc_len >= l + N, "TR-020", f"request {r.rid}: verify writes L..L+N-1 = {l}..{l + N - 1}, "
-                                                f"the row holds {r.alloc_len} positions")
-    scores, tokens, parents = _draft(eng, reqs, rows, L)
+    bound = seq_lens_hi is not None
+    hi = list(seq_lens_hi) if bound else [r.seq_len for r in reqs]
+    R = tree_kv.alloc_len_per_decode(k, S, N, P)
+    for r, h in zip(reqs, hi):  # L <= hi, and every L' <= hi needs L' + R positions (branches, verify)
+        require(r.alloc_len >= h + R, "TR-020", f"request {r.rid}: a round at L <= {h} needs {h + R} positions "
+                                                f"with slots (branches and verify window), the row holds {r.alloc_len}")
+    rows_dev, L, roots, x, dhid = round_inputs(eng, reqs)
+    # 1. draft: the branch slots are inside the reserve (no allocation)
+    drafted = (eng.runners._tree_draft_fn(None, x) if S == 1
+                               else draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, dhid))
     # 2.-3. the tree, verify at L..L+N-1 (the slots exist), accept: a = n + 1 stays on the device
-    tree, fb, target_predict, hidden, predict, accept_index, n = tree_verify_accept(eng, reqs, rows, L, scores,
-                                                                                    tokens, parents)
+    tree, fb, target_predict, hidden, predict, accept_index, n, window = tree_verify_accept(
+        eng, reqs, rows_dev, L, hi, bound, roots, drafted)
     a = n + 1
     # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
     # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
@@ -160,20 +190,18 @@ def round_tree_v2(eng, reqs) -> torch.Tensor:
     predict = compact_accept_to_front(predict, acc, N)
     hidden = compact_accept_to_front(hidden, acc, N)
     # 5. draft extend v2 over the whole window: N rows at L..L+N-1 (seq_lens = L + N); keep b*N + a_b - 1
-    de = draft_extend_v2_batch(kv, rows, [l + N for l in L], N)
+    de = draft_extend_v2_batch_future(kv, [r.row for r in reqs], rows_dev, L, hi, N, window)
+    de.seq_lens_cpu_is_bound = bound
     de.num_accept_tokens = a.to(torch.int32)  # device only: selects the kept row
     dl, dh = eng.runners.draft_extend(de, predict, hidden)
     eng.observe("draft_extend", reqs=reqs, fb=de)
     keep = torch.arange(B, device=a.device) * N + a - 1  # select_index
     topk_p, topk_index = draft_topk(dl[keep], k)
-    bonus = predict[keep]
-    for b, r in enumerate(reqs):  # device views: no host read
-        r.root, r.topk_p, r.topk_index = bonus[b], topk_p[b], topk_index[b]
-        r.dhid = dh[keep[b]] if eng.draft.uses_hidden else None
+    eng.future.stash_tree(rows_dev, seq_lens=L + a, root=predict[keep], topk_p=topk_p, topk_index=topk_index,
+                          hidden=dh[keep] if eng.draft.uses_hidden else None)
     pv, j = predict.view(B, N), torch.arange(N, device=a.device)[None]
     c = torch.where(j < a[:, None], pv, -1)  # the a emitted tokens, then -1
     d = torch.full((B, S), -1, dtype=pv.dtype, device=a.device)  # the a - 1 accepted drafts, then -1
     m = min(N, S)
     d[:, :m] = torch.where(j[:, :m] < (a - 1)[:, None], pv[:, :m], -1)
-    draft_len = eng.ids(L) + a  # the kept row's KV index + 1: seq_lens advance by a
-    return pack(a, c, d, draft_len)
+    return pack(a, c, d, L + a, L)  # draft_len: the kept row's KV index + 1 (seq_lens advance by a)
