@@ -9,7 +9,8 @@
 #   3  carry .whl1   bash benchmarks/gpu_peer.sh stash3
 #   4  carry .whl2   bash benchmarks/gpu_peer.sh bench     # installs FA3; bench --sections peer (process 0)
 #   5                bash benchmarks/gpu_peer.sh bench2    # processes 1 and 2, the medians, the change table
-#   6                bash benchmarks/gpu_peer.sh tests     # the GPU suite + demo --device cuda
+#   6                bash benchmarks/gpu_peer.sh tests     # the GPU suite + the tree sync audit
+#   7                bash benchmarks/gpu_peer.sh demo      # demo --device cuda (the trained head)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -36,8 +37,11 @@ case "$1" in
     [ -f benchmarks/_old_greedy.py ] && timeout 110 python3 benchmarks/greedy_changes.py 2>&1 | grep -v -i warn \
       | tee "$OUT/greedy_changes.md" ;;
   tests)
-    timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests/ > "$OUT/gpu-tests.log" 2>&1
+    timeout 520 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests/ > "$OUT/gpu-tests.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log"
-    timeout 150 python3 -m refspec demo --device cuda > "$OUT/demo-cuda.log" 2>&1
+    timeout 60 python3 -m refspec.audits.sync --device cuda --topk 4 --num-draft-tokens 8 --overlap on --strict \
+      > "$OUT/tree-sync.txt" 2>&1; echo "tree sync audit rc=$?"; tail -n 6 "$OUT/tree-sync.txt" ;;
+  demo)
+    timeout 200 python3 -m refspec demo --device cuda > "$OUT/demo-cuda.log" 2>&1
     echo "demo rc=$?"; tail -n 25 "$OUT/demo-cuda.log" ;;
 esac

@@ -64,7 +64,7 @@ def bench_eagle(device, quick):
         configs = [("v1", 3, 16, "eagle", {}), ("v2", 3, 16, "eagle", {}), ("v2", 5, 16, "eagle", {}),
                    ("v2", 3, 1, "eagle", {}), ("v2", 3, 16, "early-exit:25", {})]
         if B == 1:
-            configs.append(("v2", 3, 16, "eagle", {"topk": 4, "num_draft_tokens": 8}))
+            configs.append(("v2", 3, 16, "eagle", {"topk": 4, "num_draft_tokens": 8, "overlap": True}))
         for version, Sd, P, draft, kw in configs:
             tree = f" tree k={kw['topk']} N={kw['num_draft_tokens']}" if kw else ""
             name = f"{draft} {version} Sd={Sd} P={P}{tree}"

@@ -167,7 +167,7 @@ def _spec_rows(model, fast, prompts, g, peer_tps, label):
     """Spec v2 (overlap, FA3, graphs, P = 16) against the peer at this B: the perfect drafter
     (the ceiling: a 1-layer draft forward whose proposals are the target's own greedy tokens,
     ``g``, so a = Sd + 1) at Sd = 3, 5, 7 (B = 1; B = 16: Sd = 3), and the best real draft (the trained EAGLE head with
-    the real weights, else early-exit:25), Sd = 3, and at B = 1 the head's tree (k = 4, N = 8).
+    the real weights, else early-exit:25), Sd = 3, and at B = 1 the head's tree (k = 4, N = 8, overlapped).
     ``host_ms`` / ``wait_ms`` per round (:class:`~refspec.cli._bench_profile.HostTimers`): a
     round whose ``wait_ms`` is ~0 is
     host-bound (the GPU waits for the host's launches)."""
@@ -186,7 +186,7 @@ def _spec_rows(model, fast, prompts, g, peer_tps, label):
     for name, draft, drafter, Sd in configs:
         kw = {"reference": own} if drafter else {}
         if "tree" in name:
-            kw.update(topk=4, num_draft_tokens=8)
+            kw.update(topk=4, num_draft_tokens=8, overlap=True)  # trees overlap only when asked
         try:
             r = profile_config(fast, prompts, version="v2", draft=draft, drafter=drafter, num_steps=Sd,
                                max_new=PEER_NEW - 1, **kw)
