@@ -254,6 +254,7 @@ def markdown(out, command: str = "", base_url: str = "") -> str:
             b = by_key(key)
             rids = sorted({f.rule for r in mine if r.bug == key for f in r.findings})
             n = sum(r.bug == key for r in mine)
+            lines.append(">")
             lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
                          f"(status: {b.status}); it does not fail the run.")
         lines.append("")
