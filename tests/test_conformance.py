@@ -305,39 +305,73 @@ def test_a_tree_kernel_field_is_documentable_only_as_unread_cu_seqlens_k_with_a_
     assert known.match("0.5.12.post1", "tree_draft_decode", "replay", "expand:page_table[dead]") is None
 
 
-def test_a_failing_row_is_a_known_upstream_bug_only_on_the_code_that_has_it():
+def test_the_context_wall_is_recognised_by_its_signature_on_any_code_the_other_bugs_only_at_their_pins():
     wall = ("verify", "replay", ["page_table[live]"], None, True)  # True: upstream's table is below the bound
-    assert known.bug("0.5.23", *wall).rule == "CG-008"
-    # a table narrower than refspec's but at or above the kernel bound drops no live page: not the bug
-    assert known.bug("0.5.23", "verify", "replay", ["page_table[live]"], None) is None
-    assert known.bug("0.5.23", "verify", "replay", ["page_table[dead]"], None) is None
-    assert known.bug("0.5.12.post1", *wall).key == "context-wall-page-table"
-    assert known.bug(known.WALL_FIXED, *wall) is None  # the #35985 change: any failure there is unexplained
-    assert known.bug("0.5.23", "verify", "replay", ["page_table[live]", "cu_seqlens_q"], None) is None  # more
-    assert known.bug("0.5.23", "verify", "replay", [], None) is None
+    # the wall's signature (a table below the kernel bound, only live pages missing) is the defect itself:
+    # the pins, a patched pin, another release, a wheel and a source tree (a PR branch) alike
+    for code in ("0.5.23", "0.5.12.post1", known.WALL_FIXED, "0.5.19", "sglang-0.5.20-cp311-none.whl", "@ /src/sglang"):
+        b = known.bug(code, *wall)
+        assert b is not None and (b.key, b.rule) == ("context-wall-page-table", "CG-008"), code
+    # a table narrower than refspec's but at or above the kernel bound drops no live page: not the bug, anywhere
+    for code in ("0.5.23", "@ /src/sglang"):
+        assert known.bug(code, "verify", "replay", ["page_table[live]"], None) is None
+        assert known.bug(code, "verify", "replay", ["page_table[dead]"], None) is None
+        assert known.bug(code, "verify", "replay", ["page_table[live]", "cu_seqlens_q"], None, True) is None  # more
+        assert known.bug(code, "verify", "replay", [], None) is None
+        assert known.bug(code, "verify", "eager", ["page_table[live]"], None, True) is None  # not a graph phase
+    # the bugs without a signature stay at the code they were reproduced on
     err = "RuntimeError at sglang-0.5.12.post1/...flashattention_backend.py:3017: index 2 is out of bounds"
     assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], err).rule == "TR-018"
     assert known.bug("0.5.23", "tree_draft_decode", "replay", [], err) is None  # fixed there (#27360)
+    assert known.bug("@ /src/sglang", "tree_draft_decode", "replay", [], err) is None
     assert known.bug("0.5.12.post1", "tree_draft_decode", "replay", [], "KeyError: x") is None
     de = ("draft_extend_v2", "eager", ["cache_seqlens_int32", "cu_seqlens_k"], None)
     assert known.bug("0.5.23", *de) is None and known.bug(known.DE_V2_DOUBLE_COUNT, *de).rule == "MD-008"
+    assert known.bug("@ /src/sglang", *de) is None  # a K defect on other code may be any K defect
 
 
-def test_a_known_bug_row_names_the_bugs_rule_in_its_findings_and_cell():
+WALL_OURS = {"cache_seqlens_int32": torch.tensor([65, 24], dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 4, 8]),
+             "cu_seqlens_k": torch.tensor([0, 65, 89]), "max_seq_len_q": 4, "max_seq_len_k": 0,
+             "page_table": torch.tensor([[1, 2, 3, 4, 5, 0], [6, 7, 0, 0, 0, 0]], dtype=torch.int32)}
+
+
+def wall_row(code, theirs_table, ours=WALL_OURS):
     from refspec.conformance.cases import Job
     from refspec.conformance.run import rows_for
 
-    t = torch.arange(4, dtype=torch.int32)
-    ours = {"cache_seqlens_int32": torch.tensor([65], dtype=torch.int32), "cu_seqlens_q": torch.tensor([0, 4]),
-            "cu_seqlens_k": torch.tensor([0, 65]), "max_seq_len_q": 4, "max_seq_len_k": 0,
-            "page_table": torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32)}
-    theirs = dict(ours, page_table=torch.tensor([[1, 2, 3, 4]], dtype=torch.int32))
-    job = Job("verify/P16/B3/bs4/wall", "verify", 16, "B3/bs4", True, {"x": t}, {("replay", None): ours})
-    for code, rule in (("0.5.23", "CG-008"), (known.WALL_FIXED, None)):
-        (row,) = rows_for(code, [job], {job.id: {("replay", None): theirs}})
-        assert not row.ok and row.bug == (None if rule is None else "context-wall-page-table")
-        if rule:
-            assert {f.rule for f in row.findings} == {rule} and table([row], code).count("context-wall-page-table")
+    theirs = dict(WALL_OURS, page_table=torch.tensor(theirs_table, dtype=torch.int32))
+    job = Job("verify/P16/B3/bs4/wall", "verify", 16, "B3/bs4", True, {}, {("replay", None): ours})
+    (row,) = rows_for(code, [job], {job.id: {("replay", None): theirs}})
+    return row
+
+
+@pytest.mark.spec("CG-008")
+def test_a_wall_row_names_the_bug_and_cg_008_on_both_page_table_fields_at_a_pin_and_on_a_tree():
+    for code in ("0.5.23", known.WALL_FIXED, "@ /src/sglang"):
+        row = wall_row(code, [[1, 2, 3, 4], [6, 7, 0, 0]])  # 4 columns < the 5 live pages of row 0
+        assert not row.ok and row.bug == "context-wall-page-table"
+        # the live field and the dead width below the bound: one defect, one rule, whichever code
+        assert [(f.field, f.rule) for f in row.findings] == [("page_table[live]", "CG-008"),
+                                                            ("page_table[dead]", "CG-008")]
+        cell = table([row], code)
+        assert "known upstream bug context-wall-page-table (sglang#35985)" in cell and "MD-007" not in cell
+
+
+def test_a_different_defect_in_the_page_table_is_not_excused_as_the_wall_on_any_code():
+    for code in ("0.5.23", "@ /src/sglang"):
+        # upstream's table is below the bound AND a page it has is wrong (9 for 3): not only truncated
+        row = wall_row(code, [[1, 2, 9, 4], [6, 7, 0, 0]])
+        assert not row.ok and row.bug is None and "page_table[live]" in {d.field for d in row.undocumented}
+        # a wrong page id within the bound: PA-002, never the wall
+        row = wall_row(code, [[1, 2, 3, 4, 5, 0], [6, 8, 0, 0, 0, 0]])
+        assert row.bug is None and {f.rule for f in row.findings} == {"PA-002"}
+        # a refspec bug variant that over-counts K makes upstream's table look short, but K differs too
+        over = dict(WALL_OURS, cache_seqlens_int32=torch.tensor([81, 24], dtype=torch.int32),
+                    cu_seqlens_k=torch.tensor([0, 81, 105]))  # 6 pages where upstream's K = 65 reads 5
+        row = wall_row(code, [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]], ours=over)
+        live = next(d for d in row.diffs if d.field == "page_table[live]")
+        assert live.short_table and live.truncated  # the table alone looks like the wall ...
+        assert not row.ok and row.bug is None  # ... but cache_seqlens differs: unexplained
 
 
 def test_tree_rows_are_labelled_with_their_top_k():
@@ -425,6 +459,10 @@ def test_a_dead_width_difference_says_whether_upstream_is_below_the_kernel_bound
     ds = compare(wider, below, page_size=4)
     assert [(x.field, x.short_table) for x in ds] == [("page_table[live]", True), ("page_table[dead]", True)]
     assert ds[1].theirs == "width 2 (< 3 pages, the kernel bound)"
+    assert ds[0].truncated  # row 1 lacks its third page only: the two pages upstream has agree
+    wrong = compare(wider, md([5, 9], [0, 1, 2], [[7, 3], [2, 8]]), page_size=4)  # ... and row 1's page 1 is wrong
+    assert (wrong[0].short_table, wrong[0].truncated) == (True, False)
+    assert not compare(wider, md([5, 9], [0, 1, 2], [[7, 3, 11], [2, 9, 5]]), page_size=4)[0].truncated  # in bound
     content = md([5, 9], [0, 1, 2], [[7, 3, 5], [2, 9, 4]])  # row 0's dead column 2 differs
     (d,) = compare(wider, content, page_size=4)
     assert (d.width_only, d.short_table, d.ours) == (False, False, "width 6, rows differing [0]")

@@ -121,7 +121,7 @@ def test_a_graph_hook_tree_is_driven_by_the_graph_adapter_with_its_modes(tmp_pat
     tree = fake_tree(tmp_path / "co", GRAPH_FA, toggles=TOGGLES)
     for spec in (tree, tree / "python"):  # the checkout or its python/ folder
         t = install.resolve(str(spec), root=str(tmp_path / "root"), log=lambda *_: None)
-        assert t.kind == "tree" and t.site == str(tree / "python") and t.label == f"sglang @ {spec}"
+        assert t.kind == "tree" and t.site == str(tree / "python") and t.label == f"@ {spec}"  # "sglang @ ..." once
         assert t.paths[0] == str(tree / "python")  # used in place: nothing copied
     s = t.shape
     assert s.hooks == "graph" and s.adapter == "refspec.conformance.upstream_0523"
@@ -225,6 +225,10 @@ def test_every_compared_field_maps_to_a_catalogue_rule_with_a_level():
     assert rules.rule_for("draft_extend_v2", "replay", "cu_seqlens_q") == "CG-004"
     assert rules.rule_for("verify", "replay", "page_table[live]", short_table=True) == "CG-008"  # graph buffer
     assert rules.rule_for("verify", "eager", "page_table[live]", short_table=True) == "PA-003"
+    # the dead width below the kernel bound is the same table's defect: the same rule as the live pages
+    assert rules.rule_for("verify", "replay", "page_table[dead]", short_table=True) == "CG-008"
+    assert rules.rule_for("verify", "eager", "page_table[dead]", short_table=True) == "PA-003"
+    assert rules.rule_for("verify", "replay", "page_table[dead]") == "MD-007"
     assert rules.rule_for("tree_draft_decode", "replay", None) == "TR-018"
 
 
@@ -252,3 +256,44 @@ def test_an_error_raised_in_refspecs_adapter_is_not_reported_as_a_broken_rule():
     assert up.findings[0].rule == "TR-010" and up.findings[0].where == (install.FA, 1977)
     (f,) = ours.findings
     assert f.rule == ADAPTER and f.where is None and "no rule broken" in finding_line(ours, f)
+
+
+def test_a_syntax_error_in_the_code_under_test_names_the_file_and_line(tmp_path):
+    tree = fake_tree(tmp_path / "co", GRAPH_FA.replace("def init_cuda_graph_state(self, max_bs, max_num_tokens):",
+                                                       "def init_cuda_graph_state(self, max_bs, max_num_tokens)"))
+    fa = tree / "python" / install.FA
+    line = next(i for i, x in enumerate(fa.read_text().splitlines(), 1) if "def init_cuda_graph_state" in x)
+    with pytest.raises(install.UnsupportedSpec, match=rf"^sglang @ {tree}: {fa}:{line}: SyntaxError: expected ':'$"):
+        install.resolve(str(tree), root=str(tmp_path / "root"))
+    p = cli("--sglang", str(tree), "--root", str(tmp_path / "root"))
+    (err,) = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and f"{fa}:{line}: SyntaxError" in err and "<unknown>" not in err
+
+
+PIP_MISSING = """WARNING: Location 'file:///opt/pypi/simple/sglang/' is ignored: it is neither a file nor a directory.
+ERROR: Could not find a version that satisfies the requirement sglang==9.9.9 (from versions: 0.1.3, 0.5.23)
+ERROR: No matching distribution found for sglang==9.9.9 (rerun with --debug for the traceback)
+"""
+
+
+def test_a_release_the_index_does_not_have_is_a_short_one_line_error(tmp_path, monkeypatch):
+    assert install.pip_last_line(PIP_MISSING) == "ERROR: No matching distribution found for sglang==9.9.9"
+    assert install.pip_last_line("WARNING: x\nsomething broke\nWARNING: y\n") == "something broke"
+    calls = []
+
+    def pip(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", PIP_MISSING)
+
+    monkeypatch.setattr(install.subprocess, "run", pip)
+    with pytest.raises(install.UnsupportedSpec) as e:
+        install.resolve("9.9.9", root=str(tmp_path / "root"))
+    assert str(e.value) == ("sglang==9.9.9 is not on the package index (pip download failed): "
+                            "ERROR: No matching distribution found for sglang==9.9.9")
+    assert calls and calls[0][-1] == "sglang==9.9.9" and not (tmp_path / "root" / "sglang-9.9.9").exists()
+    # any other pip failure: one line too, pip's whole output kept on the exception
+    monkeypatch.setattr(install.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "WARNING: w\nERROR: disk full\n"))
+    with pytest.raises(install.PipError, match=r"failed \(sglang==9.9.8\): ERROR: disk full$") as e:
+        install.resolve("9.9.8", root=str(tmp_path / "root"))
+    assert "\n" not in str(e.value) and "WARNING: w" in e.value.stderr

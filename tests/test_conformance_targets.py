@@ -70,7 +70,7 @@ def test_a_source_tree_and_a_wheel_file_run_the_same_code_as_the_release(new, tm
     assert all(o.ok for o in outs), [run.render(o) for o in outs if not o.ok]
     key = [[(r.job, r.phase, r.step, [d.field for d in r.diffs]) for r in o.rows] for o in outs]
     assert key[0] == key[1] and key[0]
-    assert [r.pin for r in outs[1].rows][0] == f"sglang @ {tmp_path / 'co'}"
+    assert [r.pin for r in outs[1].rows][0] == f"@ {tmp_path / 'co'}"
 
 
 @pytest.mark.spec("TR-018")

@@ -4,8 +4,9 @@ The mutation run (``make mutation``, benchmarks/mutation.py) mutates known.py ag
 and test_conformance.py: each test states one entry the ``Known`` guard must refuse (a kernel-read
 field, a guard wider than its reason: a phase set that mixes capture and replay, a citation on a
 field it does not excuse, the verify tree) or let through, that ``match`` answers only for its
-pin / mode / phase / field, that ``Bug.matches`` explains a failing row only on its code, mode,
-phase and fields (or error), and the exact links and sources a report prints.  No upstream.
+pin / mode / phase / field, that ``Bug.matches`` explains a failing row only on its mode, phase
+and fields (or error) and, unless the bug has a signature (``short_table``), only on its code, and
+the exact links and sources a report prints.  No upstream.
 """
 
 from __future__ import annotations
@@ -220,3 +221,44 @@ def test_the_context_wall_bug_needs_a_table_below_the_kernel_bound():
     assert wall.matches("0.5.23", "verify", "replay", ["page_table[live]"], None) is False
     assert wall.matches("0.5.23", "decode", "capture", ["page_table[dead]"], None) is False
     assert B.matches("0.5.23", "verify", "replay", ["page_table[live]"], None, True) is True  # short not required
+
+
+# ---- a signature bug is recognised on any code; the others only at their pins ----
+SIG = Bug("b3", "XX-003", (), ("0.5.23",), ("verify",), ("replay",), ("page_table[live]",), "", (), "open", "",
+          short_table=True, issue=123)
+
+
+def test_a_bug_with_a_signature_matches_on_any_code_a_bug_without_one_only_on_its_pins():
+    assert SIG.signature and not B.signature and not NO_ERROR.signature
+    for code in ("0.5.23", "0.5.19", "@ /src/sglang", "sglang-0.5.20-py3-none-any.whl", patched("0.5.23", "fix")):
+        assert SIG.matches(code, "verify", "replay", ["page_table[live]"], None, True) is True, code
+        assert SIG.matches(code, "verify", "replay", ["page_table[live]"], None) is False  # the condition, anywhere
+        assert SIG.matches(code, "decode", "replay", ["page_table[live]"], None, True) is False  # its modes
+        assert SIG.matches(code, "verify", "capture", ["page_table[live]"], None, True) is False  # its phases
+        assert SIG.matches(code, "verify", "replay", ["page_table[live]", "cu_seqlens_k"], None, True) is False
+        assert NO_ERROR.matches(code, "verify", "replay", ["page_table[live]"], None, True) is (code == "0.5.23")
+
+
+def test_the_only_signature_bug_is_the_context_wall():
+    assert [b.key for b in BUGS if b.signature] == ["context-wall-page-table"]
+
+
+def test_a_bug_names_its_sglang_pr_and_a_report_marker():
+    wall = known.by_key("context-wall-page-table")
+    assert (wall.ref, wall.url) == ("sglang#35985", "https://github.com/sgl-project/sglang/pull/35985")
+    assert wall.marker == "known upstream bug context-wall-page-table (sglang#35985)"
+    assert [b.issue for b in BUGS] == [35985, 27360, 26512]
+    assert NO_ERROR.marker == "known upstream bug b2" and NO_ERROR.ref == "" and NO_ERROR.url == ""
+    with pytest.raises(KeyError, match="no known upstream bug 'nope'"):
+        known.by_key("nope")
+
+
+def test_below_bound_needs_a_short_table_and_live_pages_that_only_lack_columns():
+    from refspec.conformance.compare import Diff
+
+    live = lambda short, cut: Diff("page_table[live]", "", "", short_table=short, truncated=cut)
+    assert known.below_bound([live(True, True), dead(short=True)]) is True
+    assert known.below_bound([dead(short=True)]) is True  # the width alone below the bound
+    assert known.below_bound([live(True, False), dead(short=True)]) is False  # a page it has is wrong too
+    assert known.below_bound([live(False, False)]) is False and known.below_bound([]) is False
+    assert known.below_bound([live(False, False), dead(short=True)]) is False

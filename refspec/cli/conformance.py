@@ -79,6 +79,8 @@ def _main(argv) -> int:
     bad = [k for k in ns.topks if k not in tree_cases.TOPKS]
     if bad:
         ap.error(f"argument --topks: {bad} not among the compared top-k values {','.join(map(str, tree_cases.TOPKS))}")
+    if ns.report:
+        _check_report(ns.report)
     if ns.sweep:
         from refspec.conformance import sweep
 
@@ -90,11 +92,23 @@ def _main(argv) -> int:
         raise CLIError(str(e)) from None
     print(conformance.render(out, ns.verbose))
     if ns.report:
-        with open(ns.report, "w") as f:
+        with open(os.path.expanduser(ns.report), "w") as f:
             f.write(report.markdown(out, " ".join(["python -m refspec conformance", *argv]), ns.base_url) + "\n")
         print(f"wrote {ns.report}")
     sys.stdout.flush()
     return 0 if not out.unexplained else 1
+
+
+def _check_report(path: str) -> None:
+    """Before anything runs: ``--report PATH`` must be a file that can be written (CLIError naming it)."""
+    full = os.path.abspath(os.path.expanduser(path))
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        raise CLIError(f"--report {path}: is a directory, not a file")
+    if not os.path.isdir(folder):
+        raise CLIError(f"--report {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        raise CLIError(f"--report {path}: not writable")
 
 
 def _specs(text: str) -> list[str]:

@@ -13,7 +13,10 @@ Fields the kernel does not read are reported, not failed, when the difference is
 them fails like any other.  The ``page_table[dead]`` diff says whether only the width differs
 (``width_only``: the dead columns both tables have agree) and whether upstream's table is
 narrower than the kernel bound ``ceil(max_b K_b / P)`` (``short_table``: then a live page is
-dropped too, and ``page_table[live]`` differs with ``short_table`` set).
+dropped too, and ``page_table[live]`` differs with ``short_table`` set).  The ``page_table[live]``
+diff says whether every differing row lacks only the live pages past upstream's width, the pages
+both tables have agreeing (``truncated``): the signature of a table below the kernel bound, as
+opposed to wrong page ids.
 
 Top-k > 1 results (:mod:`refspec.conformance.tree_cases`) have two metadata *parts*, each
 compared by these rules under its own page size (:func:`compare_parts`): ``prefix:<field>`` and
@@ -50,6 +53,7 @@ class Diff:
     documented: str | None = None  #: the :data:`KNOWN` key that explains it, None if undocumented
     short_table: bool = False  #: upstream's page table has fewer than ceil(K_b / P) columns (PA-003)
     width_only: bool = False  #: page_table[dead]: the tables differ in width only (shared dead columns agree)
+    truncated: bool = False  #: page_table[live]: each differing row lacks only pages past upstream's width
 
 
 def _show(x) -> str:
@@ -108,8 +112,14 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
         short = b.shape[1] < m
         if short:
             theirs_row += f" ({b.shape[1]} columns < {m} live pages)"
+
+        def cut(x):  # row x differs only by the live pages upstream's table has no column for
+            n = b.shape[1]
+            return b.shape[0] > x and n < live_pages(ours["cache_seqlens_int32"][x], page_size) and \
+                _vec(a[x, :n], n) == _vec(b[x, :n], n)
+
         diffs.append(Diff("page_table[live]", f"row {r}: {_show(a[r, :m])}", f"row {r}: {theirs_row}",
-                          short_table=short))
+                          short_table=short, truncated=all(cut(x) for x in live_bad)))
     if dead_bad or a.shape[1] != b.shape[1]:
         diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
                           f"width {b.shape[1]}" + (f" (< {bound} pages, the kernel bound)" if b.shape[1] < bound

@@ -88,6 +88,24 @@ class UnsupportedSpec(ValueError):
     """A SPEC that names nothing installable, or code whose API shape no adapter drives (one line)."""
 
 
+class PipError(RuntimeError):
+    """pip failed: the message is one line (what failed and pip's last meaningful line); ``stderr``
+    keeps pip's whole output."""
+
+    def __init__(self, message: str, stderr: str):
+        super().__init__(message)
+        self.stderr = stderr
+
+
+def pip_last_line(stderr: str) -> str:
+    """pip's last meaningful line: its last ``ERROR:`` line, else its last line that is not a
+    ``WARNING:`` ('' when pip printed nothing else).  A hint in parentheses is dropped."""
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    last = next((x for x in reversed(lines) if x.startswith("ERROR:")), None) or \
+        next((x for x in reversed(lines) if not x.startswith("WARNING:")), "")
+    return re.sub(r"\s*\(rerun with --debug[^)]*\)$", "", last)
+
+
 @dataclass
 class Shape:
     """The API shape of one SGLang tree's FA3 backend, read from its files (:func:`detect`)."""
@@ -121,7 +139,7 @@ class Target:
 
     spec: str
     kind: str  #: "release", "wheel", "tree"
-    label: str  #: shown in rows: "0.5.23", "sglang @ /path", "0.5.23 -fix 27360"
+    label: str  #: shown after "sglang" in rows and messages: "0.5.23", "@ /path", "0.5.23 -fix 27360"
     site: str  #: the folder holding ``sglang/``
     paths: list[str]  #: the worker's sys.path entries (site, deps)
     shape: Shape
@@ -143,8 +161,9 @@ def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> 
     """Install ``reqs`` into ``target`` unless its stamp already lists them (or ``key``, e.g. a
     wheel's content hash, when given); True if installed.
 
-    Raises: RuntimeError if pip fails (with pip's stderr), or if ``target`` exists without a
-    stamp (not a directory this function created: it is never removed).
+    Raises: PipError if pip fails (one line: pip's last meaningful line; ``.stderr`` all of it),
+    RuntimeError if ``target`` exists without a stamp (not a directory this function created: it
+    is never removed).
     """
     stamp = os.path.join(target, STAMP)
     want = (key if key is not None else "\n".join(reqs)) + "\n"
@@ -162,7 +181,8 @@ def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> 
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         shutil.rmtree(target, ignore_errors=True)
-        raise RuntimeError(f"pip install into {target} failed ({' '.join(reqs)}):\n{proc.stderr[-2000:]}")
+        raise PipError(f"pip install into {target} failed ({' '.join(reqs)}): {pip_last_line(proc.stderr)}",
+                       proc.stderr)
     with open(stamp, "w") as f:
         f.write(want)
     log(f"installed {' '.join(reqs)} into {target} in {time.perf_counter() - t0:.0f} s")
@@ -177,18 +197,20 @@ def _read(site: str, rel: str) -> str | None:
         return f.read()
 
 
-def methods(text: str) -> dict[str, dict[str, list[str]]]:
-    """``{class: {method: [parameter names]}}`` of a module's source (top-level classes)."""
+def methods(text: str, filename: str = "<unknown>") -> dict[str, dict[str, list[str]]]:
+    """``{class: {method: [parameter names]}}`` of a module's source (top-level classes).
+
+    Raises: SyntaxError naming ``filename`` (the file the text was read from) and the line."""
     out: dict[str, dict[str, list[str]]] = {}
-    for node in ast.parse(text).body:
+    for node in ast.parse(text, filename).body:
         if isinstance(node, ast.ClassDef):
             out[node.name] = {f.name: [a.arg for a in (*f.args.args, *f.args.kwonlyargs)]
                               for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return out
 
 
-def _enum_members(text: str, cls: str) -> set[str]:
-    for node in ast.parse(text).body:
+def _enum_members(text: str, cls: str, filename: str = "<unknown>") -> set[str]:
+    for node in ast.parse(text, filename).body:
         if isinstance(node, ast.ClassDef) and node.name == cls:
             return {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
     return set()
@@ -204,7 +226,7 @@ def toggles(site: str) -> dict[str, list[str]]:
     text = _read(site, TOGGLES)
     if text is None:
         return {}
-    tree = ast.parse(text)
+    tree = ast.parse(text, os.path.join(site, TOGGLES))
     strings = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
                and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
     out = {}
@@ -224,16 +246,16 @@ def detect(site: str) -> Shape:
     fbi = _read(site, FBI)
     if fa is None:
         return Shape(None, False, False, False, None, False, False, missing=f"no FA3 backend ({FA})")
-    m = methods(fa)
+    m = methods(fa, os.path.join(site, FA))
     own = m.get("FlashAttentionBackend", {})
-    base = methods(_read(site, BASE) or "").get("AttentionBackend", {})
+    base = methods(_read(site, BASE) or "", os.path.join(site, BASE)).get("AttentionBackend", {})
     for cls in ("FlashAttentionBackend",):  # inherited defaults (e.g. a no-op init_forward_metadata_in_graph)
         m[cls] = {**base, **m.get(cls, {})}
     be = m["FlashAttentionBackend"]
     legacy = {"init_forward_metadata_capture_cuda_graph", "init_forward_metadata_replay_cuda_graph"}
     hooks = "graph" if "init_forward_metadata_out_graph" in own and "init_forward_metadata_in_graph" in be else \
         "legacy" if legacy <= set(own) else None
-    members = _enum_members(fbi, "ForwardMode") if fbi else set()
+    members = _enum_members(fbi, "ForwardMode", os.path.join(site, FBI)) if fbi else set()
     kernels = next((f for f in KERNEL_FILES if re.search(r"^def normal_decode_set_metadata\b", _read(site, f) or "",
                                                          re.M)), None)
     shape = Shape(hooks=hooks, draft_extend_v1="DRAFT_EXTEND" in members, draft_extend_v2="DRAFT_EXTEND_V2" in members,
@@ -313,9 +335,18 @@ def tree_site(path: str) -> str | None:
 
 
 def install_release(version: str, root: str, log=print) -> str:
-    """``<root>/sglang-<version>`` with that release installed (``--no-deps``); its path."""
+    """``<root>/sglang-<version>`` with that release installed (``--no-deps``); its path.
+
+    Raises: UnsupportedSpec (one line) when the index has no such release; PipError for any other
+    pip failure."""
     d = os.path.join(root, f"sglang-{version}")
-    _ensure(d, (f"sglang=={version}",), log)
+    try:
+        _ensure(d, (f"sglang=={version}",), log)
+    except PipError as e:
+        if re.search(r"No matching distribution found|Could not find a version that satisfies", e.stderr):
+            raise UnsupportedSpec(f"sglang=={version} is not on the package index (pip download failed): "
+                                  f"{pip_last_line(e.stderr)}") from None
+        raise
     return d
 
 
@@ -325,9 +356,10 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
     release is installed, default ``root``; the shared dependencies always live in ``root/deps``).
 
     Raises: UnsupportedSpec (one line) for a spec that is neither a release, a wheel file nor a
-    source tree, for code no adapter drives (the line names what is missing), and for a
-    ``revert_fix`` the code does not register (the line lists the names it has); RuntimeError if
-    pip fails.
+    source tree, for a release the package index does not have, for code that does not parse (the
+    file and line) or that no adapter drives (the line names what is missing), and for a
+    ``revert_fix`` the code does not register (the line lists the names it has); PipError (a
+    RuntimeError, one line) if pip fails otherwise.
     """
     root = root or default_root()
     spec = spec.strip()
@@ -347,7 +379,7 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
         if site is None:
             raise UnsupportedSpec(f"{spec} is a folder without sglang/__init__.py (nor python/sglang/): not an SGLang "
                                   f"source tree")
-        kind, label, version = "tree", f"sglang @ {path}", None
+        kind, label, version = "tree", f"@ {path}", None
     elif RELEASE.match(spec):
         from packaging.version import Version
 
@@ -359,7 +391,10 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
     else:
         raise UnsupportedSpec(f"--sglang {spec!r} is neither a release version (e.g. 0.5.14), a wheel file nor an "
                               f"SGLang source tree")
-    shape = detect(site)
+    try:
+        shape = detect(site)
+    except SyntaxError as e:  # the code under test does not parse: name its file and line
+        raise UnsupportedSpec(f"sglang {label}: {e.filename}:{e.lineno}: SyntaxError: {e.msg}") from None
     if shape.adapter is None:
         raise UnsupportedSpec(f"sglang {label}: cannot drive this API shape: {shape.missing}")
     if revert_fix is not None:

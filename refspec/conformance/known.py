@@ -181,18 +181,27 @@ KNOWN: tuple[Known, ...] = (
 class Bug:
     """A known upstream bug: code that breaks rule ``rule``, as the comparison sees it.
 
-    A failing row of code ``pins`` (a release, or a release plus stored patches:
-    :func:`refspec.conformance.patches.patched_copy`) in ``modes`` x ``phases`` is this bug when
-    every field that differs undocumented is one of ``fields`` (and at least one does), or when
-    upstream raised an error containing ``error``; a ``short_table`` bug also needs one of those
-    fields to be a page table below the kernel bound.  Such a row still fails (it is upstream's
-    bug, reported with the rule); the run's verdict separates it from an unexplained failure.
+    A failing row in ``modes`` x ``phases`` is this bug when every field that differs undocumented
+    is one of ``fields`` (and at least one does), or when upstream raised an error containing
+    ``error``.  Where it is recognised:
+
+    * a bug with a **signature** (``short_table``: a page table below the kernel bound whose live
+      pages agree with refspec's up to upstream's width, so the table only lacks live pages) is
+      recognised on **any** code under test -- a release, a wheel, a source tree such as a PR
+      branch -- because that condition is the defect itself, whoever has it;
+    * any other bug only on the code ``pins`` it was reproduced on (a release, or a release plus
+      stored patches: :func:`refspec.conformance.patches.patched_copy`): its fields alone could be
+      a different defect on other code.
+
+    ``pins`` is in both cases the code whose negative control (:mod:`refspec.conformance.controls`)
+    shows it.  Such a row still fails (it is upstream's bug, reported with the rule); the run's
+    verdict separates it from an unexplained failure.
     """
 
     key: str
     rule: str  #: the rule ID a review quotes (``python -m refspec cite ID``)
     also: tuple[str, ...]  #: rules the same defect breaks too (cross-references)
-    pins: tuple[str, ...]
+    pins: tuple[str, ...]  #: the code it was reproduced on (the only code it is recognised on without a signature)
     modes: tuple[str, ...]
     phases: tuple[str, ...]
     fields: tuple[str, ...]
@@ -202,12 +211,35 @@ class Bug:
     what: str
 
     short_table: bool = False  #: shown only when upstream's table is below the kernel bound (a live page dropped)
+    issue: int | None = None  #: the sglang PR a report links (``sglang#N``): the fix, the open fix, or the bug's own PR
+
+    @property
+    def signature(self) -> bool:
+        """True: recognised on any code by its fields and condition, not only at ``pins``."""
+        return self.short_table
+
+    @property
+    def ref(self) -> str:
+        """``sglang#35985`` ('' without an issue)."""
+        return f"sglang#{self.issue}" if self.issue else ""
+
+    @property
+    def url(self) -> str:
+        """The PR's GitHub link ('' without one)."""
+        return f"https://github.com/sgl-project/sglang/pull/{self.issue}" if self.issue else ""
+
+    @property
+    def marker(self) -> str:
+        """``known upstream bug context-wall-page-table (sglang#35985)``: what a report prints on its rows."""
+        return f"known upstream bug {self.key}" + (f" ({self.ref})" if self.issue else "")
 
     def matches(self, code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
                 short: bool = False) -> bool:
         """``undocumented``: the failing row's undocumented field names; ``short``: one of them is a
-        page table narrower than ceil(K_b / P) (``Diff.short_table``)."""
-        if code not in self.pins or mode not in self.modes or phase not in self.phases:
+        page table narrower than ceil(K_b / P) whose live pages agree up to its width and none is a
+        live table that differs otherwise (``Diff.short_table``, ``Diff.truncated``); ``code``: the
+        code's label, compared with ``pins`` only for a bug without a signature."""
+        if (code not in self.pins and not self.signature) or mode not in self.modes or phase not in self.phases:
             return False
         if error is not None:
             return bool(self.error) and self.error in error
@@ -235,7 +267,7 @@ BUGS: tuple[Bug, ...] = (
         "headroom): a request near the context limit (L = 61, P = 16, context 64) verifies K = L + N = 65 keys = 5 "
         "pages, and replay writes 4: the kernel is handed a table without the request's last live page (below "
         "the kernel bound ceil(max_b K_b / P); a table only narrower than refspec's is graph-table-headroom)",
-        short_table=True),
+        short_table=True, issue=35985),
     Bug("draft-expand-unsliced-scatter", "TR-018", (), OLD, ("tree_draft_decode",), ("replay",),
         ("expand:page_table[dead]",), "out of bounds",
         (("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 3017), ("0.5.23", PFT, 76), ("0.5.23", FA, 3084)),
@@ -244,22 +276,39 @@ BUGS: tuple[Bug, ...] = (
         "the top-k > 1 draft-decode replay feeds the whole num_steps-wide cache_loc row to the unique-pages "
         "scatter into the decode_length + 1 wide expand table: with few distinct pages (S = 3) the extra pages "
         "land in dead columns; once a branch spans more pages than that (num_steps = 6, P = 2) the scatter "
-        "raises 'index 2 is out of bounds' (the #25077 family)"),
+        "raises 'index 2 is out of bounds' (the #25077 family)", issue=27360),
     Bug("draft-extend-v2-double-count", "MD-008", ("MD-003",), (DE_V2_DOUBLE_COUNT,), ("draft_extend_v2",),
         ("eager", "replay"), ("cache_seqlens_int32", "cu_seqlens_k", "max_seq_len_k", "page_table[dead]"), "",
         (),
         "merged as sglang#26512 (https://github.com/sgl-project/sglang/pull/26512), reverted by #26628; "
         "#26651 fixed the test fixture instead",
         "DRAFT_EXTEND_V2's seq_lens already counts the N draft tokens (eagle_info_v2 adds them before the "
-        "backend runs); #26512 adds extend_seq_lens again, so K_b = L + 2N"),
+        "backend runs); #26512 adds extend_seq_lens again, so K_b = L + 2N", issue=26512),
 )
 
 
 def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
         short: bool = False) -> Bug | None:
     """The known upstream bug a failing row of ``code`` shows, or None (an unexplained failure);
-    ``short``: a differing page table is below the kernel bound (:meth:`Bug.matches`)."""
+    ``short``: a differing page table is below the kernel bound, lacking only live pages
+    (:meth:`Bug.matches`, :func:`below_bound`)."""
     return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error, short)), None)
+
+
+def below_bound(diffs) -> bool:
+    """The ``short`` of :func:`bug` for a row's undocumented :class:`~refspec.conformance.compare.Diff` s:
+    a page table is below the kernel bound (``short_table``) and every ``page_table[live]`` diff
+    only lacks the live pages past upstream's width (``truncated``), never a wrong page id."""
+    live = [d for d in diffs if base_field(d.field) == "page_table[live]"]
+    return any(d.short_table for d in diffs) and all(d.truncated for d in live)
+
+
+def by_key(key: str) -> Bug:
+    """The :data:`BUGS` entry ``key`` (KeyError naming it if none)."""
+    for b in BUGS:
+        if b.key == key:
+            return b
+    raise KeyError(f"no known upstream bug {key!r}")
 
 
 def match(pin: str, mode: str, phase: str, field: str, diff=None) -> Known | None:

@@ -34,7 +34,9 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
-    defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID)."""
+    defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID), for
+    ``page_table[live]`` and for the ``page_table[dead]`` width below the kernel bound alike (the
+    same table, so the same rule on any code, whether or not a known bug names the row)."""
     graph = phase in GRAPH_PHASES
     if mode.startswith("tree_"):
         part, _, f = (field or "").rpartition(":")
@@ -51,8 +53,8 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     f = base_field(field)
     if f == "page_table[live]":
         return ("CG-008" if graph else "PA-003") if short_table else "PA-002"
-    if f == "page_table[dead]":
-        return "MD-007"
+    if f == "page_table[dead]":  # below the kernel bound the width is the live-page defect, not MD-007's columns
+        return ("CG-008" if graph else "PA-003") if short_table else "MD-007"
     if f == "cache_seqlens_int32":
         return K_RULE.get(mode, "MD-003")
     if f == "cu_seqlens_q":
@@ -102,7 +104,7 @@ def statement(path: str, line: int) -> str:
 def _tree(path: str):
     with open(path, encoding="utf-8") as f:
         text = f.read()
-    return ast.parse(text), text
+    return ast.parse(text, path), text
 
 
 def level(rule: str) -> str:
@@ -152,7 +154,7 @@ FIELD_NAMES = {"cache_seqlens_int32": "cache_seqlens", "page_table[live]": "page
 def _functions(path: str) -> dict[str, tuple[int, int]]:
     """``{qualified name: (first line, last line)}`` of a module's top-level functions and methods."""
     with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
+        tree = ast.parse(f.read(), path)
     out = {}
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):

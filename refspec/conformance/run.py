@@ -147,9 +147,9 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                     k = known.match(pin, j.mode, phase, d.field, d)
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
             report.find(row, target if not isinstance(target, str) else None)
-            if not row.ok:  # a known upstream bug on this code: its rule names the row
+            if not row.ok:  # a known upstream bug (by its signature, or at its pins): its rule names the row
                 b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
-                              any(d.short_table for d in row.undocumented))
+                              known.below_bound(row.undocumented))
                 if b is not None:
                     row.bug = b.key
                     row.findings = [replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
@@ -301,4 +301,7 @@ def render(out: Outcome, verbose: bool = False) -> str:
         parts.append(report.bugs_table(out.bugs()))
     verdict = "OK" if out.ok else "FAIL" if out.unexplained else "KNOWN UPSTREAM BUGS ONLY"
     parts.append(f"== {verdict}: timings {out.seconds}")
+    if not out.unexplained:
+        unchecked = ", ".join(f"{rid} ({why})" for rid, why in report.NOT_BY_VALUES)
+        parts.append(f"   not checked by this comparison: {unchecked}")
     return "\n".join(parts)
