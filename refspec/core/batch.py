@@ -173,9 +173,8 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
             raise ValueError(f"{mode.name} request {b} (seq_len {seq_lens[b]}): positions up to {p0 + q - 1} "
                              f"past the req_to_token width {W}")
     rows = [r for r, q in zip(req_pool_indices, q_lens) for _ in range(q)]
-    pos = [tail_positions(p0, q, "cpu") for q, p0 in zip(q_lens, written_prefix)]  # on the host
-    pos_t = h2d(torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long), kv.device)
-    rpi, seq, rows_t = h2d_many([req_pool_indices, seq_lens, rows], kv.device)
+    pos = [t for q, p0 in zip(q_lens, written_prefix) for t in tail_positions(p0, q)]  # on the host
+    rpi, seq, rows_t, pos_t = h2d_many([req_pool_indices, seq_lens, rows, pos], kv.device)
     return ForwardBatch(
         forward_mode=mode,
         req_pool_indices=rpi,
@@ -187,11 +186,11 @@ def _build(mode, kv: KVCache, req_pool_indices, seq_lens, q_lens, written_prefix
     )
 
 
-def tail_positions(first: int, q: int, device) -> torch.Tensor:
-    """KV indices (= positions, SD-007) of a request's q query tokens: ``first .. first + q - 1``,
-    int64 ``[q]``, where ``first = K_b - q_b`` is the count of keys already written (INV-TAIL,
-    MD-005: the query tokens are the request's last q keys)."""
-    return torch.arange(first, first + q, device=device)
+def tail_positions(first: int, q: int) -> range:
+    """KV indices (= positions, SD-007) of a request's q query tokens: ``first .. first + q - 1``
+    (a host ``range`` of q ints), where ``first = K_b - q_b`` is the count of keys already written
+    (INV-TAIL, MD-005: the query tokens are the request's last q keys)."""
+    return range(first, first + q)
 
 
 def decode_batch(kv, req_pool_indices, seq_lens):

@@ -309,19 +309,20 @@ class KVCache:
         require(sum(need) <= self.allocator.num_free_pages, "KV-003",
                 lambda: f"need {sum(need)} pages, {self.allocator.num_free_pages} free")
         rows_w, cols_w, slots_w = [], [], []
+        mirror = self.req_to_token_cpu.numpy()  # the host mirror's memory (no copy): cheap per-entry reads/writes
         for r, p, s, n in zip(req_pool_indices, prefix_lens, seq_lens, need):
             if s <= p:
                 continue
-            new_pages = self.allocator.alloc_pages(n)
+            new_pages = self.allocator.alloc_pages(n) if n else []
             if p % P:
-                last_loc = int(self.req_to_token_cpu[r, p - 1])  # host mirror: no sync
+                last_loc = int(mirror[r, p - 1])  # host mirror: no sync
                 require((last_loc + 1) % P == p % P, "KV-001",
                         f"row {r}: last_loc {last_loc} at prefix {p} with P={P}")
             # position t < ceil(p/P)*P continues the partial page; later ones go to new page k
             first_new = -(-p // P) * P
             slots = [last_loc + 1 + (t - p) if t < first_new else new_pages[(t - first_new) // P] * P + t % P
                      for t in range(p, s)]
-            self.req_to_token_cpu[r, p:s] = torch.tensor(slots, dtype=torch.int32)
+            mirror[r, p:s] = slots
             rows_w += [r] * (s - p)
             cols_w += range(p, s)
             slots_w += slots

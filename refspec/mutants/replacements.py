@@ -139,9 +139,9 @@ def step_major_cut(x, B, S1, step):
     return x.view(S1, B)[step]
 
 
-def tail_one_early(first, q, device):
+def tail_one_early(first, q):
     """positions-one-early: this forward's tokens one position early (first - 1 .. first + q - 2)."""
-    return _orig["tail_positions"](max(first - 1, 0), q, device)
+    return _orig["tail_positions"](max(first - 1, 0), q)
 
 
 def window_minus_one(layer):
