@@ -19,6 +19,19 @@ from refspec.model.fused import FusedLlama
 from refspec.speculative.greedy import production_greedy
 
 M = 64
+OLD = "a544cec"  #: the commit whose graph greedy read each step's tokens before the next launch
+
+
+def old_greedy():
+    """``production_greedy`` as of :data:`OLD` (the non-overlapped loop), loaded from git."""
+    import subprocess
+    import types
+
+    src = subprocess.run(["git", "show", f"{OLD}:refspec/speculative/greedy.py"], capture_output=True, text=True,
+                         check=True).stdout
+    mod = sys.modules["old_greedy"] = types.ModuleType("old_greedy")  # dataclasses look the module up
+    exec(compile(src, f"{OLD}:refspec/speculative/greedy.py", "exec"), mod.__dict__)
+    return mod.production_greedy
 
 
 def prof(fn):
@@ -51,8 +64,7 @@ def main():
         cap = (B,)
         for _ in range(2):
             g = production_greedy(fast, ps, [M] * B, page_size=16, validate=False, capture_bs=cap)
-        sys.path.insert(0, "benchmarks")
-        from _old_greedy import production_greedy as old
+        old = old_greedy()
         for _ in range(2):
             o = old(fast, ps, [M] * B, page_size=16, validate=False, capture_bs=cap)
         print(f"B={B} OLD (non-overlapped) graph greedy tok/s incl. prefill {B * M / o.seconds:.0f}; "

@@ -35,7 +35,7 @@ case "$1" in
   bench2)
     timeout 470 python3 benchmarks/peer_median.py /tmp/peer ${RUNS:-1 2} 2>&1 | grep -v -i warn | tail -n 60
     cp -r /tmp/peer "$OUT/peer"; cp /tmp/env.txt "$OUT/" 2>/dev/null
-    [ -f benchmarks/_old_greedy.py ] && timeout 110 python3 benchmarks/greedy_changes.py 2>&1 | grep -v -i warn \
+    timeout 110 python3 benchmarks/greedy_changes.py 2>&1 | grep -v -i warn \
       | tee "$OUT/greedy_changes.md" ;;
   tests)
     timeout 520 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests/ > "$OUT/gpu-tests.log" 2>&1

@@ -1,6 +1,6 @@
 """Issue 24's change table for graph greedy: the step loop at a544cec (host read of each step's
-tokens before the next launch; benchmarks/_old_greedy.py, a copy of that commit's
-refspec/speculative/greedy.py, kept out of git) vs the overlapped loop of this commit, in one
+tokens before the next launch; loaded from git by ``diag_greedy.old_greedy``) vs the overlapped
+loop of this commit, in one
 process, same prompts and budgets, decode tok/s (prefill excluded from the new loop's figure;
 the old loop only reports the whole run, so both whole-run figures are given too).
 
@@ -14,13 +14,14 @@ import sys
 
 sys.path.insert(0, "benchmarks")
 
-from _old_greedy import production_greedy as old  # noqa: E402
+from diag_greedy import old_greedy  # noqa: E402
 
 from refspec.cli._bench_profile import _workload  # noqa: E402
 from refspec.model.fused import FusedLlama  # noqa: E402
 from refspec.speculative.greedy import production_greedy as new  # noqa: E402
 
 M = 128
+old = old_greedy()
 model, prompts, label = _workload(16)
 fast = FusedLlama(model)
 print(label)
