@@ -298,7 +298,7 @@ def test_graph_replay_that_does_not_write_metadata_in_place_fails(monkeypatch):
     rep = replay_tree_trace(recorded())
     assert rep.graphs and all(r.graphs == ["verify", "draft"] for r in rep.rounds), rep.to_markdown()
     from refspec.speculative.tree import graphs as tree_graphs
-    monkeypatch.setattr(tree_graphs, "_copy", lambda dst, src: None)
+    monkeypatch.setattr(tree_graphs, "_copy", lambda pairs: None)
     rep = replay_tree_trace(recorded())
     assert not rep.ok and "[TR-018] tree verify: graph replay" in failures(rep)
     assert replay_tree_trace(recorded(), graphed=False).ok  # eager alone does not see it

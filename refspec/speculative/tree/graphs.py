@@ -43,7 +43,8 @@ from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.metadata import FlashAttentionMetadata
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 from refspec.graphs.capture import make_graph
-from refspec.graphs.runner import GraphRunner
+from refspec.fa3.graph_metadata import replay_page_table
+from refspec.graphs.runner import GraphRunner, copy_rows, fill_source
 
 
 def replay_draft_expand_table(page_table: torch.Tensor, cache_seqlens: torch.Tensor, draft_cache_loc, seq_lens,
@@ -58,13 +59,12 @@ def replay_draft_expand_table(page_table: torch.Tensor, cache_seqlens: torch.Ten
                                         step + 1, cache_loc, topk, page_size)
 
 
-def _copy(dst: FlashAttentionMetadata, src: FlashAttentionMetadata) -> None:
-    """Write ``src``'s values into ``dst``'s captured tensors (same rows), never rebinding (CG-001)."""
-    require(src.page_table.shape[1] <= dst.page_table.shape[1], "CG-008",
-            f"replay needs {src.page_table.shape[1]} page-table columns, the buffer has {dst.page_table.shape[1]}")
-    dst.cache_seqlens_int32.copy_(src.cache_seqlens_int32)
-    dst.cu_seqlens_k.copy_(src.cu_seqlens_k)
-    dst.page_table[:, :src.page_table.shape[1]].copy_(src.page_table)
+def _copy(pairs: list) -> None:
+    """Write rebuilt metadata into the captured tensors (``(dst, src)`` pairs, real rows and
+    padding alike), never rebinding (CG-001): ONE ``torch._foreach_copy_`` (every FA3 metadata
+    tensor is int32), as :func:`refspec.graphs.runner.copy_rows` writes the batch buffers."""
+    if pairs:
+        copy_rows([d for d, _ in pairs], [s for _, s in pairs])
 
 
 class TreeGraphRunner:
@@ -103,9 +103,15 @@ class TreeGraphRunner:
                 self.inputs["hidden"] = z(max_bs, E, dt=dtype)
             rows, xw = [max_bs * self.k] * len(self.backends), [s + 2 for s in range(len(self.backends))]
             self.fn = runners._tree_draft_fn
-        self.state = [dict(prefix=(z(max_bs), z(max_bs + 1), z(max_bs, W)),
-                           expand=(z(n), z(n + 1), z(n, w))) for n, w in zip(rows, xw)]
+        # one prefix set for all backends: the prefix part does not depend on the draft step
+        # (TR-013), so the S - 1 steps read the same buffers, written once per replay
+        prefix = (z(max_bs), z(max_bs + 1), z(max_bs, W))
+        self.state = [dict(prefix=prefix, expand=(z(n), z(n + 1), z(n, w))) for n, w in zip(rows, xw)]
+        # the page table's first slot of each page, token columns 0, P, 2P, ... (MD-007)
+        self.strided = torch.arange(0, W * self.P, self.P, device=dev).clamp(max=kv.req_to_token.shape[1] - 1)
+        self.width = W
         self.graphs, self.static, self.bound = {}, {}, {}
+        self._plans, self._pads = {}, {}  # _fill's cached copy plans, padded seq_lens_cpu / mask blocks
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for bs in reversed(self.capture_bs):
             self._capture(bs, pool)
@@ -124,63 +130,136 @@ class TreeGraphRunner:
                               draft_cache_loc=b["out_cache_loc"][:T], **common)
 
     def _bind(self, bs):
-        """Metadata objects over the buffers' first rows, one (prefix, expand) pair per backend."""
+        """Metadata objects over the buffers' first rows, one (prefix, expand) pair per backend
+        (the prefix object shared, as its buffers are)."""
         out = []
         q = self.N if self.phase == "verify" else self.k
+        (pk, pck, pt) = self.state[0]["prefix"]
+        cu_p = torch.arange(0, bs * q + 1, q, dtype=torch.int32, device=pk.device)
+        pre = FlashAttentionMetadata(pk[:bs], cu_p, pck[:bs + 1], q, 0, pt[:bs])
         for st in self.state:
-            (pk, pck, pt), (ek, eck, et) = st["prefix"], st["expand"]
-            cu_p = torch.arange(0, bs * q + 1, q, dtype=torch.int32, device=pk.device)
+            ek, eck, et = st["expand"]
             cu_e = torch.arange(0, bs * q + 1, dtype=torch.int32, device=pk.device)
-            out.append((FlashAttentionMetadata(pk[:bs], cu_p, pck[:bs + 1], q, 0, pt[:bs]),
-                        FlashAttentionMetadata(ek[:bs * q], cu_e, eck[:bs * q + 1], 1, 0, et[:bs * q])))
+            out.append((pre, FlashAttentionMetadata(ek[:bs * q], cu_e, eck[:bs * q + 1], 1, 0, et[:bs * q])))
         return out
 
     def _pad_mask(self, live_mask, B, bs):
         """Padded requests (L = 1): every node sees the prefix slot, the root and itself (built on
-        the device: no host copy at replay).  Under the overlap schedule the live mask is sized
-        from host bounds (``build_tree_device``'s ``mask_numel``) and its unused tail is True, so
-        the padded blocks, placed by the exact device L, may land in that tail: a padded node then
-        sees all N slots of the dummy row 0 (slot 0, CG-005), never a live request's."""
-        N, dev = self.N, self.r.kv.device
-        eye = torch.eye(N, dtype=torch.bool, device=dev)
-        eye[:, 0] = True
-        pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
+        the device once per padded count, never written: no host copy at replay).  Under the
+        overlap schedule the live mask is sized from host bounds (``build_tree_device``'s
+        ``mask_numel``) and its unused tail is True, so the padded blocks, placed by the exact
+        device L, may land in that tail: a padded node then sees all N slots of the dummy row 0
+        (slot 0, CG-005), never a live request's.  No padded request: the live mask itself."""
+        if bs == B and live_mask is not None:
+            return live_mask
+        pad = self._pads.get(("mask", bs - B))
+        if pad is None:
+            N, dev = self.N, self.r.kv.device
+            eye = torch.eye(N, dtype=torch.bool, device=dev)
+            eye[:, 0] = True
+            pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
+            self._pads[("mask", bs - B)] = pad
         return pad if live_mask is None else torch.cat([live_mask, pad])
 
-    def _fill(self, fb, live, bs):
-        B = 0 if live is None else live.batch_size
-        T = B * self.per_req
+    def _pad_cpu(self, n: int) -> torch.Tensor:
+        """``seq_lens_cpu`` of ``n`` padded rows (L = 1), one tensor per n (never written)."""
+        t = self._pads.get(("cpu", n))
+        if t is None:
+            t = self._pads[("cpu", n)] = torch.ones(n, dtype=torch.long)
+        return t
+
+    def _fill_plan(self, bs: int, B: int, present: tuple) -> list:
+        """The copies of :meth:`_fill` for a (bs, B) replay with the ``present`` inputs, built once
+        and cached: per destination dtype, the destination slices and their sources (a constant
+        fill tensor, ``refspec.graphs.runner.fill_source``, or the name of a live field /
+        ``("input", name)`` resolved at replay), real rows before padding."""
+        key = (bs, B, present)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        dst, src = [], []
         for name, buf in self.buf.items():
             per_token = name in ("out_cache_loc", "positions")
-            n, end = (T, bs * self.per_req) if per_token else (B, bs)
+            n, end = (B * self.per_req, bs * self.per_req) if per_token else (B, bs)
             if n:
-                phase_src = "draft_cache_loc" if (name == "out_cache_loc" and self.phase == "draft") else name
-                buf[:n].copy_(getattr(live, phase_src))
-            buf[n:end].fill_(1 if name == "seq_lens" else 0)  # padded: row 0, L = 1, slot 0 (CG-005)
-        fb.seq_lens_cpu = torch.tensor(([] if live is None else live.seq_lens_cpu.tolist()) + [1] * (bs - B))
+                dst.append(buf[:n])
+                src.append("draft_cache_loc" if (name == "out_cache_loc" and self.phase == "draft") else name)
+            dst.append(buf[n:end])  # padded: row 0, L = 1, slot 0 (CG-005)
+            src.append(fill_source(buf, 1 if name == "seq_lens" else 0)[n:end])
+        rows = B * (self.N if self.phase == "verify" else 1)
+        for name, buf in self.inputs.items():
+            n = rows if name in present else 0  # an input this caller does not use (a metadata-only capture): zeros
+            if n:
+                dst.append(buf[:n])
+                src.append(("input", name))
+            dst.append(buf[n:bs * (self.N if self.phase == "verify" else 1)])
+            src.append(fill_source(buf, 0)[n:bs * (self.N if self.phase == "verify" else 1)])
+        groups: dict = {}
+        for d, x in zip(dst, src):
+            if d.numel():
+                ds, ss = groups.setdefault(d.dtype, ([], []))
+                ds.append(d)
+                ss.append(x)
+        plan = self._plans[key] = list(groups.values())
+        return plan
+
+    def _fill(self, fb, live, bs, inputs=None) -> int:
+        """Copy the live batch and inputs into the static buffers and pad (CG-005), ONE
+        ``_foreach_copy_`` per dtype (as :class:`refspec.graphs.runner.GraphRunner` does); set the
+        CPU mirror.  Returns the largest ``seq_lens_cpu`` of the padded batch (host, MD-006)."""
+        B = 0 if live is None else live.batch_size
+        for dsts, srcs in self._fill_plan(bs, B, tuple(sorted(inputs or ()))):
+            torch._foreach_copy_(dsts, [inputs[x[1]] if isinstance(x, tuple) else getattr(live, x)
+                                        if isinstance(x, str) else x for x in srcs])
+        lens = [] if live is None else live.seq_lens_cpu.tolist()
+        fb.seq_lens_cpu = self._pad_cpu(bs) if live is None else live.seq_lens_cpu.long() if bs == B else \
+            torch.cat([live.seq_lens_cpu.long(), self._pad_cpu(bs - B)])
         if self.phase == "verify":
             fb.custom_mask = self._pad_mask(None if live is None else live.custom_mask, B, bs)
+        return max(lens + [1] * (bs - B))
 
-    def _write_metadata(self, fb, bs):
-        R = self.r.kv.req_to_token
+    def _write_prefix(self, pre: FlashAttentionMetadata, fb, K: torch.Tensor, max_len: int, pairs: list) -> None:
+        """The prefix part in place (TR-010 / TR-013): ``cache_seqlens <- K`` (one of the fused
+        copies), ``cu_seqlens_k[1:] <- cumsum K`` and the strided page table over ``max_len``
+        (:func:`refspec.fa3.graph_metadata.replay_page_table`, MD-007), the same values as
+        :func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` /
+        :func:`~refspec.fa3.tree_metadata.draft_prefix_metadata`.  Raises: CG-008 when the pages
+        do not fit the captured table."""
+        m = -(-max_len // self.P)
+        require(m <= self.width, "CG-008", f"replay needs {m} page-table columns, the buffer has {self.width}")
+        pairs.append((pre.cache_seqlens_int32, K))
+        torch.cumsum(K, 0, dtype=torch.int32, out=pre.cu_seqlens_k[1:])
+        replay_page_table(pre, fb, self.r.kv.req_to_token, self.strided, max_len, self.P)
+
+    def _write_metadata(self, fb, bs, max_len: int):
+        """Rebuild the padded batch's metadata with the rule functions and write it into the
+        captured buffers: the prefix once (shared by every backend), then each backend's expand
+        part; every computed tensor goes in ONE fused copy (:func:`_copy`)."""
+        R, pairs = self.r.kv.req_to_token, []
+        pre = self.bound[bs][0][0]
+        if self.phase == "verify":
+            self._write_prefix(pre, fb, fb.seq_lens, max_len, pairs)  # TR-010: K = L
+        else:
+            self._write_prefix(pre, fb, tm.draft_prefix_seqlens(fb.seq_lens, self.P), max_len, pairs)  # TR-013
         for s, (be, (pre, exp)) in enumerate(zip(self.backends, self.bound[bs])):
             if self.phase == "verify":
-                _copy(pre, tm.verify_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R,
-                                                     self.N, self.P))
-                _copy(exp, tm.verify_expand_metadata(fb.custom_mask, fb.seq_lens, fb.req_pool_indices, R, self.N))
+                mask = tm.verify_mask_rows(fb.custom_mask, fb.seq_lens, self.N)  # TR-011
+                K = tm.verify_expand_seqlens(mask)
+                table = tm.verify_expand_page_table(mask, R, fb.req_pool_indices, fb.seq_lens, self.N)
+                pairs += [(exp.cache_seqlens_int32, K), (exp.page_table[:, :table.shape[1]], table)]
+                torch.cumsum(K, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
             else:
-                _copy(pre, tm.draft_prefix_metadata(fb.seq_lens, fb.seq_lens_cpu, fb.req_pool_indices, R,
-                                                    self.k, self.P))
                 replay_draft_expand_table(exp.page_table, exp.cache_seqlens_int32, fb.draft_cache_loc, fb.seq_lens,
                                           s, self.k, self.S, self.P)
-                exp.cu_seqlens_k.copy_(tm.cumsum0(exp.cache_seqlens_int32))
+                torch.cumsum(exp.cache_seqlens_int32, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
             be.forward_metadata, be.forward_metadata_spec_decode_expand = pre, exp
+        _copy(pairs)
 
     def _capture(self, bs, pool):
         fb = self._static_batch(bs)
-        self._fill(fb, None, bs)
+        max_len = self._fill(fb, None, bs)
         self.bound[bs] = self._bind(bs)
-        self._write_metadata(fb, bs)
+        self._write_metadata(fb, bs, max_len)
         rows = bs * (self.N if self.phase == "verify" else 1)
         inputs = {n: t[:rows] for n, t in self.inputs.items()}
         graph = make_graph(fb.seq_lens.device, pool)
@@ -189,25 +268,23 @@ class TreeGraphRunner:
         self.graphs[bs], self.static[bs] = graph, (fb, inputs)
 
     def replay(self, live, inputs: dict):
-        """Pad ``live`` to the smallest captured size, rewrite metadata in place, replay, slice."""
+        """Pad ``live`` to the smallest captured size, rewrite metadata in place, replay, slice.
+
+        The outputs are views of the graph's output tensors (real rows), as upstream's
+        ``CudaGraphRunner.replay`` returns its ``output_buffers`` sliced: valid until this graph's
+        next replay (the round launches every reader of them before that: no copy-out)."""
         require(self.can_run(live), "CG-007", f"batch of {live.batch_size}; captured {self.capture_bs}")
         B = live.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, B)]
         fb, x = self.static[bs]
-        self._fill(fb, live, bs)
-        rows = B * (self.N if self.phase == "verify" else 1)
-        for name, buf in x.items():
-            if name in inputs:
-                buf[:rows].copy_(inputs[name])
-                buf[rows:].zero_()
-            else:  # an input this caller does not use (a metadata-only capture): zeros
-                buf.zero_()
-        self._write_metadata(fb, bs)
+        max_len = self._fill(fb, live, bs, inputs)
+        self._write_metadata(fb, bs, max_len)
         out = self.graphs[bs].replay()
         # verify: per-node outputs ([bs*N, ...]) keep B*N rows, per-request ones ([bs, ...]: the
         # accepted path and its length) keep B; draft: every output is per request (B rows)
+        rows = B * (self.N if self.phase == "verify" else 1)
         keep = [B if o.shape[0] == bs else rows for o in out]
-        return tuple(o[:n].clone() for o, n in zip(out, keep))
+        return tuple(o[:n] for o, n in zip(out, keep))
 
 
 def capture_tree_graphs(runners, capture_bs, dtype) -> None:

@@ -159,13 +159,15 @@ def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Ten
 
 
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
-    """``pool[tgt] = pool[src]`` in every layer (gather first: overlapping src / tgt are safe)."""
+    """``pool[tgt] = pool[src]`` in every layer, K and V together (gather first: overlapping src /
+    tgt are safe).  Per layer one gather of ``[2, len(src), Hkv, D]`` from the layer's stacked
+    K / V buffer (a new tensor) and one scatter: two ops, whatever the slot count."""
     if tgt.numel() == 0:
         return
-    for layer_id in range(len(pool.k_buffer)):
-        fk, fv = pool.get_flat_kv(layer_id)
-        fk[tgt] = fk[src].clone()
-        fv[tgt] = fv[src].clone()
+    for layer_id in range(len(pool.kv_buffer)):
+        fk, _ = pool.get_flat_kv(layer_id)
+        kv = pool.kv_buffer[layer_id].view(2, -1, *fk.shape[1:])  # [2, NP*P, Hkv, D], same storage
+        kv[:, tgt] = kv[:, src]
 
 
 # ------------------------------------------------------------------ accepted-path compaction
