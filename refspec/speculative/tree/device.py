@@ -49,6 +49,20 @@ import torch
 from refspec.core.invariants import require
 
 
+_ARANGES: dict = {}
+
+
+def const_arange(n: int, device, start: int = 0, step: int = 1) -> torch.Tensor:
+    """``torch.arange(start, start + n * step, step)`` int64 on ``device``, made once per shape and
+    shared (never written): the index constants of a round's tensor arithmetic, not rebuilt (one
+    host op each on a GPU) every round."""
+    key = (torch.device(device), n, start, step)
+    t = _ARANGES.get(key)
+    if t is None:
+        t = _ARANGES[key] = torch.arange(start, start + n * step, step, dtype=torch.long, device=device)
+    return t
+
+
 def _doubling_rounds(n: int) -> int:
     """Pointer-doubling rounds that cover a chain of ``n - 1`` hops: ``ceil(log2 n)`` (0 for n <= 1)."""
     return max(n - 1, 0).bit_length()
@@ -121,9 +135,10 @@ def full_mask(tree_mask: torch.Tensor, seq_lens: torch.Tensor, numel: int) -> to
     """
     B, N, _ = tree_mask.shape
     L = seq_lens.long()
-    blk = N * torch.nn.functional.pad(torch.cumsum(L, 0), (1, 0))[:-1] + N * N * torch.arange(B, device=L.device)
-    i = torch.arange(N, device=L.device)
-    idx = blk[:, None, None] + i[None, :, None] * (L[:, None, None] + N) + L[:, None, None] + i[None, None, :]
+    row = L + N  # a row's length, L_b + N
+    blk = N * (torch.cumsum(row, 0) - row)  # N * sum_{j<b} (L_j + N) = N*N*b + N*sum_{j<b} L_j
+    i = const_arange(N, L.device)
+    idx = (blk + L)[:, None, None] + i[None, :, None] * row[:, None, None] + i[None, None, :]
     out = torch.ones(numel, dtype=torch.bool, device=tree_mask.device)
     out[idx.flatten()] = tree_mask.flatten()
     return out
@@ -154,7 +169,7 @@ def assemble_tree(verified_id, draft_tokens, structure, seq_lens, mask_numel: in
     return dict(draft_tokens=torch.cat([verified_id[:, None], draft_tokens], dim=1).flatten(),
                 positions=(seq_lens.long()[:, None] + depth).flatten(),
                 custom_mask=full_mask(anc, seq_lens, mask_numel),
-                retrive_index=torch.arange(B * N, dtype=torch.long, device=parents.device).view(B, N),
+                retrive_index=const_arange(B * N, parents.device).view(B, N),
                 retrive_next_token=nxt, retrive_next_sibling=sib, parents=parents,
                 tree_mask=anc.reshape(B * N, N))
 

@@ -34,6 +34,7 @@ import torch
 
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache, KVPool
+from refspec.speculative.tree.device import const_arange
 
 
 def branch_geometry(L: int, num_steps: int, page_size: int) -> tuple[int, int, int]:
@@ -124,15 +125,16 @@ def branch_geometry_device(seq_lens: torch.Tensor, num_steps: int, page_size: in
     if page_size == 1:
         return L, torch.zeros_like(L), torch.full_like(L, num_steps)
     lp = L % page_size
-    return L - lp, lp, (lp + num_steps + page_size - 1) // page_size
+    return L - lp, lp, (lp + (num_steps + page_size - 1)) // page_size
 
 
 def branch_step_positions_device(seq_lens: torch.Tensor, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
-    """TR-015, :func:`branch_step_positions` for every request: int64 ``[B, k, S]`` row positions."""
-    base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, page_size))
-    t = torch.arange(topk, device=seq_lens.device)[None, :, None]
-    j = torch.arange(num_steps, device=seq_lens.device)[None, None, :]
-    return base + t * npp * page_size + lp + j
+    """TR-015, :func:`branch_step_positions` for every request: int64 ``[B, k, S]`` row positions
+    ``prefix_base + t*npp*P + lp + j``, summed as ``(L + j) + (npp*P) * t`` (prefix_base + lp = L)."""
+    _, _, npp = branch_geometry_device(seq_lens, num_steps, page_size)
+    t = const_arange(topk, seq_lens.device)[None, :, None]
+    j = const_arange(num_steps, seq_lens.device)[None, None, :]
+    return (seq_lens.long()[:, None, None] + j) + (npp * page_size)[:, None, None] * t
 
 
 def assign_draft_cache_locs_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int,
@@ -149,13 +151,12 @@ def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Ten
         z = torch.zeros(0, dtype=torch.long, device=dev)
         return z, z
     base, lp, npp = (x[:, None, None] for x in branch_geometry_device(seq_lens, num_steps, P))
-    i = torch.arange(P - 1, device=dev)[None, None, :]
-    t = torch.arange(1, topk, device=dev)[None, :, None]
-    valid = (i < lp).expand(-1, topk - 1, -1)
-    r = rows.long()[:, None, None]
-    src = kv.req_to_token[r, (base + i).expand(-1, topk - 1, -1)].long()
-    tgt = kv.req_to_token[r, base + t * npp * P + i].long()
-    return torch.where(valid, src, 0).flatten(), torch.where(valid, tgt, 0).flatten()
+    i = const_arange(P - 1, dev)[None, None, :]
+    t = const_arange(topk - 1, dev, start=1)[None, :, None]  # branches 1 .. k-1
+    src_pos = base + i  # [B, 1, P-1]: the committed tail (and past it, padding)
+    pos = torch.stack([src_pos.expand(-1, topk - 1, -1), src_pos + (npp * P) * t])  # [2, B, k-1, P-1]
+    slots = kv.req_to_token[rows.long()[None, :, None, None], pos].long().masked_fill(i >= lp, 0)  # i >= lp: 0 -> 0
+    return slots[0].flatten(), slots[1].flatten()
 
 
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
@@ -207,11 +208,10 @@ def path_to_window_slots(out_cache_loc: torch.Tensor, accept_index: torch.Tensor
     verify slot ``out_cache_loc[b*N + j]``; a padded entry is slot 0 -> slot 0 (the reserved
     dummy page, PA-008).  Device only: no host read, no data-dependent shape."""
     B, W = accept_index.shape
-    valid = accept_index >= 0
+    padded = accept_index < 0
     window = out_cache_loc.view(B, num_draft_tokens)[:, :W]
-    zero = torch.zeros_like(window)
-    tgt = torch.where(valid, window, zero).flatten()
-    src = torch.where(valid, out_cache_loc[accept_index.clamp(min=0).long()], zero).flatten()
+    tgt = window.masked_fill(padded, 0).flatten()
+    src = out_cache_loc[accept_index.clamp(min=0).long()].masked_fill(padded, 0).flatten()
     return tgt, src
 
 

@@ -33,7 +33,7 @@ from refspec.speculative.tree.build import (
     select_top_k_tokens_first,
     select_top_k_tokens_later,
 )
-from refspec.speculative.tree.device import assemble_tree, tree_structure, verify_tree_greedy_device
+from refspec.speculative.tree.device import assemble_tree, const_arange, tree_structure, verify_tree_greedy_device
 
 
 def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
@@ -158,7 +158,7 @@ def tree_draft_batch_device(rows_dev: torch.Tensor, seq_lens: torch.Tensor, seq_
     """:func:`tree_draft_batch` from device ``rows_dev`` / ``seq_lens`` ``[B]`` (L): branch row
     ``b*k + t`` runs step j at ``L_b + j``; ``seq_lens_cpu`` = ``seq_lens_hi`` (the exact L, or an
     upper bound under the overlap schedule: ``seq_lens_cpu_is_bound``, MD-006).  No host read."""
-    pos = (seq_lens.long()[:, None] + torch.arange(num_steps, device=seq_lens.device)).repeat_interleave(topk, 0)
+    pos = (seq_lens.long()[:, None] + const_arange(num_steps, seq_lens.device)).repeat_interleave(topk, 0)
     return TreeDraftBatch(
         forward_mode=ForwardMode.DECODE, req_pool_indices=rows_dev, seq_lens=seq_lens.to(torch.int32),
         seq_lens_cpu=torch.tensor(seq_lens_hi, dtype=torch.long), out_cache_loc=draft_cache_loc,

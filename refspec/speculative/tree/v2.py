@@ -91,6 +91,7 @@ from refspec.core.kv_cache import KVPool
 from refspec.speculative.round_row import pack
 from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.tree.build import draft_topk
+from refspec.speculative.tree.device import const_arange
 from refspec.speculative.tree.runners import draft_in_branches, round_inputs, tree_verify_accept
 
 
@@ -147,10 +148,8 @@ def compact_accept_to_front(x: torch.Tensor, accept_index: torch.Tensor, num_dra
     """
     B, W = accept_index.shape
     require(W <= num_draft_tokens, "TR-021", f"accept_index has {W} columns, the window only N = {num_draft_tokens}")
-    out = x.clone()
-    out.view(B, num_draft_tokens, *x.shape[1:])[:, :W] = x[accept_index.clamp(min=0).long().flatten()].view(
-        B, W, *x.shape[1:])
-    return out
+    own = const_arange(B * num_draft_tokens, x.device).view(B, num_draft_tokens)[:, W:]  # rows j > S: their own
+    return x[torch.cat([accept_index.clamp(min=0).long(), own], dim=1).flatten()]  # one gather
 
 
 # ------------------------------------------------------------------ the round
@@ -188,20 +187,22 @@ def round_tree_v2(eng, reqs, seq_lens_hi: list[int] | None = None) -> torch.Tens
                 draft_tokens=tree["draft_tokens"], target_predict=target_predict)  # for recorders
     move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
     predict = compact_accept_to_front(predict, acc, N)
-    hidden = compact_accept_to_front(hidden, acc, N)
+    hidden = compact_accept_to_front(hidden, acc, N) if eng.draft.uses_hidden else None  # else the extend ignores it
     # 5. draft extend v2 over the whole window: N rows at L..L+N-1 (seq_lens = L + N); keep b*N + a_b - 1
     de = draft_extend_v2_batch_future(kv, [r.row for r in reqs], rows_dev, L, hi, N, window)
     de.seq_lens_cpu_is_bound = bound
     de.num_accept_tokens = a.to(torch.int32)  # device only: selects the kept row
     dl, dh = eng.runners.draft_extend(de, predict, hidden)
     eng.observe("draft_extend", reqs=reqs, fb=de)
-    keep = torch.arange(B, device=a.device) * N + a - 1  # select_index
+    keep = const_arange(B, a.device, step=N) + n  # select_index = b*N + a - 1 (a - 1 = n)
     topk_p, topk_index = draft_topk(dl[keep], k)
-    eng.future.stash_tree(rows_dev, seq_lens=L + a, root=predict[keep], topk_p=topk_p, topk_index=topk_index,
+    L_next = L + a  # new_seq_lens; draft_len: the kept row's KV index + 1
+    eng.future.stash_tree(rows_dev, seq_lens=L_next, root=predict[keep], topk_p=topk_p, topk_index=topk_index,
                           hidden=dh[keep] if eng.draft.uses_hidden else None)
-    pv, j = predict.view(B, N), torch.arange(N, device=a.device)[None]
-    c = torch.where(j < a[:, None], pv, -1)  # the a emitted tokens, then -1
-    d = torch.full((B, S), -1, dtype=pv.dtype, device=a.device)  # the a - 1 accepted drafts, then -1
+    pv, j = predict.view(B, N), const_arange(N, a.device)[None]
+    c = pv.masked_fill(j >= a[:, None], -1)  # the a emitted tokens, then -1
     m = min(N, S)
-    d[:, :m] = torch.where(j[:, :m] < (a - 1)[:, None], pv[:, :m], -1)
-    return pack(a, c, d, L + a, L)  # draft_len: the kept row's KV index + 1 (seq_lens advance by a)
+    d = pv[:, :m].masked_fill(j[:, :m] >= n[:, None], -1)  # the a - 1 accepted drafts, then -1
+    if m < S:  # N < S: no window row past N holds a draft
+        d = torch.cat([d, d.new_full((B, S - m), -1)], dim=1)
+    return pack(a, c, d, L_next, L)
