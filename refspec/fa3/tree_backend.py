@@ -34,6 +34,10 @@ from refspec.fa3.tree_attention import cascade_attention
 class TreeVerifyBatch(ForwardBatch):
     topk: int = 1
     custom_mask: torch.Tensor | None = None  #: flat bool, FULL_MASK layout (TR-011)
+    #: bool [B*N, N] or None: the tree columns of ``custom_mask`` (TR-011's mask rows) where the
+    #: builder already has them on the device (``build_tree_device``'s ``tree_mask``); graph
+    #: replay reads them instead of extracting them again (:func:`~refspec.fa3.tree_metadata.verify_mask_rows`)
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass

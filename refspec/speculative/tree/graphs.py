@@ -59,6 +59,31 @@ def replay_draft_expand_table(page_table: torch.Tensor, cache_seqlens: torch.Ten
                                         step + 1, cache_loc, topk, page_size)
 
 
+def write_draft_expand(expand: list, fb, topk: int, num_steps: int, page_size: int) -> None:
+    """TR-014 / TR-018, inside the draft graph: every step's expand metadata, in place, from the
+    static batch alone (``draft_cache_loc`` and ``seq_lens``, the buffers replay fills):
+    :func:`replay_draft_expand_table` (``cache_loc[:, :s+1]``) and ``cu_seqlens_k[1:] <- cumsum K``.
+    ``expand`` holds step s's bound expand metadata at index s.  Static shapes, no host value:
+    captured once, it runs at every replay with no host op."""
+    for s, exp in enumerate(expand):
+        replay_draft_expand_table(exp.page_table, exp.cache_seqlens_int32, fb.draft_cache_loc, fb.seq_lens,
+                                  s, topk, num_steps, page_size)
+        torch.cumsum(exp.cache_seqlens_int32, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
+
+
+def write_verify_expand(exp: FlashAttentionMetadata, mask: torch.Tensor, fb, req_to_token: torch.Tensor,
+                        num_draft_tokens: int) -> None:
+    """TR-011 / TR-018, inside the verify graph: the expand metadata, in place, from static
+    buffers alone (the tree mask rows ``mask`` bool ``[bs*N, N]``, ``req_pool_indices``,
+    ``seq_lens``, ``req_to_token``): ``cache_seqlens <-`` :func:`~refspec.fa3.tree_metadata.verify_expand_seqlens`,
+    ``page_table <-`` :func:`~refspec.fa3.tree_metadata.verify_expand_page_table` (the eager rule
+    functions), ``cu_seqlens_k[1:] <- cumsum K``.  Static shapes, no host value."""
+    exp.cache_seqlens_int32.copy_(tm.verify_expand_seqlens(mask))
+    exp.page_table.copy_(tm.verify_expand_page_table(mask, req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                                     num_draft_tokens))
+    torch.cumsum(exp.cache_seqlens_int32, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
+
+
 def _copy(pairs: list) -> None:
     """Write rebuilt metadata into the captured tensors (``(dst, src)`` pairs, real rows and
     padding alike), never rebinding (CG-001): ONE ``torch._foreach_copy_`` (every FA3 metadata
@@ -94,6 +119,12 @@ class TreeGraphRunner:
                            for n in ("ids", "retrive_next_token", "retrive_next_sibling")}
             rows, xw = [max_bs * self.N], [self.N]
             self.fn = runners._tree_verify_fn
+            # the tree mask rows (TR-011) the expand metadata is built from inside the graph;
+            # padded rows: a node sees the root and itself (row 0, L = 1: only slot 0 behind them)
+            self.mask_rows = torch.zeros((max_bs * self.N, self.N), dtype=torch.bool, device=dev)
+            pad = torch.eye(self.N, dtype=torch.bool, device=dev)
+            pad[:, 0] = True
+            self.mask_pad = pad.repeat(max_bs, 1)  # the padded rows' source (never written)
         else:
             self.backends = runners.tree_step_bes
             E = runners.target.config.hidden_size
@@ -143,23 +174,13 @@ class TreeGraphRunner:
             out.append((pre, FlashAttentionMetadata(ek[:bs * q], cu_e, eck[:bs * q + 1], 1, 0, et[:bs * q])))
         return out
 
-    def _pad_mask(self, live_mask, B, bs):
-        """Padded requests (L = 1): every node sees the prefix slot, the root and itself (built on
-        the device once per padded count, never written: no host copy at replay).  Under the
-        overlap schedule the live mask is sized from host bounds (``build_tree_device``'s
-        ``mask_numel``) and its unused tail is True, so the padded blocks, placed by the exact
-        device L, may land in that tail: a padded node then sees all N slots of the dummy row 0
-        (slot 0, CG-005), never a live request's.  No padded request: the live mask itself."""
-        if bs == B and live_mask is not None:
-            return live_mask
-        pad = self._pads.get(("mask", bs - B))
-        if pad is None:
-            N, dev = self.N, self.r.kv.device
-            eye = torch.eye(N, dtype=torch.bool, device=dev)
-            eye[:, 0] = True
-            pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
-            self._pads[("mask", bs - B)] = pad
-        return pad if live_mask is None else torch.cat([live_mask, pad])
+    def _live_mask_rows(self, live):
+        """The live batch's tree mask rows (TR-011), bool ``[B*N, N]``: the builder's
+        (``TreeVerifyBatch.tree_mask``), or extracted from its FULL_MASK
+        (:func:`~refspec.fa3.tree_metadata.verify_mask_rows`, e.g. a recorded trace's batch)."""
+        if live.tree_mask is not None:
+            return live.tree_mask
+        return tm.verify_mask_rows(live.custom_mask, live.seq_lens, self.N)
 
     def _pad_cpu(self, n: int) -> torch.Tensor:
         """``seq_lens_cpu`` of ``n`` padded rows (L = 1), one tensor per n (never written)."""
@@ -194,6 +215,12 @@ class TreeGraphRunner:
                 src.append(("input", name))
             dst.append(buf[n:bs * (self.N if self.phase == "verify" else 1)])
             src.append(fill_source(buf, 0)[n:bs * (self.N if self.phase == "verify" else 1)])
+        if self.phase == "verify":
+            if B:
+                dst.append(self.mask_rows[:B * self.N])
+                src.append(("mask", None))
+            dst.append(self.mask_rows[B * self.N:bs * self.N])
+            src.append(self.mask_pad[B * self.N:bs * self.N])
         groups: dict = {}
         for d, x in zip(dst, src):
             if d.numel():
@@ -208,14 +235,18 @@ class TreeGraphRunner:
         ``_foreach_copy_`` per dtype (as :class:`refspec.graphs.runner.GraphRunner` does); set the
         CPU mirror.  Returns the largest ``seq_lens_cpu`` of the padded batch (host, MD-006)."""
         B = 0 if live is None else live.batch_size
+
+        def source(x):
+            if isinstance(x, str):
+                return getattr(live, x)
+            if isinstance(x, tuple):
+                return self._live_mask_rows(live) if x[0] == "mask" else inputs[x[1]]
+            return x
         for dsts, srcs in self._fill_plan(bs, B, tuple(sorted(inputs or ()))):
-            torch._foreach_copy_(dsts, [inputs[x[1]] if isinstance(x, tuple) else getattr(live, x)
-                                        if isinstance(x, str) else x for x in srcs])
+            torch._foreach_copy_(dsts, [source(x) for x in srcs])
         lens = [] if live is None else live.seq_lens_cpu.tolist()
         fb.seq_lens_cpu = self._pad_cpu(bs) if live is None else live.seq_lens_cpu.long() if bs == B else \
             torch.cat([live.seq_lens_cpu.long(), self._pad_cpu(bs - B)])
-        if self.phase == "verify":
-            fb.custom_mask = self._pad_mask(None if live is None else live.custom_mask, B, bs)
         return max(lens + [1] * (bs - B))
 
     def _write_prefix(self, pre: FlashAttentionMetadata, fb, K: torch.Tensor, max_len: int, pairs: list) -> None:
@@ -232,28 +263,16 @@ class TreeGraphRunner:
         replay_page_table(pre, fb, self.r.kv.req_to_token, self.strided, max_len, self.P)
 
     def _write_metadata(self, fb, bs, max_len: int):
-        """Rebuild the padded batch's metadata with the rule functions and write it into the
-        captured buffers: the prefix once (shared by every backend), then each backend's expand
-        part; every computed tensor goes in ONE fused copy (:func:`_copy`)."""
-        R, pairs = self.r.kv.req_to_token, []
+        """The prefix part (shared by every backend, TR-010 / TR-013), written once per replay
+        from the host bound ``max_len``; the expand parts are the graph's own first work
+        (:func:`write_verify_expand`, :func:`write_draft_expand`)."""
         pre = self.bound[bs][0][0]
-        if self.phase == "verify":
-            self._write_prefix(pre, fb, fb.seq_lens, max_len, pairs)  # TR-010: K = L
-        else:
-            self._write_prefix(pre, fb, tm.draft_prefix_seqlens(fb.seq_lens, self.P), max_len, pairs)  # TR-013
-        for s, (be, (pre, exp)) in enumerate(zip(self.backends, self.bound[bs])):
-            if self.phase == "verify":
-                mask = tm.verify_mask_rows(fb.custom_mask, fb.seq_lens, self.N)  # TR-011
-                K = tm.verify_expand_seqlens(mask)
-                table = tm.verify_expand_page_table(mask, R, fb.req_pool_indices, fb.seq_lens, self.N)
-                pairs += [(exp.cache_seqlens_int32, K), (exp.page_table[:, :table.shape[1]], table)]
-                torch.cumsum(K, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
-            else:
-                replay_draft_expand_table(exp.page_table, exp.cache_seqlens_int32, fb.draft_cache_loc, fb.seq_lens,
-                                          s, self.k, self.S, self.P)
-                torch.cumsum(exp.cache_seqlens_int32, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
-            be.forward_metadata, be.forward_metadata_spec_decode_expand = pre, exp
+        K = fb.seq_lens if self.phase == "verify" else tm.draft_prefix_seqlens(fb.seq_lens, self.P)  # L / L - lp
+        pairs = []
+        self._write_prefix(pre, fb, K, max_len, pairs)
         _copy(pairs)
+        for be, (pre, exp) in zip(self.backends, self.bound[bs]):
+            be.forward_metadata, be.forward_metadata_spec_decode_expand = pre, exp
 
     def _capture(self, bs, pool):
         fb = self._static_batch(bs)
@@ -263,8 +282,20 @@ class TreeGraphRunner:
         rows = bs * (self.N if self.phase == "verify" else 1)
         inputs = {n: t[:rows] for n, t in self.inputs.items()}
         graph = make_graph(fb.seq_lens.device, pool)
-        fn = self.fn
-        graph.capture(lambda: fn(fb, inputs))
+        fn = self.fn  # the closures must not hold the runner (a cycle only the GC could free)
+        if self.phase == "draft":  # the draft expand metadata is the graph's first work (module doc)
+            expand, k, S, P = [exp for _, exp in self.bound[bs]], self.k, self.S, self.P
+
+            def run():
+                write_draft_expand(expand, fb, k, S, P)
+                return fn(fb, inputs)
+        else:  # the verify expand metadata likewise, from the mask rows replay copies in
+            exp, mask, R, N = self.bound[bs][0][1], self.mask_rows[:bs * self.N], self.r.kv.req_to_token, self.N
+
+            def run():
+                write_verify_expand(exp, mask, fb, R, N)
+                return fn(fb, inputs)
+        graph.capture(run)
         self.graphs[bs], self.static[bs] = graph, (fb, inputs)
 
     def replay(self, live, inputs: dict):

@@ -206,7 +206,7 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
         forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_dev, seq_lens=L.to(torch.int32),
         seq_lens_cpu=torch.tensor(hi, dtype=torch.long), out_cache_loc=window[1].flatten(),
         positions=tree["positions"], num_draft_tokens=N, topk=k, custom_mask=tree["custom_mask"],
-        seq_lens_cpu_is_bound=bound)
+        tree_mask=tree["tree_mask"], seq_lens_cpu_is_bound=bound)
     target_predict, hidden, predict, accept_index, n = eng.runners.tree_verify(
         tree["draft_tokens"], tree["retrive_next_token"], tree["retrive_next_sibling"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
