@@ -144,3 +144,69 @@ def test_a_stacked_kv_store_is_one_scatter_with_the_same_bits():
         assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0))
     assert torch.equal(pools[0].get_flat_kv(1)[1][loc], kv[1]) and pools[0].k_buffer[0].isnan().all()
     assert all(b.is_contiguous() for b in pools[0].k_buffer + pools[0].v_buffer)
+
+
+def audited_tree(B: int):
+    """A top-k tree v2 overlap run (k = 4, N = 8, Sd = 3, P = 4, graphs, validation off, early-exit
+    draft: 1 draft layer, 2 target layers) of B requests, 12 tokens each: ``(ops, rounds)``."""
+    from refspec.speculative.tree.engine import TreeEngine
+
+    eng = TreeEngine(target(), make_draft("early-exit:1", target()), topk=4, num_draft_tokens=8, version="v2",
+                     num_steps=3, page_size=4, max_context=48, max_batch=B, graphs=True, capture_bs=(1, 2, 4),
+                     validate=False, overlap=True)
+    for i, p in enumerate(PROMPTS[:B]):
+        eng.add_request(i, p, 12)
+    ops = round_ops(eng)
+    return ops, eng.rounds_launched
+
+
+#: the tree round's launch phase (B = 1), op by op (test docstring)
+TREE_REPLAYS = {"draft": 3 + 2 + 1 + 1 + 3 + 1, "verify": 3 + 1 + 1 + 3 + 1,
+                "draft_extend": 2 + 2 + 2 + 3 + 1 + 1 + 1}  # 11 + 9 + 12 = 32
+MOVE = 2  #: move_kv_cache: one gather + one scatter per layer (K and V together)
+TREE_ROUND_LOGIC = 5 + (10 + 13 + 1 * MOVE + 4) + 12 + 6 + (29 + 2 * MOVE)  # 5 + 29 + 12 + 6 + 33 = 85
+TREE_BOUND_B1 = sum(TREE_REPLAYS.values()) + TREE_ROUND_LOGIC  # 32 + 85 = 117
+TREE_ONCE = 8  #: constants made on first use per batch size (const_arange shapes, padded seq_lens_cpu)
+
+
+@pytest.mark.spec("TR-018", "TR-020")
+def test_tree_v2_overlap_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch():
+    """Upper bound of a top-k tree v2 overlap round's launch phase (B = 1; allocator work left
+    out), derived from the rules:
+
+    * graph replays (speculative/tree/graphs.py, fa3/graph_metadata.py, graphs/runner.py): the
+      draft graph 11 = 3 fused copies of the batch and inputs (int64, int32, fp32 topk_p), the
+      shared prefix (TR-013: lp and L - lp 2, one fused metadata copy, the ``cu_seqlens_k``
+      cumsum, the page-table gather x 2 and ``// P``), the replay; its expand metadata of every
+      step is the graph's own work (0 host ops).  Verify 9 = 3 copies (int64, int32, the bool
+      tree mask rows), the prefix (K = L: one fused copy, cumsum, 3 for the page table), the
+      replay; its expand metadata likewise inside the graph.  Draft extend (the chain's runner)
+      12 = 2 copies, ``seq_lens + 0`` and its cumsum, the host max and its read, 3 for the page
+      table, the ``cu_seqlens_q`` cumsum, the replay, the clone of its logits: **32**;
+    * round logic: rows to the device (2) and the future-map gathers (3) = 5; the branch slots
+      (geometry 4, positions 4, gather + int64 2) 10, the tail slots (geometry 4, positions 4,
+      one stacked gather + int64, ``i >= lp`` and its masked fill) 13, their KV copy in the
+      1-layer draft pool 2, the draft batch (positions 2, int32 L, ``seq_lens_cpu``) 4; the tree
+      (root ``cat``, positions, FULL_MASK 10) 12; the verify window and batch 6; after verify 33:
+      a = n + 1, the path's slots 5, their KV move in the 2-layer target pool 4, the compaction
+      of predict 3 (no hidden: the early-exit draft does not read it), the draft-extend batch 4,
+      its ``num_accept_tokens`` 1, the kept rows (``select_index``, the logits gather, top-k 2)
+      4, L + a, the next root, the future-map scatters 4, the result rows 4 and their ``cat``:
+      **85**.
+
+    So <= 117 ops per round at B = 1 (before: 278 at the H200 bench shape; 7 + 3 of the index
+    constants are made once per batch size, ``TREE_ONCE``).  B = 3 pads to the graph of 4: the two
+    tree replays and the draft extend each add one ``cat`` of the padded ``seq_lens_cpu``; no op
+    per request.  The commit phase works on host data: 0 ops outside the allocator.
+    """
+    ops1, r1 = audited_tree(1)
+    ops3, r3 = audited_tree(3)
+    n1, n3 = per_round(ops1, r1), per_round(ops3, r3)
+    assert n1 <= TREE_BOUND_B1 + TREE_ONCE / r1, f"{n1:.1f} ops per round > {TREE_BOUND_B1}"
+    bound3 = TREE_BOUND_B1 + 3 + 3 * TREE_ONCE / r3  # batch sizes 3, 2, 1 as requests finish
+    assert n3 <= bound3, f"B = 3: {n3:.1f} ops per round > {bound3:.1f}"
+    assert per_round(ops1, r1, "commit") == 0 and per_round(ops3, r3, "commit") == 0
+    fill_ops = {op for (ph, path, fn, op) in ops3 if (path, fn) == ("speculative/tree/graphs.py", "_fill")}
+    assert fill_ops <= {"_foreach_copy_", "cat"}, f"per-field writes are back in the tree replay: {fill_ops}"
+    graph_replays = sum(v for k, v in ops3.items() if k[3] == "graph_replay")
+    assert graph_replays == 3 * r3  # draft, verify, draft extend: all replayed (none eager)

@@ -1,6 +1,8 @@
 """CUDA graphs of the production top-k > 1 loop: capture per batch size, padded in-place replay (TR-018).
 
-Buffers (SGLang ``init_cuda_graph_state``, the ``topk > 1`` entries), int32, per backend:
+Buffers (SGLang ``init_cuda_graph_state``, the ``topk > 1`` entries), int32; the prefix set is
+shared by a graph's backends (its values do not depend on the draft step, TR-013), the expand
+sets are per backend:
 
 ===========================  =====================================  ==================================
 graph                        prefix (``*_topk_normal``)             expand (``*_topk_expand``)
@@ -12,15 +14,23 @@ draft decode step s          K [max_bs]; cu_q = arange(0, bs*k+1,   K [max_bs*k]
 ===========================  =====================================  ==================================
 
 W = ``ceil(req_to_token.shape[1] / P)`` (CG-008).  Replay copies the live batch into the static
-batch buffers (padded requests: row 0, L = 1, slots 0 -- the reserved page, CG-005), builds the
-rule's metadata for the padded batch with the eager functions of
-:mod:`refspec.fa3.tree_metadata` and *writes it into* the captured buffers (CG-001), except
-the draft expand table, which replay fills the way upstream's ``_apply_cuda_graph_metadata``
-does: ``draft_decode_set_expand_metadata`` on ``cache_loc[:, :s+1]`` into the ``s + 2``-wide
-buffer (unsliced, as at 0.5.12.post1 before sgl-project/sglang#27360's slice, its ``scatter_``
-writes past the buffer: the #25077 family).  The draft
-extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2 DRAFT_EXTEND_V2
-at N rows (:func:`capture_tree_graphs`).
+batch buffers (padded requests: row 0, L = 1, slots 0 -- the reserved page, CG-005) with ONE
+``torch._foreach_copy_`` per dtype (the batch fields, the inputs, the verify tree mask rows; the
+padded rows from constant fill tensors, as :class:`~refspec.graphs.runner.GraphRunner` does),
+then writes the prefix metadata *into* the captured buffers (CG-001): ``K`` (L, or L - lp for
+the draft) in one fused copy, ``cu_seqlens_k`` and the strided page table over the host bound
+(:func:`~refspec.fa3.graph_metadata.replay_page_table`, MD-007) -- the values of
+:func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` / ``draft_prefix_metadata``.
+The expand metadata reads only static buffers, so it is the captured graph's own first work,
+in place and with the eager rule functions (:func:`write_verify_expand`: the tree mask rows,
+which the live batch brings from the tree builder, ``TreeVerifyBatch.tree_mask``;
+:func:`write_draft_expand`: upstream's ``_apply_cuda_graph_metadata`` way,
+``draft_decode_set_expand_metadata`` on ``cache_loc[:, :s+1]`` into the ``s + 2``-wide buffer
+(unsliced, as at 0.5.12.post1 before sgl-project/sglang#27360's slice, its ``scatter_`` writes
+past the buffer: the #25077 family)).  Upstream writes both parts before the replay, one op per
+field; here a replay dispatches no host op per metadata field (tests/test_launch_audit.py).
+The draft extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2
+DRAFT_EXTEND_V2 at N rows (:func:`capture_tree_graphs`).
 
 What the captured functions return (:class:`~refspec.speculative.tree.runners.TreeRunners`):
 the draft graph ends with ``organize_draft_results`` and the tree's length-free structure
@@ -28,7 +38,8 @@ the draft graph ends with ``organize_draft_results`` and the tree's length-free 
 the verify graph with the target argmax and greedy tree acceptance
 (:func:`~refspec.speculative.tree.device.verify_tree_greedy_device`; its inputs are the node
 tokens and the child lists), so neither the ``[B*N, V]`` logits nor a host loop sit between
-them.  Replay keeps B*N rows of a per-node output and B of a per-request one.
+them.  Replay keeps B*N rows of a per-node output and B of a per-request one, as views (no
+copy-out, upstream's ``CudaGraphRunner.replay`` way): valid until the graph's next replay.
 """
 
 from __future__ import annotations
