@@ -185,6 +185,22 @@ class TreeGraphRunner:
             out.append((pre, FlashAttentionMetadata(ek[:bs * q], cu_e, eck[:bs * q + 1], 1, 0, et[:bs * q])))
         return out
 
+    def _pad_mask(self, live_mask, B, bs):
+        """The padded batch's flat FULL_MASK (the static batch's ``custom_mask``, what the padded
+        verify batch holds; the graph itself reads the tree mask rows): padded requests (L = 1)
+        see the prefix slot, the root and themselves, a block made once per padded count (never
+        written).  No padded request: the live mask itself (no op)."""
+        if bs == B and live_mask is not None:
+            return live_mask
+        pad = self._pads.get(("mask", bs - B))
+        if pad is None:
+            N, dev = self.N, self.r.kv.device
+            eye = torch.eye(N, dtype=torch.bool, device=dev)
+            eye[:, 0] = True
+            pad = torch.cat([torch.ones((N, 1), dtype=torch.bool, device=dev), eye], dim=1).flatten().repeat(bs - B)
+            self._pads[("mask", bs - B)] = pad
+        return pad if live_mask is None else torch.cat([live_mask, pad])
+
     def _live_mask_rows(self, live):
         """The live batch's tree mask rows (TR-011), bool ``[B*N, N]``: the builder's
         (``TreeVerifyBatch.tree_mask``), or extracted from its FULL_MASK
@@ -258,6 +274,8 @@ class TreeGraphRunner:
         lens = [] if live is None else live.seq_lens_cpu.tolist()
         fb.seq_lens_cpu = self._pad_cpu(bs) if live is None else live.seq_lens_cpu.long() if bs == B else \
             torch.cat([live.seq_lens_cpu.long(), self._pad_cpu(bs - B)])
+        if self.phase == "verify":
+            fb.custom_mask = self._pad_mask(None if live is None else live.custom_mask, B, bs)
         return max(lens + [1] * (bs - B))
 
     def _write_prefix(self, pre: FlashAttentionMetadata, fb, K: torch.Tensor, max_len: int, pairs: list) -> None:
