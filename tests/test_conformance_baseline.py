@@ -75,7 +75,7 @@ def test_the_staged_phase_only_the_pr_has_is_new_and_same_and_the_run_passes(tre
     rc, text, md = review(trees, tmp_path, capsys)
     assert rc == 0, text
     base, pr, _ = trees
-    assert f"== changes: sglang @ {pr} against the baseline sglang @ {base}: 0 new failures, 0 fixed, 1 new results " \
+    assert f"== changes: sglang @ {pr} against the baseline sglang @ {base}: 0 new failures, 0 fixed, 1 new result " \
            f"(1 same, 0 DIFFERS), 0 pre-existing, 2 unchanged" in text
     (row,) = changed(text)
     assert row.split() == ["new,", "same", "draft_extend_v2", "16", "replay-staged", "1", "same"]
@@ -89,7 +89,7 @@ def test_a_planted_new_failure_is_new_and_exits_1(trees, tmp_path, capsys):
     planted[("pr", VERIFY, "replay")] = dict(OURS, cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
     rc, text, md = review(trees, tmp_path, capsys)
     assert rc == 1, text
-    assert "1 new failures [MD-011]" in text and "== FAIL: 1 new failures against the baseline" in text
+    assert "1 new failure [MD-011]" in text and "== FAIL: 1 new failure against the baseline" in text
     row, staged = changed(text)  # the staged phase is new in the PR in every test
     assert staged.split()[:2] == ["new,", "same"]
     assert row.split()[:7] == ["new", "failure", "verify", "16", "replay", "1", "DIFFERS:"]
@@ -115,9 +115,9 @@ def test_a_difference_on_both_is_pre_existing_and_does_not_fail(trees, tmp_path,
     rc, text, md = review(trees, tmp_path, capsys)
     assert rc == 0, text
     assert "0 new failures, 0 fixed" in text and "1 pre-existing, 1 unchanged" in text
-    assert "  pre-existing: 1 results fail on the baseline too [MD-006]; they do not fail this run" in text
+    assert "  pre-existing: 1 result fails on the baseline too [MD-006]; they do not fail this run" in text
     assert not [x for x in text.splitlines() if x.startswith("  DIFFERS ")]  # not listed as a finding of the PR
-    assert "Pre-existing: 1 results fail on the baseline too [MD-006]; they do not fail this run (not this change)." \
+    assert "Pre-existing: 1 result fails on the baseline too [MD-006]; they do not fail this run (not this change)." \
            in md.split("<details>")[0]
     # both sides' full comparison still shows it, in the collapsed block
     assert md.split("<details>")[1].count("- **MD-006** (upstream behaviour), verify P = 16 replay") == 2
@@ -129,7 +129,7 @@ def test_failing_on_both_by_one_more_rule_is_a_new_failure(trees, tmp_path, caps
     planted[("pr", VERIFY, "replay")] = dict(OURS, cu_seqlens_k=torch.tensor([0, 64, 88]),
                                              cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
     rc, text, _ = review(trees, tmp_path, capsys)
-    assert rc == 1 and "1 new failures [MD-006, MD-011]" in text and "0 pre-existing" in text
+    assert rc == 1 and "1 new failure [MD-006, MD-011]" in text and "0 pre-existing" in text
 
 
 def test_a_fix_is_reported_as_fixed(trees, tmp_path, capsys):
@@ -149,7 +149,7 @@ def test_a_failure_in_the_phase_only_the_pr_has_is_new_differs_and_exits_1(trees
     planted[("pr", DE, "replay-staged")] = dict(OURS, cache_seqlens_int32=torch.tensor([61, 20], dtype=torch.int32))
     rc, text, md = review(trees, tmp_path, capsys)
     assert rc == 1, text
-    assert "1 new failures [MD-008]" in text and "(0 same, 1 DIFFERS)" in text
+    assert "1 new failure [MD-008]" in text and "(0 same, 1 DIFFERS)" in text
     (row,) = changed(text)
     assert row.split()[:7] == ["new,", "DIFFERS", "draft_extend_v2", "16", "replay-staged", "1", "DIFFERS:"]
     assert "| new, DIFFERS | draft_extend_v2 | 16 | replay-staged | 1 | DIFFERS: cache_seqlens_int32 [MD-008] |" in md
@@ -161,8 +161,8 @@ def test_a_known_upstream_bug_new_in_the_pr_is_marked_and_does_not_fail(trees, t
     planted[("pr", VERIFY, "replay")] = dict(OURS, page_table=i32([1, 2, 3, 4], [6, 7, 0, 0]))  # 4 columns < 5 pages
     rc, text, md = review(trees, tmp_path, capsys)
     assert rc == 0, text
-    assert "0 new failures [CG-008, known upstream bug context-wall-page-table (sglang#35985)] (1 more on known " \
-           "upstream bugs)" in text
+    assert "0 new failures (1 more on known upstream bugs [CG-008, known upstream bug context-wall-page-table " \
+           "(sglang#35985)]), 0 fixed" in text
     assert "== OK: no new failure against the baseline" in text and "context-wall-page-table (sglang#35985): " \
                                                                      "breaks CG-008" in text
     assert "[known upstream bug `context-wall-page-table`" in md.split("<details>")[0]

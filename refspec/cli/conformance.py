@@ -11,7 +11,9 @@ interpreter), and compares every kernel-read field bitwise.  Every failing row n
 difference or an upstream error that no known upstream bug explains (a row of a known bug,
 ``known.BUGS``, is printed as failing with the rule it breaks and does not change the exit
 status); 2 on a usage error, on code whose API shape no adapter drives, and on a selection that
-compares nothing.  See docs/conformance.md.
+compares nothing.  ``--baseline SPEC`` with one ``--sglang SPEC`` reviews a PR: both run on the same
+grid and only what changed is reported (new failures: exit 1; pre-existing ones, fixes, results only
+the code under test has, the unchanged count).  See docs/conformance.md.
 
 An instrument: a learner reading the reference can skip this module.
 """

@@ -385,15 +385,18 @@ def change_counts(chs: list[Change]) -> dict[str, int]:
 def change_summary(chs: list[Change], test: str, baseline: str) -> str:
     """``sglang @ pr against the baseline sglang @ base: 3 new failures [MD-008], 0 fixed, ...``."""
     n = change_counts(chs)
-    new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS)]
-    fails = [c for c in chs if c.fails]
-    known = len(new) - len(fails)
-    ids = _rule_ids(new)
-    return (f"sglang {test} against the baseline sglang {baseline}: {len(fails)} new failures"
-            + (f" [{ids}]" if ids else "") + (f" ({known} more on known upstream bugs)" if known else "")
-            + f", {n[FIXED]} fixed, {n[NEW_SAME] + n[NEW_DIFFERS]} new results ({n[NEW_SAME]} same, "
+    fails = [c.row for c in chs if c.fails]
+    known = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and not c.fails]
+    return (f"sglang {test} against the baseline sglang {baseline}: {_n(len(fails), 'new failure')}"
+            + (f" [{_rule_ids(fails)}]" if fails else "")
+            + (f" ({len(known)} more on known upstream bugs [{_rule_ids(known)}])" if known else "")
+            + f", {n[FIXED]} fixed, {_n(n[NEW_SAME] + n[NEW_DIFFERS], 'new result')} ({n[NEW_SAME]} same, "
               f"{n[NEW_DIFFERS]} DIFFERS), {n[PRE_EXISTING]} pre-existing, {n[UNCHANGED]} unchanged"
             + (f", {n[GONE]} only on the baseline" if n[GONE] else ""))
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
 
 
 def _change_groups(chs: list[Change], verbose: bool = False) -> dict[tuple, list[Change]]:
@@ -418,7 +421,8 @@ def pre_existing_line(chs: list[Change]) -> str:
     if not pre:
         return ""
     bugs = sum(bool(r.bug) for r in pre)
-    return (f"pre-existing: {len(pre)} results fail on the baseline too [{_rule_ids(pre)}]"
+    return (f"pre-existing: {_n(len(pre), 'result')} {'fails' if len(pre) == 1 else 'fail'} on the baseline too "
+            f"[{_rule_ids(pre)}]"
             + (f" ({bugs} on known upstream bugs)" if bugs else "") + "; they do not fail this run")
 
 
@@ -441,7 +445,7 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12) -> 
     pre = pre_existing_line(chs)
     if pre:
         lines.append(f"  {pre}")
-    lines.append(f"  unchanged: {change_counts(chs)[UNCHANGED]} results")
+    lines.append(f"  unchanged: {_n(change_counts(chs)[UNCHANGED], 'result')}")
     return "\n".join(lines)
 
 

@@ -384,7 +384,8 @@ def render_review(rev: Review, verbose: bool = False) -> str:
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")
         parts.append(report.bugs_table(bugs))
     n = len(rev.new_failures)
-    verdict = f"FAIL: {n} new failures against the baseline" if n else "OK: no new failure against the baseline"
+    verdict = (f"FAIL: {n} new failure{'' if n == 1 else 's'} against the baseline" if n
+               else "OK: no new failure against the baseline")
     seconds = {"baseline": rev.baseline.seconds.get("total"), "under test": rev.test.seconds.get("total")}
     parts.append(f"== {verdict} (timings {seconds})")
     return "\n".join(parts)
