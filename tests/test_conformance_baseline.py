@@ -36,8 +36,9 @@ def jobs_of(target, page_sizes, modes, topks, variant=None):
     de = {("replay", None): OURS}
     if target.shape.staged:
         de[("replay-staged", None)] = OURS
-    return [Job(VERIFY, "verify", 16, "B3/bs4", True, {}, {("replay", None): OURS}),
+    jobs = [Job(VERIFY, "verify", 16, "B3/bs4", True, {}, {("replay", None): OURS}),
             Job(DE, "draft_extend_v2", 16, "B3/bs4", True, {}, de)]
+    return [j for j in jobs if j.mode in modes]
 
 
 @pytest.fixture
@@ -52,17 +53,20 @@ def trees(tmp_path, monkeypatch):
 
     def worker(target, jobs):
         tree = "base" if target.site == str(base / "python") else "pr"
+        planted.setdefault("ran", []).append(tree)
         return {j.id: {k: planted.get((tree, j.id, k[0]), OURS) for k in j.refspec} for j in jobs}, {"import_s": 0.0}
 
     monkeypatch.setattr(conformance, "run_worker", worker)
     return base, pr, planted
 
 
-def review(trees, tmp_path, capsys):
+def review(trees, tmp_path, capsys, *more, swap=False):
     base, pr, _ = trees
     out = tmp_path / "review.md"
+    if swap:
+        base, pr = pr, base
     rc = main(["--baseline", str(base), "--sglang", str(pr), "--page-sizes", "16", "--report", str(out),
-               "--root", str(tmp_path / "root")])
+               "--root", str(tmp_path / "root"), *more])
     return rc, capsys.readouterr().out, out.read_text()
 
 
@@ -166,6 +170,36 @@ def test_a_known_upstream_bug_new_in_the_pr_is_marked_and_does_not_fail(trees, t
     assert "== OK: no new failure against the baseline" in text and "context-wall-page-table (sglang#35985): " \
                                                                      "breaks CG-008" in text
     assert "[known upstream bug `context-wall-page-table`" in md.split("<details>")[0]
+
+
+def test_a_phase_the_code_under_test_drops_is_counted_as_only_on_the_baseline(trees, tmp_path, capsys):
+    rc, text, _ = review(trees, tmp_path, capsys, swap=True)  # the staged tree is the baseline now
+    assert rc == 0, text
+    assert "0 new results (0 same, 0 DIFFERS), 0 pre-existing, 2 unchanged, 1 only on the baseline" in text
+    (row,) = changed(text)
+    assert row.split() == ["only", "on", "the", "baseline", "draft_extend_v2", "16", "replay-staged", "1",
+                           "baseline:", "same"]
+
+
+def test_a_mode_the_baseline_lacks_is_new_and_runs_no_baseline_worker(trees, tmp_path, capsys, monkeypatch):
+    base, pr, planted = trees
+    fake_tree(base, BASE_FA, modes="")  # the baseline's ForwardMode has no DRAFT_EXTEND_V2
+    rc, text, _ = review(trees, tmp_path, capsys, "--modes", "draft_extend_v2")
+    assert rc == 0, text
+    assert planted["ran"] == ["pr"]
+    assert f"== baseline: sglang @ {base}: 0 cases" in text and "2 new results (2 same, 0 DIFFERS)" in text
+
+
+def test_verbose_prints_both_full_comparisons_first(trees, tmp_path, capsys):
+    _, _, planted = trees
+    planted[("base", VERIFY, "replay")] = planted[("pr", VERIFY, "replay")] = dict(
+        OURS, cu_seqlens_k=torch.tensor([0, 64, 88]))
+    rc, text, _ = review(trees, tmp_path, capsys, "-v")
+    lines = text.splitlines()
+    assert rc == 0 and lines[0] == "==== baseline" and "==== under test" in lines
+    # each side's own table, then the changes table with the pre-existing group shown too
+    assert sum(x.startswith(f"  DIFFERS {VERIFY} replay: MD-006") for x in lines) == 2
+    assert any(x.split()[:5] == ["pre-existing", "verify", "16", "replay", "1"] for x in lines)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -277,6 +277,9 @@ def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
     rows, info = [], {}
     for t, jobs in plans:
         tt = time.perf_counter()
+        if not jobs:  # a baseline without any of the selected modes (review): no worker
+            info[t.label] = {}
+            continue
         results, info[t.label] = _upstream(t, jobs, cache)
         rows += rows_for(t, jobs, results)
         seconds[t.label] = round(time.perf_counter() - tt, 1)
