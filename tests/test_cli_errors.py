@@ -119,6 +119,8 @@ CASES = [
     (["conformance", "--topks", "3"], ["--topks", "[3]", "2,4,8"]),
     (["conformance", "--topks", "1"], ["--topks", "1", ">= 2"]),
     (["conformance", "--pin", "0.5.23", "0.5.12.post1"], ["unrecognized arguments", "comma-separated"]),
+    (["conformance", "--baseline", "0.5.23"], ["--baseline", "exactly one --sglang SPEC", "got none"]),
+    (["conformance", "--baseline", "0.5.23", "--sglang", "0.5.23,0.5.14"], ["--baseline", "got 2: 0.5.23,0.5.14"]),
 ]
 if not torch.cuda.is_available():
     CASES += [(["check", "--device", "cuda"], ["no CUDA device"]), (["mutants", "--device", "cuda"], ["no CUDA"]),

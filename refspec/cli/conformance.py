@@ -11,7 +11,9 @@ interpreter), and compares every kernel-read field bitwise.  Every failing row n
 difference or an upstream error that no known upstream bug explains (a row of a known bug,
 ``known.BUGS``, is printed as failing with the rule it breaks and does not change the exit
 status); 2 on a usage error, on code whose API shape no adapter drives, and on a selection that
-compares nothing.  See docs/conformance.md.
+compares nothing.  ``--baseline SPEC`` with one ``--sglang SPEC`` reviews a PR: both run on the same
+grid and only what changed is reported (new failures: exit 1; pre-existing ones, fixes, results only
+the code under test has, the unchanged count).  See docs/conformance.md.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -36,14 +38,20 @@ def _main(argv) -> int:
     from refspec.conformance import cases, install, report, run as conformance, tree_cases
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
-    ap.add_argument("--sglang", "--pins", "--pin", dest="sglang", type=_specs, default=list(install.PINS),
+    ap.add_argument("--sglang", "--pins", "--pin", dest="sglang", type=_specs, default=None,
                     metavar="SPEC[,SPEC...]",
                     help=f"the SGLang code to compare against, comma-separated: a release (0.5.14), a wheel "
                          f"file, or a source tree (a checkout or its python/ folder) (default: "
                          f"{','.join(install.PINS)}; --pins is the old name)")
+    ap.add_argument("--baseline", metavar="SPEC", type=_one_spec, default=None,
+                    help="a PR-scoped review: also run this code (a release, wheel file or source tree, as "
+                         "--sglang takes it) on the same grid and report only what the one --sglang SPEC changes "
+                         "against it: new failures (exit 1), pre-existing ones (not failing), fixed rows, "
+                         "results only the code under test has, and the unchanged count")
     ap.add_argument("--revert-fix", metavar="NAME", default=None,
                     help="run upstream with one of its registered fixes reverted (the PR numbers of "
-                         "sglang/srt/debug_utils/pr_fix_toggle.py, e.g. 27360)")
+                         "sglang/srt/debug_utils/pr_fix_toggle.py, e.g. 27360); with --baseline, on the code "
+                         "under test only")
     ap.add_argument("--report", metavar="FILE.md", default=None,
                     help="also write the failures as a Markdown review comment (rules, values, upstream lines)")
     ap.add_argument("--base-url", default=os.environ.get("REFSPEC_DOCS_URL", ""), metavar="URL",
@@ -79,12 +87,23 @@ def _main(argv) -> int:
     bad = [k for k in ns.topks if k not in tree_cases.TOPKS]
     if bad:
         ap.error(f"argument --topks: {bad} not among the compared top-k values {','.join(map(str, tree_cases.TOPKS))}")
+    if ns.baseline is not None:
+        if ns.sweep:
+            ap.error("argument --baseline: not with --sweep (the sweep runs every release)")
+        if ns.sglang is None or len(ns.sglang) != 1:
+            got = "none" if ns.sglang is None else f"{len(ns.sglang)}: {','.join(ns.sglang)}"
+            ap.error(f"argument --baseline: needs exactly one --sglang SPEC, the code under test (got {got}); "
+                     f"e.g. --baseline 0.5.23 --sglang ~/src/sglang")
+    if ns.sglang is None:
+        ns.sglang = list(install.PINS)
     if ns.report:
         _check_report(ns.report)
     if ns.sweep:
         from refspec.conformance import sweep
 
         return sweep.main(root=ns.root, argv=argv)
+    if ns.baseline is not None:
+        return _review(ns, argv)
     try:
         out = conformance.run(ns.sglang, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks),
                               revert_fix=ns.revert_fix)
@@ -99,6 +118,25 @@ def _main(argv) -> int:
     return 0 if not out.unexplained else 1
 
 
+def _review(ns, argv) -> int:
+    """``--baseline SPEC``: what the one ``--sglang`` SPEC changes against it; exit 1 on a new failure."""
+    from refspec.conformance import install, report, run as conformance
+
+    try:
+        rev = conformance.review(ns.baseline, ns.sglang[0], ns.page_sizes, ns.modes, ns.variant, ns.root,
+                                 topks=tuple(ns.topks), revert_fix=ns.revert_fix)
+    except (install.UnsupportedSpec, conformance.NoCases) as e:
+        raise CLIError(str(e)) from None
+    print(conformance.render_review(rev, ns.verbose))
+    if ns.report:
+        with open(os.path.expanduser(ns.report), "w") as f:
+            f.write(report.review_markdown(rev, " ".join(["python -m refspec conformance", *argv]), ns.base_url)
+                    + "\n")
+        print(f"wrote {ns.report}")
+    sys.stdout.flush()
+    return 1 if rev.new_failures else 0
+
+
 def _check_report(path: str) -> None:
     """Before anything runs: ``--report PATH`` must be a file that can be written (CLIError naming it)."""
     full = os.path.abspath(os.path.expanduser(path))
@@ -109,6 +147,14 @@ def _check_report(path: str) -> None:
         raise CLIError(f"--report {path}: directory {folder} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
         raise CLIError(f"--report {path}: not writable")
+
+
+def _one_spec(text: str) -> str:
+    """``--baseline``: one SPEC (a path with a comma is not supported)."""
+    items = _specs(text)
+    if len(items) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} names {len(items)} SPECs; the baseline is one SPEC")
+    return items[0]
 
 
 def _specs(text: str) -> list[str]:

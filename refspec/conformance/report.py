@@ -197,69 +197,79 @@ def markdown(out, command: str = "", base_url: str = "") -> str:
     finding with both values and the upstream line (a permalink for a release).  Spec links are
     absolute per :func:`docs_base` (``base_url``: ``--base-url`` / ``$REFSPEC_DOCS_URL``); the
     footer says where they point."""
-    from refspec.cli.cite import spec_link
-
     base, how = docs_base(base_url)
     lines = ["### refspec conformance", ""]
     if command:
         lines += [f"`{command}`", ""]
-    labels = list(dict.fromkeys(r.pin for r in out.rows))
-    for label in labels:
-        s = summary(out.rows, label)
-        known_bug = f", {s['known_bug']} of them on known upstream bugs" if s["known_bug"] else ""
-        lines.append(f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug} "
-                     f"({s['same']} identical, {s['documented']} with only documented differences).")
-        lines.append("")
-        mine = [r for r in out.rows if r.pin == label and r.findings]
-        if not mine:
-            continue
-        by_rule: dict[str, list] = defaultdict(list)
-        for r in mine:
-            for f in r.findings:
-                if f.rule != ADAPTER:
-                    by_rule[f.rule].append((r, f))
-        adapter = [(r, f) for r in mine for f in r.findings if f.rule == ADAPTER]
-        if adapter:
-            lines += [f"{len(adapter)} results not compared: refspec's adapter cannot drive this code there "
-                      f"(`{adapter[0][1].theirs[:200]}`); no rule is reported for them.", ""]
-        if not by_rule:
-            continue
-        lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
-        for rid, items in sorted(by_rule.items()):
-            f0 = items[0][1]
-            fields = sorted({f.field or "upstream error" for _, f in items})
-            lines.append(f"| [{rid}]({spec_link(rid, base)}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
-                         f"{', '.join(fields)} |")
-        lines.append("")
-        seen = set()
-        for rid, items in sorted(by_rule.items()):
-            for r, f in items:
-                key = (rid, f.field, f.where, r.mode, r.phase)
-                if key in seen:
-                    continue
-                seen.add(key)
-                at = f"[`{f.where[0]}:{f.where[1]}`]({f.url})" if f.where and f.url and f.url.startswith("http") \
-                    else (f"`{f.url}`" if f.url else "unknown line")
-                what = f"{f.note or 'upstream exception'}" if f.field is None else f"`{f.field}`"
-                bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
-                lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}"
-                             f"{'' if r.step is None else f' step {r.step}'} (`{r.job}`): {what}: "
-                             f"refspec `{f.ours}`, upstream `{f.theirs}`; upstream line {at}{bug}")
-        lines.append("")
-        verb = "does not follow" if any(f.level == "refspec hardening" for items in by_rule.values()
-                                        for _, f in items) else "violates"
-        lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in sorted(by_rule)) +
-                     " (`python -m refspec cite ID` prints each rule with its sources).")
-        for key in sorted({r.bug for r in mine if r.bug}):
-            b = by_key(key)
-            rids = sorted({f.rule for r in mine if r.bug == key for f in r.findings})
-            n = sum(r.bug == key for r in mine)
-            lines.append(">")
-            lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
-                         f"(status: {b.status}); it does not fail the run.")
-        lines.append("")
+    for label in dict.fromkeys(r.pin for r in out.rows):
+        lines += _target_md(out.rows, label, base)
     lines.append(f"<sub>{how[0].upper()}{how[1:]}.</sub>")
     return "\n".join(lines)
+
+
+def _target_md(rows: list[Row], label: str, base: str) -> list[str]:
+    """One target's part of :func:`markdown`: its summary line, then :func:`_rules_md` of its findings."""
+    s = summary(rows, label)
+    known_bug = f", {s['known_bug']} of them on known upstream bugs" if s["known_bug"] else ""
+    lines = [f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug} "
+             f"({s['same']} identical, {s['documented']} with only documented differences).", ""]
+    return lines + _rules_md([r for r in rows if r.pin == label and r.findings], base)
+
+
+def _rules_md(mine: list[Row], base: str) -> list[str]:
+    """The findings of the failing rows ``mine``: the rules broken (ID, level, spec link), each
+    distinct finding with both values and the upstream line, the closing words (known bugs)."""
+    from refspec.cli.cite import spec_link
+
+    if not mine:
+        return []
+    lines: list[str] = []
+    by_rule: dict[str, list] = defaultdict(list)
+    for r in mine:
+        for f in r.findings:
+            if f.rule != ADAPTER:
+                by_rule[f.rule].append((r, f))
+    adapter = [(r, f) for r in mine for f in r.findings if f.rule == ADAPTER]
+    if adapter:
+        lines += [f"{len(adapter)} results not compared: refspec's adapter cannot drive this code there "
+                  f"(`{adapter[0][1].theirs[:200]}`); no rule is reported for them.", ""]
+    if not by_rule:
+        return lines
+    lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
+    for rid, items in sorted(by_rule.items()):
+        f0 = items[0][1]
+        fields = sorted({f.field or "upstream error" for _, f in items})
+        lines.append(f"| [{rid}]({spec_link(rid, base)}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
+                     f"{', '.join(fields)} |")
+    lines.append("")
+    seen = set()
+    for rid, items in sorted(by_rule.items()):
+        for r, f in items:
+            key = (rid, f.field, f.where, r.mode, r.phase)
+            if key in seen:
+                continue
+            seen.add(key)
+            at = f"[`{f.where[0]}:{f.where[1]}`]({f.url})" if f.where and f.url and f.url.startswith("http") \
+                else (f"`{f.url}`" if f.url else "unknown line")
+            what = f"{f.note or 'upstream exception'}" if f.field is None else f"`{f.field}`"
+            bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
+            lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}"
+                         f"{'' if r.step is None else f' step {r.step}'} (`{r.job}`): {what}: "
+                         f"refspec `{f.ours}`, upstream `{f.theirs}`; upstream line {at}{bug}")
+    lines.append("")
+    verb = "does not follow" if any(f.level == "refspec hardening" for items in by_rule.values()
+                                    for _, f in items) else "violates"
+    lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in sorted(by_rule)) +
+                 " (`python -m refspec cite ID` prints each rule with its sources).")
+    for key in sorted({r.bug for r in mine if r.bug}):
+        b = by_key(key)
+        rids = sorted({f.rule for r in mine if r.bug == key for f in r.findings})
+        n = sum(r.bug == key for r in mine)
+        lines.append(">")
+        lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
+                     f"(status: {b.status}); it does not fail the run.")
+    lines.append("")
+    return lines
 
 
 def _bug_link(key: str) -> str:
@@ -303,4 +313,169 @@ def known_table(used: set[str] | None = None) -> str:
             lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
         lines.append(f"      refspec: {k.refspec}")
         lines.append(f"      harmless: {k.why}")
+    return "\n".join(lines)
+
+
+# -- a PR-scoped review (``--baseline SPEC``): what the code under test changes against a baseline --
+
+NEW_FAILURE = "new failure"  #: fails under test; passes on the baseline (or fails there by fewer rules)
+NEW_DIFFERS = "new, DIFFERS"  #: a result only the code under test has (a new phase, mode, case), failing
+NEW_SAME = "new, same"  #: a result only the code under test has, agreeing
+PRE_EXISTING = "pre-existing"  #: fails on both by the same rules and fields
+FIXED = "fixed"  #: fails on the baseline, passes under test
+UNCHANGED = "unchanged"  #: passes on both
+GONE = "only on the baseline"  #: a result the code under test no longer has (a mode or phase it dropped)
+#: the order the changes are listed in
+CHANGES = (NEW_FAILURE, NEW_DIFFERS, FIXED, NEW_SAME, GONE, PRE_EXISTING, UNCHANGED)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What one result (a job's phase and draft step) is under test against the baseline."""
+
+    status: str  #: one of :data:`CHANGES`
+    row: Row  #: the code under test's row (the baseline's for :data:`GONE`)
+    base: Row | None  #: the baseline's row of the same result, None if it has none
+
+    @property
+    def fails(self) -> bool:
+        """A new failure that no known upstream bug explains (``--baseline``'s exit 1)."""
+        return self.status in (NEW_FAILURE, NEW_DIFFERS) and self.row.bug is None
+
+
+def broken(row: Row) -> set[tuple[str, str | None]]:
+    """The (rule, field) pairs a row fails by (field None: upstream raised)."""
+    return {(f.rule, f.field) for f in row.findings}
+
+
+def changes(base_rows: list[Row], test_rows: list[Row]) -> list[Change]:
+    """Match each result of the code under test with the baseline's by (job, phase, step), the job
+    id naming mode, page size and case, and classify it (:data:`CHANGES`).  A row failing on
+    both is pre-existing only when it breaks no (rule, field) the baseline's row does not: a PR
+    that makes a failing row fail in one more way is a new failure.  The rows are the existing
+    comparison's (:func:`refspec.conformance.run.rows_for`), known upstream bugs included."""
+    base = {(r.job, r.phase, r.step): r for r in base_rows}
+    seen, out = set(), []
+    for r in test_rows:
+        key = (r.job, r.phase, r.step)
+        seen.add(key)
+        b = base.get(key)
+        if b is None:
+            status = NEW_SAME if r.ok else NEW_DIFFERS
+        elif r.ok:
+            status = UNCHANGED if b.ok else FIXED
+        else:
+            status = NEW_FAILURE if b.ok or broken(r) - broken(b) else PRE_EXISTING
+        out.append(Change(status, r, b))
+    out += [Change(GONE, b, b) for key, b in base.items() if key not in seen]
+    return out
+
+
+def _rule_ids(rows: list[Row]) -> str:
+    """``MD-008, CG-004`` and the known bugs' keys of failing ``rows``."""
+    ids = sorted({f.rule for r in rows for f in r.findings})
+    bugs = sorted({by_key(r.bug).marker for r in rows if r.bug})
+    return ", ".join(ids + bugs)
+
+
+def change_counts(chs: list[Change]) -> dict[str, int]:
+    return {k: sum(c.status == k for c in chs) for k in CHANGES}
+
+
+def change_summary(chs: list[Change], test: str, baseline: str) -> str:
+    """``sglang @ pr against the baseline sglang @ base: 3 new failures [MD-008], 0 fixed, ...``."""
+    n = change_counts(chs)
+    fails = [c.row for c in chs if c.fails]
+    known = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and not c.fails]
+    return (f"sglang {test} against the baseline sglang {baseline}: {_n(len(fails), 'new failure')}"
+            + (f" [{_rule_ids(fails)}]" if fails else "")
+            + (f" ({len(known)} more on known upstream bugs [{_rule_ids(known)}])" if known else "")
+            + f", {n[FIXED]} fixed, {_n(n[NEW_SAME] + n[NEW_DIFFERS], 'new result')} ({n[NEW_SAME]} same, "
+              f"{n[NEW_DIFFERS]} DIFFERS), {n[PRE_EXISTING]} pre-existing, {n[UNCHANGED]} unchanged"
+            + (f", {n[GONE]} only on the baseline" if n[GONE] else ""))
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
+def _change_groups(chs: list[Change], verbose: bool = False) -> dict[tuple, list[Change]]:
+    """Changes grouped by (status, mode label, P, phase), in :data:`CHANGES` order; the unchanged
+    and the pre-existing only with ``verbose``."""
+    groups: dict[tuple, list[Change]] = defaultdict(list)
+    for c in sorted(chs, key=lambda c: CHANGES.index(c.status)):
+        if verbose or c.status not in (UNCHANGED, PRE_EXISTING):
+            groups[(c.status, c.row.label, c.row.page_size, c.row.phase)].append(c)
+    return groups
+
+
+def _change_cell(status: str, cs: list[Change]) -> str:
+    if status in (FIXED, GONE):  # what the baseline showed
+        return "baseline: " + _cell([c.base for c in cs])
+    return _cell([c.row for c in cs])
+
+
+def pre_existing_line(chs: list[Change]) -> str:
+    """One line: how many results fail on both, by which rules (and known bugs); '' if none."""
+    pre = [c.row for c in chs if c.status == PRE_EXISTING]
+    if not pre:
+        return ""
+    bugs = sum(bool(r.bug) for r in pre)
+    return (f"pre-existing: {_n(len(pre), 'result')} {'fails' if len(pre) == 1 else 'fail'} on the baseline too "
+            f"[{_rule_ids(pre)}]"
+            + (f" ({bugs} on known upstream bugs)" if bugs else "") + "; they do not fail this run")
+
+
+def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12) -> str:
+    """Console: one line per changed (status, mode, P, phase) group, then the findings of the new
+    failures (up to ``limit``; every one with ``verbose``), the pre-existing line, the unchanged count."""
+    groups = _change_groups(chs, verbose)
+    lines = []
+    if groups:
+        w = max([len(k[1]) for k in groups] + [4])
+        s = max(len(k[0]) for k in groups)
+        lines.append(f"{'change':<{s}}  {'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result")
+        for (status, label, P, phase), cs in groups.items():
+            lines.append(f"{status:<{s}}  {label:<{w}}  {P:>3}  {phase:<13} {len(cs):>5}  {_change_cell(status, cs)}")
+    found = [finding_line(c.row, f) for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) for f in c.row.findings]
+    if not verbose and len(found) > limit:
+        found = found[:limit] + [f"  ... {len(found) - limit} more findings of new failures (-v prints all, "
+                                 "--report FILE.md writes them)"]
+    lines += found
+    pre = pre_existing_line(chs)
+    if pre:
+        lines.append(f"  {pre}")
+    lines.append(f"  unchanged: {_n(change_counts(chs)[UNCHANGED], 'result')}")
+    return "\n".join(lines)
+
+
+def review_markdown(rev, command: str = "", base_url: str = "") -> str:
+    """The review comment of a ``--baseline`` run (``rev``: :class:`refspec.conformance.run.Review`):
+    first what this PR changes (the counts, the changed groups, the rules and findings of the new
+    failures as :func:`markdown` writes them, the pre-existing line), then both full comparisons
+    in a collapsed block."""
+    base, how = docs_base(base_url)
+    chs = rev.changes
+    test, baseline = (next(iter(o.targets), "?") for o in (rev.test, rev.baseline))
+    lines = ["### refspec conformance: what this PR changes", ""]
+    if command:
+        lines += [f"`{command}`", ""]
+    lines += [f"**{change_summary(chs, test, baseline)}**.", ""]
+    groups = _change_groups(chs)
+    if groups:
+        lines += ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
+        for (status, label, P, phase), cs in groups.items():
+            lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
+        lines.append("")
+    new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
+    if new:
+        lines += ["New failures:", ""] + _rules_md(new, base)
+    pre = pre_existing_line(chs)
+    if pre:
+        lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]
+    lines += ["<details><summary>Both full comparisons</summary>", ""]
+    for out in (rev.test, rev.baseline):
+        for label in dict.fromkeys(r.pin for r in out.rows):
+            lines += _target_md(out.rows, label, base)
+    lines += ["</details>", "", f"<sub>{how[0].upper()}{how[1:]}.</sub>"]
     return "\n".join(lines)

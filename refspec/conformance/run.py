@@ -200,12 +200,7 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
             raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
                           f"{_why_not(target, lack)})")
     pm = [m for m in have if modes is None or m in modes]
-    with _variant(variant):
-        flat, tree = [m for m in pm if m in cases.MODES], [m for m in pm if m in tree_cases.MODES]
-        jobs = cases.build_jobs(flat, page_sizes, staged=target.shape.staged)
-        jobs += cases.edge_jobs(flat, page_sizes, staged=target.shape.staged)
-        jobs += tree_cases.build_jobs(tree, page_sizes, topks)
-        jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
+    jobs = _jobs(target, page_sizes, pm, topks, variant)
     if not jobs:
         raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
                       f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
@@ -226,6 +221,18 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
             raise NoCases(f"sglang {target.label}: top-k {', '.join(map(str, unused))} has no tree case at page "
                           f"sizes {', '.join(map(str, page_sizes))} (top-k values: "
                           f"{', '.join(map(str, tree_cases.TOPKS))})")
+    return jobs
+
+
+def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None = None) -> list[cases.Job]:
+    """The jobs of ``modes`` (all of them modes of ``target``) at ``page_sizes`` / ``topks``, with
+    ``target``'s staged draft-extend replay where its shape has one; no guard (:func:`select` has them)."""
+    with _variant(variant):
+        flat, tree = [m for m in modes if m in cases.MODES], [m for m in modes if m in tree_cases.MODES]
+        jobs = cases.build_jobs(flat, page_sizes, staged=target.shape.staged)
+        jobs += cases.edge_jobs(flat, page_sizes, staged=target.shape.staged)
+        jobs += tree_cases.build_jobs(tree, page_sizes, topks)
+        jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
     return jobs
 
 
@@ -262,14 +269,64 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     tgts = targets(pins if pins is not None else sglang, root, log, revert_fix)
     seconds = {"install": round(time.perf_counter() - t0, 1)}
     plans = [(t, select(t, page_sizes, modes, topks, variant)) for t in tgts]  # every NoCases before any worker
+    return _compare(plans, cache, seconds, t0)
+
+
+def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
+    """Run upstream on each ``(target, jobs)`` of ``plans`` and compare: the :class:`Outcome`."""
     rows, info = [], {}
     for t, jobs in plans:
         tt = time.perf_counter()
+        if not jobs:  # a baseline without any of the selected modes (review): no worker
+            info[t.label] = {}
+            continue
         results, info[t.label] = _upstream(t, jobs, cache)
         rows += rows_for(t, jobs, results)
         seconds[t.label] = round(time.perf_counter() - tt, 1)
     seconds["total"] = round(time.perf_counter() - t0, 1)
-    return Outcome(rows, info, seconds, {t.label: t for t in tgts})
+    return Outcome(rows, info, seconds, {t.label: t for t, _ in plans})
+
+
+@dataclass
+class Review:
+    """A PR-scoped comparison (:func:`review`): the baseline's and the code under test's
+    outcomes on the same grid, and what changed between them (:func:`report.changes`)."""
+
+    baseline: Outcome
+    test: Outcome
+    changes: list[report.Change]
+
+    @property
+    def new_failures(self) -> list[report.Change]:
+        """Rows failing under test that pass or do not exist on the baseline (or fail there by
+        fewer rules), no known upstream bug explaining them: the CLI's exit 1."""
+        return [c for c in self.changes if c.fails]
+
+
+def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
+           root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
+           revert_fix: str | None = None) -> Review:
+    """Compare the code under test ``sglang`` and the ``baseline`` (each one SPEC as :func:`run`
+    takes it, or a resolved Target) on the same grid, and what changed between them.
+
+    The grid is the code under test's (:func:`select`, with its guards); the baseline runs the
+    same jobs where it has the mode (its own shape: a staged replay only where it has one), so a
+    phase or mode only the code under test has shows as new.  ``revert_fix`` applies to the code
+    under test only.  Both targets are resolved before any worker runs.
+
+    Raises: install.UnsupportedSpec (either spec), NoCases (the selection, on the code under test).
+    """
+    t0 = time.perf_counter()
+    base = targets([baseline], root, log)[0]
+    test = targets([sglang], root, log, revert_fix)[0]
+    seconds = {"install": round(time.perf_counter() - t0, 1)}
+    jobs = select(test, page_sizes, modes, topks, variant)
+    on_base = [m for m in base.shape.modes if modes is None or m in modes]
+    base_jobs = _jobs(base, page_sizes, on_base, topks, variant)
+    t1 = time.perf_counter()
+    base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
+    test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
+    return Review(base_out, test_out, report.changes(base_out.rows, test_out.rows))
 
 
 def render(out: Outcome, verbose: bool = False) -> str:
@@ -304,4 +361,34 @@ def render(out: Outcome, verbose: bool = False) -> str:
     if not out.unexplained:
         unchecked = ", ".join(f"{rid} ({why})" for rid, why in report.NOT_BY_VALUES)
         parts.append(f"   not checked by this comparison: {unchecked}")
+    return "\n".join(parts)
+
+
+def render_review(rev: Review, verbose: bool = False) -> str:
+    """A ``--baseline`` run: each side's summary line (with ``verbose``, each side's whole
+    :func:`render`), then what the code under test changes (:func:`report.changes_table`) and the
+    verdict: FAIL on a new failure no known upstream bug explains."""
+    parts = []
+    for side, out in (("baseline", rev.baseline), ("under test", rev.test)):
+        if verbose:
+            parts.append(f"==== {side}")
+            parts.append(render(out, verbose))
+            continue
+        for label in out.targets:
+            s = report.summary(out.rows, label)
+            parts.append(f"== {side}: sglang {label}: {s['cases']} cases, {s['same']} identical, {s['documented']} "
+                         f"with only documented differences, {s['undocumented']} failing"
+                         + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else ""))
+    test, base = next(iter(rev.test.targets)), next(iter(rev.baseline.targets))
+    parts.append(f"== changes: {report.change_summary(rev.changes, test, base)}")
+    parts.append(report.changes_table(rev.changes, verbose))
+    bugs = {c.row.bug for c in rev.changes if c.row.bug and c.status != report.UNCHANGED}
+    if bugs:
+        parts.append("== known upstream bugs reproduced (their rows above name the rule)")
+        parts.append(report.bugs_table(bugs))
+    n = len(rev.new_failures)
+    verdict = (f"FAIL: {n} new failure{'' if n == 1 else 's'} against the baseline" if n
+               else "OK: no new failure against the baseline")
+    seconds = {"baseline": rev.baseline.seconds.get("total"), "under test": rev.test.seconds.get("total")}
+    parts.append(f"== {verdict} (timings {seconds})")
     return "\n".join(parts)

@@ -45,6 +45,17 @@ from refspec.core.transfer import h2d, h2d_many
 
 @dataclass
 class ForwardBatch:
+    """One forward's batch, SGLang's ``ForwardBatch`` fields (B requests, T query tokens).
+
+    ``req_pool_indices`` int64 [B]: each request's ``req_to_token`` row.  ``seq_lens`` int32 [B]
+    (device) and ``seq_lens_cpu`` int64 [B] (its host mirror): tokens per request *including*
+    this forward's (K_b for DECODE; L for TARGET_VERIFY; prefix + new for EXTEND).
+    ``out_cache_loc`` int64 [T]: the KV slot each query token writes.  ``positions`` int64 [T]:
+    each token's KV index, which is also its RoPE position (SD-007).  Token order is
+    request-major.  The optional fields say how many query rows a request has where the mode
+    does not fix it (:meth:`q_lens_cpu`, MD-002).  Builders: one function per mode below.
+    """
+
     forward_mode: ForwardMode
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor

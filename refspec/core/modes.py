@@ -18,7 +18,7 @@ from enum import IntEnum, auto
 class ForwardMode(IntEnum):
     EXTEND = auto()  #: prefill (with or without a cached prefix)
     DECODE = auto()  #: one token per request (target decode, or draft decode step s)
-    TARGET_VERIFY = auto()  #: N = Sd + 1 chained draft tokens per request, target model
+    TARGET_VERIFY = auto()  #: N rows per request, target model: root + Sd drafts (N = Sd + 1), or N tree nodes
     DRAFT_EXTEND = auto()  #: v1: the a = n + 1 accepted tokens per request, packed, draft model
     DRAFT_EXTEND_V2 = auto()  #: v2: all N verify rows per request (uniform), draft model
     IDLE = auto()  #: empty batch (data-parallel filler)

@@ -241,7 +241,5 @@ def replay_page_table(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
     """
     m_pages = -(-max_k // page_size)
     r = fb.req_pool_indices[: md.page_table.shape[0]]
-    # the rows' [bs, m] first slots: a row gather, then a column gather (two index_select
-    # kernels; the same entries as req_to_token[r[:, None], strided[None, :m]] at less host cost)
-    first_slots = req_to_token.index_select(0, r).index_select(1, strided_indices[:m_pages])
+    first_slots = req_to_token[r[:, None], strided_indices[None, :m_pages]]  # one gather [bs, m]
     torch.floor_divide(first_slots, page_size, out=md.page_table[:, :m_pages])  # into the buffer

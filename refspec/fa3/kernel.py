@@ -5,7 +5,8 @@ One function, :func:`flash_attn_with_kvcache`, with the signature and semantics 
 (docs/fa3-contract.md):
 no new k/v (store-then-attend), paged KV, ``causal=True``.
 
-Providers, picked per call by :func:`select_provider`:
+Providers, picked by :func:`select_provider` for a device (the FA3 backend picks once, at
+construction, and passes ``provider=`` on every call):
 
 * ``fa3``: ``flash_attn_interface`` (upstream FA3 hopper build; refspec's GPU runs use the
   stable-ABI ``tokenspeed-fa3`` wheel), for CUDA tensors on an sm_90 device;

@@ -1,4 +1,5 @@
-"""CUDA graphs, real and emulated, and the graph runner that pads batches (CG-001, CG-005, CG-007).
+"""CUDA graphs, real and emulated: what a capture freezes (CG-001, CG-006); the runner that pads
+batches into them is :mod:`refspec.graphs.runner` (CG-005, CG-007).
 
 **What a graph freezes.**  A captured CUDA graph replays the recorded kernel launches with the
 *addresses* of every buffer that existed before capture and the *values* of every host scalar

@@ -103,7 +103,6 @@ class GraphRunner:
         for b in self.backends:
             b.init_cuda_graph_state(max_bs, max_tokens)
         self.graphs, self.static = {}, {}
-        self._plans, self._pads = {}, {}  # _fill's cached copy plans and padded seq_lens_cpu
         self.num_replays = 0
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for bs in reversed(self.capture_bs):  # largest first (#4195)
@@ -132,58 +131,29 @@ class GraphRunner:
         (module doc); set the CPU mirrors."""
         B = 0 if live is None else live.batch_size
         T = 0 if live is None else live.num_tokens
-        present = () if live is None else tuple(getattr(live, n) is not None for n in self.buf)
-        for dsts, srcs in self._fill_plan(bs, B, T, present):  # one dtype each: one copy each
-            copy_rows(dsts, [getattr(live, x) if isinstance(x, str) else inputs[x[1]] if isinstance(x, tuple) else x
-                             for x in srcs])
-        pad_cpu = self._pad_cpu(bs - B)
-        fb.seq_lens_cpu = pad_cpu if live is None else \
-            live.seq_lens_cpu.long() if bs == B else torch.cat([live.seq_lens_cpu.long(), pad_cpu])
-        fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
-        fb.num_accept_tokens_cpu = _cpu_list(live, "num_accept_tokens_cpu", B, bs, self.W)
-        fb.extend_seq_lens_cpu = _cpu_list(live, "extend_seq_lens_cpu", B, bs, self.W)
-
-    def _fill_plan(self, bs: int, B: int, T: int, present: tuple) -> list:
-        """The copies of :meth:`_fill` for a (bs, B, T) replay, built once and cached: per
-        destination dtype, the destination slices and their sources (a fill tensor, or the name
-        of a live field / ``("input", name)`` resolved at replay), real rows before padding.
-        The same pairs as one plain pass over the fields would build, without rebuilding them
-        (slices, fill lookups, dtype groups) at every replay; keyed by the padding rule in force
-        too (:func:`pad_rows`), so a plan never outlives the rule it was built from."""
-        key = (bs, B, T, present, pad_rows)
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        W, dst, src = self.W, [], []
-        for (name, buf), has in zip(self.buf.items(), present or (False,) * len(self.buf)):
+        fill, W = self.seq_lens_fill(), self.W
+        dst, src = [], []
+        for name, buf in self.buf.items():
             n, stop = (T, bs * W) if name in PER_TOKEN else (B, bs)
-            if has and n:
+            x = None if live is None else getattr(live, name)
+            if x is not None and n:
                 dst.append(buf[:n])
-                src.append(name)
+                src.append(x)
             rows, fills = pad_rows(buf, name, n, stop, self.mode, W)
             dst.append(rows)
             src.append(fills)
         for name, buf in self.inputs.items():
-            if T:
+            if live is not None and T:
                 dst.append(buf[:T])
-                src.append(("input", name))
+                src.append(inputs[name])
             dst.append(buf[T:bs * W])
             src.append(fill_source(buf, 0)[T:bs * W])
-        groups: dict = {}
-        for d, x in zip(dst, src):
-            if d.numel():
-                ds, ss = groups.setdefault(d.dtype, ([], []))
-                ds.append(d)
-                ss.append(x)
-        plan = self._plans[key] = list(groups.values())
-        return plan
-
-    def _pad_cpu(self, n: int) -> torch.Tensor:
-        """``seq_lens_cpu`` of ``n`` padded rows (the fill), one tensor per n (never written)."""
-        t = self._pads.get(n)
-        if t is None:
-            t = self._pads[n] = torch.full((n,), self.seq_lens_fill(), dtype=torch.long)
-        return t
+        copy_rows(dst, src)
+        pad_cpu = torch.full((bs - B,), fill, dtype=torch.long)
+        fb.seq_lens_cpu = pad_cpu if live is None else torch.cat([live.seq_lens_cpu.long(), pad_cpu])
+        fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
+        fb.num_accept_tokens_cpu = _cpu_list(live, "num_accept_tokens_cpu", B, bs, W)
+        fb.extend_seq_lens_cpu = _cpu_list(live, "extend_seq_lens_cpu", B, bs, W)
 
     def _checking(self, B: int, bs: int) -> bool:
         return bs > B and all(getattr(b, "validate", True) for b in self.backends)

@@ -13,8 +13,9 @@ target hidden h_p), so target and draft KV have the same length and share one
   target on [t_L, d_1..d_Sd] at L..L+N-1; greedy accept n, a = n + 1, emitted p_0..p_n
   (SD-001); v1 draft extend runs the a packed rows at L..L+a-1 on t_(L+1)..t_(L+a) (the last is
   the bonus) with the target hidden of the accepted verify rows and keeps each request's last
-  row (SD-004); v2 draft extend runs all N rows at L..L+N-1 on the predictions p_0..p_(N-1)
-  with every verify row's hidden and keeps row b*N + a_b - 1 (SD-005).
+  row (SD-004); v2 draft extend runs all N rows at L..L+N-1 on the committed candidates
+  (d_1..d_n, then p_n..p_(N-1): :func:`~refspec.speculative.accept.committed_candidates`; under
+  greedy acceptance these are p_0..p_(N-1)) with every verify row's hidden and keeps row b*N + a_b - 1 (SD-005).
 
 SGLang ran draft decode step s at RoPE position L+1+s while writing KV index L+s up to
 v0.5.10 (SD-007, docs/versions.md: ``positions`` is ``seq_lens`` bumped by one before each
