@@ -38,8 +38,8 @@ the draft graph ends with ``organize_draft_results`` and the tree's length-free 
 the verify graph with the target argmax and greedy tree acceptance
 (:func:`~refspec.speculative.tree.device.verify_tree_greedy_device`; its inputs are the node
 tokens and the child lists), so neither the ``[B*N, V]`` logits nor a host loop sit between
-them.  Replay keeps B*N rows of a per-node output and B of a per-request one, as views (no
-copy-out, upstream's ``CudaGraphRunner.replay`` way): valid until the graph's next replay.
+them.  Replay keeps B*N rows of a per-node output and B of a per-request one, cloned out of the
+graph's buffers (the next replay rewrites them), as the chain's runner does.
 """
 
 from __future__ import annotations
@@ -330,9 +330,9 @@ class TreeGraphRunner:
     def replay(self, live, inputs: dict):
         """Pad ``live`` to the smallest captured size, rewrite metadata in place, replay, slice.
 
-        The outputs are views of the graph's output tensors (real rows), as upstream's
-        ``CudaGraphRunner.replay`` returns its ``output_buffers`` sliced: valid until this graph's
-        next replay (the round launches every reader of them before that: no copy-out)."""
+        The outputs are the real rows of the graph's output tensors, cloned: the next replay of
+        this graph rewrites those buffers, so a reader that runs after the next round's launch
+        (the overlap schedule) still sees this round's values."""
         require(self.can_run(live), "CG-007", f"batch of {live.batch_size}; captured {self.capture_bs}")
         B = live.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, B)]
@@ -344,7 +344,7 @@ class TreeGraphRunner:
         # accepted path and its length) keep B; draft: every output is per request (B rows)
         rows = B * (self.N if self.phase == "verify" else 1)
         keep = [B if o.shape[0] == bs else rows for o in out]
-        return tuple(o[:n] for o, n in zip(out, keep))
+        return tuple(o[:n].clone() for o, n in zip(out, keep))
 
 
 def capture_tree_graphs(runners, capture_bs, dtype) -> None:
