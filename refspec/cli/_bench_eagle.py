@@ -23,7 +23,7 @@ import statistics
 import time
 
 
-from refspec.cli._bench_profile import _workload, profile_config
+from refspec.cli._bench_profile import _workload, capture_sizes, profile_config
 from refspec.speculative.greedy import production_greedy
 
 EAGLE_NEW = 128  #: tokens per request in the eagle section
@@ -55,7 +55,7 @@ def bench_eagle(device, quick):
     for B in (1, 16):
         prompts = all_prompts[:B]
         fast = FusedLlama(model)
-        cap = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B)
+        cap = capture_sizes(B)
         for _ in range(2):  # the second run is timed (compilation and capture in the first)
             g = production_greedy(fast, prompts, [EAGLE_NEW] * B, page_size=16, validate=False, capture_bs=cap)
         greedy_tps = sum(map(len, g.tokens)) / g.seconds
@@ -97,7 +97,7 @@ def bench_teacher_forced(device, quick):
     if device.type == "cuda":  # the production path's own greedy text (the dense bf16 model's drifts from it)
         from refspec.model.fused import FusedLlama
         g = production_greedy(FusedLlama(model), prompts, [M + 6] * B, page_size=16, validate=False,
-                              capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B))
+                              capture_bs=capture_sizes(B))
         ref = {i: list(p) + list(tk) for i, (p, tk) in enumerate(zip(prompts, g.tokens))}
     else:
         ref = greedy_reference(model, prompts, [M + 6] * B)

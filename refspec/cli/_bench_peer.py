@@ -129,7 +129,7 @@ class PeerGreedy(nn.Module):
 
 def bench_peer(device, quick):
     """The peer vs graph greedy at B = 1, 4, 16 (module doc)."""
-    from refspec.cli._bench_profile import _workload
+    from refspec.cli._bench_profile import _workload, capture_sizes
     from refspec.core.tolerance import T2_DELTA, t2
     from refspec.traces.replay import teacher_forced_err
     from refspec.model.fused import FusedLlama
@@ -154,7 +154,7 @@ def bench_peer(device, quick):
         prompts = prompts_all[:B]
         S = -(-(max(map(len, prompts)) + M) // 64) * 64
         peer = PeerGreedy(model, B, S, compile=None if device.type == "cuda" else False)
-        cap = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B)
+        cap = capture_sizes(B)
         for _ in range(2):  # the second run of each is timed
             pr = peer.generate(prompts, M)
             g = production_greedy(fast if device.type == "cuda" else model, prompts, [M] * B, page_size=16,

@@ -49,6 +49,12 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
+def capture_sizes(B: int) -> tuple[int, ...]:
+    """The graph batch sizes the bench captures for B requests: 1, 2, 4, ... below 2B (B and
+    every smaller batch left as requests finish replay a graph)."""
+    return tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * B)
+
+
 def _workload(B: int):
     """(readable bf16/fp32 model, prompts [B], label) on the current device."""
     from refspec.real import missing_reason
@@ -182,7 +188,7 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
     with timers or contextlib.nullcontext():
         res = generate(model, prompts, backend="fa3", version=version, page_size=P, graphs=True, draft=draft,
                        drafter=drafter, num_steps=num_steps, max_new_tokens=max_new, validate=False, observer=observer,
-                       capture_bs=tuple(b for b in (1, 2, 4, 8, 16, 32) if b < 2 * len(prompts)), **kw)
+                       capture_bs=capture_sizes(len(prompts)), **kw)
         if st["ops"] is not None:
             st["ops"].__exit__(None, None, None)
         _sync(dev)

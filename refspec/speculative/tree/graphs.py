@@ -216,11 +216,12 @@ class TreeGraphRunner:
             t = self._pads[("cpu", n)] = torch.ones(n, dtype=torch.long)
         return t
 
-    def _fill_plan(self, bs: int, B: int, present: tuple) -> list:
+    def _fill_plan(self, bs: int, B: int, present: tuple) -> tuple[list, list]:
         """The copies of :meth:`_fill` for a (bs, B) replay with the ``present`` inputs, built once
-        and cached: per destination dtype, the destination slices and their sources (a constant
-        fill tensor, ``refspec.graphs.runner.fill_source``, or the name of a live field /
-        ``("input", name)`` resolved at replay), real rows before padding."""
+        and cached: the destination slices and their sources (a constant fill tensor,
+        ``refspec.graphs.runner.fill_source``, or the name of a live field / ``("input", name)``
+        resolved at replay), real rows before padding; :func:`~refspec.graphs.runner.copy_rows`
+        groups them by dtype."""
         key = (bs, B, present)
         plan = self._plans.get(key)
         if plan is not None:
@@ -248,13 +249,7 @@ class TreeGraphRunner:
                 src.append(("mask", None))
             dst.append(self.mask_rows[B * self.N:bs * self.N])
             src.append(self.mask_pad[B * self.N:bs * self.N])
-        groups: dict = {}
-        for d, x in zip(dst, src):
-            if d.numel():
-                ds, ss = groups.setdefault(d.dtype, ([], []))
-                ds.append(d)
-                ss.append(x)
-        plan = self._plans[key] = list(groups.values())
+        plan = self._plans[key] = (dst, src)
         return plan
 
     def _fill(self, fb, live, bs, inputs=None) -> int:
@@ -269,8 +264,8 @@ class TreeGraphRunner:
             if isinstance(x, tuple):
                 return self._live_mask_rows(live) if x[0] == "mask" else inputs[x[1]]
             return x
-        for dsts, srcs in self._fill_plan(bs, B, tuple(sorted(inputs or ()))):
-            torch._foreach_copy_(dsts, [source(x) for x in srcs])
+        dst, src = self._fill_plan(bs, B, tuple(sorted(inputs or ())))
+        copy_rows(dst, [source(x) for x in src])  # one _foreach_copy_ per dtype
         lens = [] if live is None else live.seq_lens_cpu.tolist()
         fb.seq_lens_cpu = self._pad_cpu(bs) if live is None else live.seq_lens_cpu.long() if bs == B else \
             torch.cat([live.seq_lens_cpu.long(), self._pad_cpu(bs - B)])
