@@ -20,6 +20,7 @@ from refspec.oracle.tree_loop import speculative_tree_greedy
 from refspec.speculative.tree import kv as tree_kv
 from refspec.speculative.tree.engine import TreeEngine
 from refspec.speculative.tree.v2 import reserve_len
+from test_tree_fa3_v2 import HiddenScaledDraft  # the target as a draft that reads its hidden
 
 torch.set_num_threads(1)
 
@@ -162,23 +163,6 @@ def test_v1_tree_round_reads_once(model):
     assert eng.syncs["in_round"] == len(eng.trace) and "post_round" not in eng.syncs
     done = sorted(eng.done, key=lambda r: r.rid)
     assert [r.output for r in done] == [greedy(model, p, m).tokens for p, m in zip(PROMPTS, BUDGETS)]
-
-
-class HiddenScaledDraft:
-    """The target as a (shifted) draft that reads its hidden input (as in test_tree_fa3_v2):
-    logits scaled per row by ``exp(2 tanh(mean(x)))``, output hidden ``h + x``."""
-
-    uses_hidden = True
-
-    def __init__(self, m):
-        c = m.config
-        self.m, self.num_layers, self.num_kv_heads = m, c.num_hidden_layers, c.num_key_value_heads
-        self.head_dim, self.hidden_size = c.head_dim, c.hidden_size
-
-    def forward(self, input_ids, hidden, fb, backend):
-        logits, h = self.m.forward(input_ids, fb, backend)
-        scale = torch.exp(2 * torch.tanh(hidden.float().mean(-1, keepdim=True))).to(logits.dtype)
-        return logits * scale, h + hidden
 
 
 @pytest.mark.spec("TR-021", "TR-019")
