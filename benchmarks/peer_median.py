@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 KEYS = ("peer_tok_per_s", "graph_greedy_tok_per_s", "x_peer", "accept_length", "wall_ms_per_round", "host_ms",
-        "wait_ms", "tok_per_s")
+        "wait_ms", "tok_per_s", "x_chain", "launch_us", "python_loop_ns")
 
 
 def main(out: Path, which: list[int], runs: int = 3) -> None:
@@ -42,7 +42,7 @@ def main(out: Path, which: list[int], runs: int = 3) -> None:
                 vals = [r.get(k) for r in same]
                 if k in KEYS and all(isinstance(v, (int, float)) for v in vals):
                     cells.append(f"{statistics.median(vals):.3g}")
-                    if k in ("x_peer",):
+                    if k in ("x_peer", "x_chain", "launch_us"):
                         per_run.append(", ".join(f"{v:.3g}" for v in vals))
                 else:
                     cells.append(" / ".join(dict.fromkeys(str(v) for v in vals)))

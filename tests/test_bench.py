@@ -84,7 +84,8 @@ def test_peer_section_on_cpu_matches_graph_greedy_tokens():
     decode the same tokens (fp32, large margins: T2 passes as plain equality)."""
     from refspec.cli._bench_peer import bench_peer
 
-    rows = bench_peer(torch_device("cpu"), quick=True)
+    host, *rows = bench_peer(torch_device("cpu"), quick=True)
+    assert host["section"] == "peer host" and host["launch_us"] > 0 and host["python_loop_ns"] > 0
     assert [r["B"] for r in rows] == [1, 4]
     for r in rows:
         assert r["t2_vs_peer"] == f"{r['B']}/{r['B']} pass" and r["t2_notes"] == "equal"

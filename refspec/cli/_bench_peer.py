@@ -20,7 +20,11 @@ tokens against the peer's under T2 (TOL-003, the peer's own top-2 margins; in bf
 demo's measured delta, 2 x the largest |bf16 - fp32| logit difference of a teacher-forced pass
 over the prompts, :func:`~refspec.traces.replay.teacher_forced_err`).  Then (``peer spec``
 rows, CUDA, B = 1 and 16) spec v2 against the same peer figure: the perfect drafter and the best
-real draft (:func:`_spec_rows`).  CPU ``--quick``:
+real draft (:func:`_spec_rows`); the tree row's ``x_chain`` is its tok/s over the chain row of
+the same draft (issue 24's tree target).  Every spec round at B = 1 is host-bound, so its time
+depends on the host's speed: the ``peer host`` row (:func:`host_speed`) measures that host in
+the same process (one eager kernel launch, one empty Python loop iteration), to compare runs
+made on different machines.  CPU ``--quick``:
 the tiny model in fp32, the peer not compiled (what ``make test`` runs to keep this working).
 
 This is a benchmark, not part of the reference: a learner can skip it.
@@ -127,6 +131,30 @@ class PeerGreedy(nn.Module):
         return PeerRun(toks.tolist(), margins.tolist(), dt)
 
 
+def host_speed(device, n: int = 2000) -> dict:
+    """The host's speed in this process: ``launch_us``, microseconds per eager ``torch.add(x, 1,
+    out=y)`` on a 4-element int32 tensor of ``device`` (on CUDA a kernel launch; the median of 3
+    passes of ``n``, timed without a sync so only the host side counts), and ``python_loop_ns``,
+    nanoseconds per iteration of an empty ``for`` loop."""
+    x = torch.zeros(4, dtype=torch.int32, device=device)
+    y = torch.empty_like(x)
+    passes = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.add(x, 1, out=y)
+        passes.append(1e6 * (time.perf_counter() - t) / n)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(100 * n):
+        pass
+    loop_ns = 1e9 * (time.perf_counter() - t) / (100 * n)
+    return {"launch_us": sorted(passes)[1], "python_loop_ns": loop_ns}
+
+
 def bench_peer(device, quick):
     """The peer vs graph greedy at B = 1, 4, 16 (module doc)."""
     from refspec.cli._bench_profile import _workload, capture_sizes
@@ -149,7 +177,7 @@ def bench_peer(device, quick):
         m32 = copy.deepcopy(model).float()
         delta = 2 * max(teacher_forced_err(m32, model, list(p)) for p in prompts_all[:4])
         del m32
-    rows = []
+    rows = [{"section": "peer host", "workload": label, **host_speed(device)}]
     for B in batches:
         prompts = prompts_all[:B]
         S = -(-(max(map(len, prompts)) + M) // 64) * 64
@@ -207,4 +235,8 @@ def _spec_rows(model, fast, prompts, g, peer_tps, label):
                      "accept_length": r["accept_length"], "wall_ms_per_round": r["wall_ms"],
                      "host_ms": r.get("host_ms"), "wait_ms": r.get("wait_ms"), "tok_per_s": r["tok_per_s"],
                      "x_peer": r["tok_per_s"] / peer_tps, "same_text_as_graph_greedy": f"{same}/{B}"})
+    chain = [r for r in rows if r.get("config") == "spec v2 trained EAGLE head Sd=3" and "tok_per_s" in r]
+    for r in rows:
+        if "tree" in r.get("config", "") and chain and "tok_per_s" in r:
+            r["x_chain"] = r["tok_per_s"] / chain[0]["tok_per_s"]
     return rows

@@ -132,12 +132,12 @@ class GraphMetadataMixin:
         self._update_lengths(md, fb, bs)
         if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
             write_draft_extend_cu_q(md, draft_extend_rows(fb, bs))
-        for name, t in bound.items():
-            now = getattr(md, name)
-            if self.validate and (now is not t or now.data_ptr() != t.data_ptr()):
-                raise InvariantError("CG-001", f"{name} was rebound at replay (captured tensor at "
-                                     f"{t.data_ptr():#x}, now {now.data_ptr():#x})")
         if self.validate:
+            for name, t in bound.items():
+                now = getattr(md, name)
+                if now is not t or now.data_ptr() != t.data_ptr():
+                    raise InvariantError("CG-001", f"{name} was rebound at replay (captured tensor at "
+                                         f"{t.data_ptr():#x}, now {now.data_ptr():#x})")
             _check_draft_extend_cu_q(md, fb, bs)
             check_frozen_max_seqlen_q(md, fb, num_real)
             validate_metadata(md, fb, self.kv.req_to_token, self.page_size, num_real=num_real,
@@ -152,7 +152,7 @@ class GraphMetadataMixin:
         gs, P = self.graph_state, self.page_size
         delta = mode_delta(fb, self.speculative_step_id)
         write_cache_seqlens(md, fb.seq_lens[:bs], delta)
-        max_k = int(fb.seq_lens_cpu[:bs].max()) + delta
+        max_k = max(fb.seq_lens_cpu[:bs].tolist()) + delta
         m_pages = -(-max_k // P)
         require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
         replay_page_table(md, fb, self.kv.req_to_token, gs.strided_indices, max_k, P)

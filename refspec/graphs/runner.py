@@ -139,18 +139,21 @@ class GraphRunner:
             if x is not None and n:
                 dst.append(buf[:n])
                 src.append(x)
-            rows, fills = pad_rows(buf, name, n, stop, self.mode, W)
-            dst.append(rows)
-            src.append(fills)
+            if stop > n:  # padded rows (or tokens) exist
+                rows, fills = pad_rows(buf, name, n, stop, self.mode, W)
+                dst.append(rows)
+                src.append(fills)
         for name, buf in self.inputs.items():
             if live is not None and T:
                 dst.append(buf[:T])
                 src.append(inputs[name])
-            dst.append(buf[T:bs * W])
-            src.append(fill_source(buf, 0)[T:bs * W])
+            if bs * W > T:
+                dst.append(buf[T:bs * W])
+                src.append(fill_source(buf, 0)[T:bs * W])
         copy_rows(dst, src)
-        pad_cpu = torch.full((bs - B,), fill, dtype=torch.long)
-        fb.seq_lens_cpu = pad_cpu if live is None else torch.cat([live.seq_lens_cpu.long(), pad_cpu])
+        live_cpu = None if live is None else live.seq_lens_cpu.long()
+        fb.seq_lens_cpu = live_cpu if bs == B else torch.full((bs - B,), fill, dtype=torch.long) if live is None \
+            else torch.cat([live_cpu, torch.full((bs - B,), fill, dtype=torch.long)])
         fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
         fb.num_accept_tokens_cpu = _cpu_list(live, "num_accept_tokens_cpu", B, bs, W)
         fb.extend_seq_lens_cpu = _cpu_list(live, "extend_seq_lens_cpu", B, bs, W)
