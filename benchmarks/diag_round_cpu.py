@@ -37,8 +37,9 @@ for _ in range(2):
     eng = engine()
     with host_time() as hs:
         eng.run()
-    print(f"{kind}: rounds {eng.rounds_launched}, host ms per round: launch {1e3 * hs['launch'] / eng.rounds_launched:.3f}"
-          f" commit {1e3 * hs['commit'] / eng.rounds_launched:.3f}")
+    n = eng.rounds_launched
+    ms = {k: f"{1e3 * v / n:.3f}" for k, v in hs.items()}
+    print(f"{kind}: rounds {n}, host ms per round: {ms}")
 pr = cProfile.Profile()
 saved = capture.EmulatedGraph.replay
 

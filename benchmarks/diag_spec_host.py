@@ -1,7 +1,7 @@
 """Spec v2 round host time at B = 1 under repeated runs in one process, plain and after gc.freeze()
 (a diagnostic for issue 24, not part of the reference)."""
-import gc, sys, time
-import torch
+import gc
+import time
 from refspec.cli._bench_profile import _workload, profile_config
 from refspec.model.fused import FusedLlama
 from refspec.speculative.greedy import production_greedy
