@@ -14,8 +14,8 @@ padded input rows and the dummy page 0 NaN-poisoned:
   T0 (bitwise).  This is "a CUDA graph changes nothing" with identical kernel arguments;
 * replay vs the backend's own eager path (``init_forward_metadata``): metadata T0 on real rows;
   outputs T1 against the oracle each.  Not bitwise on purpose: FA3 picks split-KV / pack-GQA
-  from the launch shape (batch Bg vs B, page-table width W vs ceil(max K / P) -> ``seqlen_k =
-  W * P``), and different splits differ by ~1e-3 (docs/kernel-facts.md#split-kv-and-graph-replay);
+  from the launch shape (batch Bg vs B, page-table width M vs ceil(max K / P) -> ``seqlen_k =
+  M * P``), and different splits differ by ~1e-3 (docs/kernel-facts.md#split-kv-and-graph-replay);
 * replay vs the fp32 oracle: T1 (TOL-002), budget from the same oracle run in bf16.
 """
 

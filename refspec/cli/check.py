@@ -209,7 +209,7 @@ def _graph_verdicts(sc, prov):
     runner = built.graph_runner(capture_bs=(2, 4), provider=prov)
     graph = built.run_fa3_graph(runner)
     assert runner.graph_bs(3) == 4  # the live batch of 3 runs padded
-    if graph.is_cuda:  # the real kernel may split KV differently at Bg = 4 and width W (CG-009)
+    if graph.is_cuda:  # the real kernel may split KV differently at Bg = 4 and table width M (CG-009)
         return t1(graph, eager.float(), low), t1(graph, ref, low)
     return t0(graph, eager), t1(graph, ref, low)
 

@@ -132,7 +132,8 @@ RULES: dict[str, Rule] = {
     # --- CUDA graphs ---------------------------------------------------------------------
     "CG-001": Rule("replay writes captured buffers in place and never rebinds them (address stability)", U,
                    (commit("6ffb6bd47", 4855), _fb(1731, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
-                    pr(26019, "rebind; reverted by #26166")), ALL),
+                    sgl(FA3B, NEW, 2953, "FlashAttentionBackend._set_decode_page_metadata"),
+                    pr(26019, "closed; its review found replay rebuilding the captured metadata")), ALL),
     "CG-002": Rule("replay equals eager on real rows (metadata T0; outputs T0 on the emulator, T1 on the H200)", U,
                    (_fb(1731, "FlashAttentionBackend.init_forward_metadata_replay_cuda_graph"),
                     doc(FACTS, "split-kv-and-graph-replay")), ALL, BOTH),

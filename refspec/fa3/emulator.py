@@ -96,7 +96,7 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     """Emulate ``flash_attn_interface.flash_attn_with_kvcache`` as SGLang calls it (no new k/v).
 
     Shapes: q ``[T, H, D]``; k_cache, v_cache ``[NP, P, Hkv, D]``; cache_seqlens int32 ``[B]``
-    (K_b, tokens); page_table int32 ``[B, W]`` (pages); cu_seqlens_q int32 ``[B+1]`` (rows);
+    (K_b, tokens); page_table int32 ``[B, M]`` (pages); cu_seqlens_q int32 ``[B+1]`` (rows);
     max_seqlen_q a Python int (frozen under CUDA graphs).  Returns ``[T, H, D]`` in q.dtype, and
     the LSE ``[H, T]`` (fp32) if ``return_softmax_lse``.
     Raises: InvariantError PA-003, PA-010, PA-011 (see module doc).

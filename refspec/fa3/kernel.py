@@ -87,7 +87,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, c
 
     Shapes: q ``[T, H, D]`` (fp16/bf16 for the real kernel; the emulator also takes fp32);
     k_cache, v_cache ``[NP, P, Hkv, D]``; cache_seqlens int32 ``[B]`` (K_b, tokens, the kernel's
-    ``seqused_k``); page_table int32 ``[B, W]`` (page ids); cu_seqlens_q int32 ``[B+1]``;
+    ``seqused_k``); page_table int32 ``[B, M]`` (page ids); cu_seqlens_q int32 ``[B+1]``;
     max_seqlen_q a Python int.  Returns ``[T, H, D]`` (and the LSE ``[H, T]`` if asked).
 
     Semantics: request b's rows ``cu_q[b]..cu_q[b+1]-1`` attend keys ``p < K_b`` with the

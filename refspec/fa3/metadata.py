@@ -43,7 +43,7 @@ class FlashAttentionMetadata:
 
     Shapes (B requests, or Bg padded graph rows): ``cache_seqlens_int32`` int32 [B] (K_b,
     tokens); ``cu_seqlens_q`` int32 [B+1] (rows); ``cu_seqlens_k`` int32 [B+1] (tokens);
-    ``page_table`` int32 [B, W] (pages); ``max_seq_len_q`` / ``max_seq_len_k`` Python ints.
+    ``page_table`` int32 [B, M] (pages); ``max_seq_len_q`` / ``max_seq_len_k`` Python ints.
     """
 
     cache_seqlens_int32: torch.Tensor

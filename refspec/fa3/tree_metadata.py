@@ -166,7 +166,8 @@ def draft_decode_set_expand_metadata(cache_seqlens_int32: torch.Tensor, page_tab
     torch here): ``cache_loc // P`` per row, deduplicated consecutively with the mask / cumsum /
     ``scatter_`` trick, written into columns ``0..(#pages - 1)`` of ``page_table``.  The first
     page is the one holding the branch's (copied) prefix tail, because step 0 sits at offset lp of
-    it (TR-015).  ``cache_loc`` [B*k, W] slots; ``page_table`` int32 [>= B*k, >= #pages].
+    it (TR-015).  ``cache_loc`` [B*k, S] slots (replay: its first s + 1 columns); ``page_table`` int32
+    [>= B*k, >= #pages].
     """
     cache_seqlens_int32.copy_(decode_length + last_page_lens.repeat_interleave(topk))
     pages = (cache_loc // page_size).to(torch.int32)

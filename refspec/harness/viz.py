@@ -124,7 +124,7 @@ def mode_figure(cu_seqlens_q, cache_seqlens, page_table, page_size: int, title: 
 
     ``kept_rows`` (optional): one query row per request whose output is used (v2 draft extend:
     ``b * N + a_b - 1``), framed in the strip and in the request's grid.
-    Shapes: cu_seqlens_q ``[B+1]``; cache_seqlens ``[B]`` (tokens); page_table ``[B, W]``.
+    Shapes: cu_seqlens_q ``[B+1]``; cache_seqlens ``[B]`` (tokens); page_table ``[B, M]`` (pages).
     Returns the matplotlib Figure.
     """
     plt = _plt()

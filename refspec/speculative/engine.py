@@ -134,7 +134,7 @@ class Engine:
         self.rounds_launched = 0  #: rounds launched so far (the next one's index)
         self.in_flight = None  #: overlap: the launched round whose results are not read yet
         self.prefills = []  #: overlap: (requests, first-token copy) of prefills not read yet
-        self.draft_table = None  #: overlap: a position_only drafter's propose_at per (row, L), [R, W, Sd]
+        self.draft_table = None  #: overlap: a position_only drafter's propose_at per (row, L), [R, ctx, Sd]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.done: list[Request] = []

@@ -8,12 +8,12 @@ sets are per backend:
 graph                        prefix (``*_topk_normal``)             expand (``*_topk_expand``)
 ===========================  =====================================  ==================================
 tree verify                  K [max_bs]; cu_q = arange(0, bs*N+1,   K [max_bs*N]; cu_q = arange;
-                             N) static; table [max_bs, W] pages     table [max_bs*N, N] token slots
+                             N) static; table [max_bs, M] pages     table [max_bs*N, N] token slots
 draft decode step s          K [max_bs]; cu_q = arange(0, bs*k+1,   K [max_bs*k]; cu_q = arange;
-                             k) static; table [max_bs, W] pages     table [max_bs*k, s+2] pages
+                             k) static; table [max_bs, M] pages     table [max_bs*k, s+2] pages
 ===========================  =====================================  ==================================
 
-W = ``ceil(req_to_token.shape[1] / P)`` (CG-008).  Replay copies the live batch into the static
+M = ``ceil(req_to_token.shape[1] / P)`` columns (CG-008).  Replay copies the live batch into the static
 batch buffers (padded requests: row 0, L = 1, slots 0 -- the reserved page, CG-005) with ONE
 ``torch._foreach_copy_`` per dtype (the batch fields, the inputs, the verify tree mask rows; the
 padded rows from constant fill tensors, as :class:`~refspec.graphs.runner.GraphRunner` does),
