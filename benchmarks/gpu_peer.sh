@@ -10,6 +10,7 @@
 #   4  carry .whl2   bash benchmarks/gpu_peer.sh bench     # installs FA3; bench --sections peer (process 0)
 #   5                bash benchmarks/gpu_peer.sh bench2    # processes 1 and 2, the medians, the change table
 #   6                bash benchmarks/gpu_peer.sh tests     # the GPU suite + the tree sync audit
+#   6'               bash benchmarks/gpu_peer.sh tests-host  # or only the GPU tests of graph replay, overlap, trees
 #   7                bash benchmarks/gpu_peer.sh demo      # demo --device cuda (the trained head)
 set -u
 OUT=${OUT:-out}
@@ -42,6 +43,11 @@ case "$1" in
     echo "gpu tests rc=$?"; tail -n 4 "$OUT/gpu-tests.log"
     timeout 60 python3 -m refspec.audits.sync --device cuda --topk 4 --num-draft-tokens 8 --overlap on --strict \
       > "$OUT/tree-sync.txt" 2>&1; echo "tree sync audit rc=$?"; tail -n 6 "$OUT/tree-sync.txt" ;;
+  tests-host)  # the GPU tests of the code a host-side change touches (graph replay, overlap, trees), in less device time
+    timeout ${T:-300} python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=5 tests/test_gpu_graphs.py \
+      tests/test_gpu_overlap.py tests/test_gpu_spec.py tests/test_gpu_tree.py tests/test_gpu_tree_overlap.py \
+      tests/test_gpu_tree_cu_seqlens_k.py tests/test_gpu_cu_seqlens_k.py tests/test_gpu_window.py > "$OUT/gpu-tests-host.log" 2>&1
+    echo "gpu tests rc=$?"; tail -n 4 "$OUT/gpu-tests-host.log" ;;
   demo)
     timeout 200 python3 -m refspec demo --device cuda > "$OUT/demo-cuda.log" 2>&1
     echo "demo rc=$?"; tail -n 25 "$OUT/demo-cuda.log" ;;

@@ -6,7 +6,7 @@ What each graphed mode keeps static and what replay rewrites *in place* (never r
 mode                 static (frozen at capture)  rewritten at every replay (bs_g rows, padded)
 ===================  ==========================  ====================================================
 DECODE               cu_seqlens_q = arange,      cache_seqlens <- seq_lens; cu_seqlens_k;
-                     max_seqlen_q = 1, width W   page_table[:, :m] <- R[r, strided[:m]] // P
+                     max_seqlen_q = 1, width M   page_table[:, :m] <- R[r, strided[:m]] // P
 draft decode step s  same (own buffers per s)    cache_seqlens <- seq_lens + s + 1; cu_k; page_table
 TARGET_VERIFY        cu_seqlens_q = arange(0,    cache_seqlens <- seq_lens + N; cu_k; page_table
                      bs*N+1, N), max_q = N
@@ -18,9 +18,9 @@ DRAFT_EXTEND_V2      max_seqlen_q = W = Sd + 1   cache_seqlens <- seq_lens (L + 
 ===================  ==========================  ====================================================
 
 m = ceil(max K / P) from the CPU mirror; columns >= m keep stale values, which is harmless
-because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width W is
+because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width M is
 ``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
-and replay raises CG-008 when m > W instead of letting the kernel run past it.
+and replay raises CG-008 when m > M instead of letting the kernel run past it.
 Capture for DRAFT_EXTEND and DRAFT_EXTEND_V2 is shared (``is_draft_extend(include_v2=True)``,
 ``160a06cab``, #15207); only replay differs (CG-003, CG-004).
 """
@@ -43,8 +43,8 @@ _TENSORS = ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table")
 class GraphState:
     """Buffers of ``init_cuda_graph_state`` (one set per backend): int32 on the pool's device.
 
-    ``cache_seqlens`` [max_bs], ``cu_seqlens_k`` [max_bs+1], ``page_table`` [max_bs, W] (pages),
-    ``cu_seqlens_q`` [max_num_tokens+1] (row offsets), ``strided_indices`` [W] (token columns).
+    ``cache_seqlens`` [max_bs], ``cu_seqlens_k`` [max_bs+1], ``page_table`` [max_bs, M] (pages),
+    ``cu_seqlens_q`` [max_num_tokens+1] (row offsets), ``strided_indices`` [M] (token columns).
     ``captured[(mode, bs)]`` holds the bound metadata and its tensors' addresses.
     """
 
@@ -80,17 +80,17 @@ class GraphMetadataMixin:
     """Graph hooks of :class:`~refspec.fa3.backend.FlashAttentionBackend`."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Preallocate the graph buffers; the page-table width W comes from ``req_to_token``."""
+        """Preallocate the graph buffers; the page-table width M comes from ``req_to_token``."""
         P, R = self.page_size, self.kv.req_to_token
-        W = graph_table_width(R, P)
+        M = graph_table_width(R, P)
         i32 = dict(dtype=torch.int32, device=R.device)
         self.graph_state = GraphState(
-            max_bs=max_bs, width=W,
+            max_bs=max_bs, width=M,
             cache_seqlens=torch.zeros(max_bs, **i32),
             cu_seqlens_q=torch.zeros(max_num_tokens + 1, **i32),
             cu_seqlens_k=torch.zeros(max_bs + 1, **i32),
-            page_table=torch.zeros((max_bs, W), **i32),
-            strided_indices=torch.arange(0, W * P, P, device=R.device).clamp(max=R.shape[1] - 1),
+            page_table=torch.zeros((max_bs, M), **i32),
+            strided_indices=torch.arange(0, M * P, P, device=R.device).clamp(max=R.shape[1] - 1),
         )
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, fb: ForwardBatch):
@@ -234,7 +234,7 @@ def replay_page_table(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
                       strided_indices: torch.Tensor, max_k: int, page_size: int) -> None:
     """In place (CG-001, MD-007): ``page_table[:, :m] <- req_to_token[r][:, strided[:m]] // P``.
 
-    ``m = ceil(max_k / P)`` columns (pages); ``strided_indices [W]`` are the token columns
+    ``m = ceil(max_k / P)`` columns (pages); ``strided_indices [M]`` are the token columns
     ``0, P, 2P, ...`` (the first slot of each page), so each entry is a page id.  Columns
     ``>= m`` keep stale values, which the kernel never reads (PA-007).  Every graphed mode uses
     this one rule: upstream's pre-#5318 draft-decode and verify replays copied slots here (#5090).
