@@ -166,11 +166,10 @@ def audited_tree(B: int):
 
 
 #: the tree round's launch phase (B = 1), op by op (test docstring)
-TREE_REPLAYS = {"draft": 3 + 2 + 1 + 1 + 2 + 1 + 6, "verify": 3 + 1 + 1 + 2 + 1 + 5,
-                "draft_extend": 2 + 2 + 2 + 2 + 2 + 1 + 1 + 1}  # 16 + 13 + 13 = 42
-MOVE = 2  #: move_kv_cache: one gather + one scatter per layer (K and V together)
-TREE_ROUND_LOGIC = 5 + (10 + 13 + 1 * MOVE + 4) + 12 + 6 + (29 + 2 * MOVE)  # 5 + 29 + 12 + 6 + 33 = 85
-TREE_BOUND_B1 = sum(TREE_REPLAYS.values()) + TREE_ROUND_LOGIC  # 42 + 85 = 127
+TREE_REPLAYS = {"draft": 3 + 2 + 1, "verify": 3 + 2 + 1,
+                "draft_extend": 2 + 2 + 2 + 2 + 2 + 1 + 1 + 1}  # 6 + 6 + 13 = 25
+TREE_ROUND_LOGIC = 5 + (10 + 4) + 12 + 6 + 21  # 5 + 14 + 12 + 6 + 21 = 58
+TREE_BOUND_B1 = sum(TREE_REPLAYS.values()) + TREE_ROUND_LOGIC  # 25 + 58 = 83
 TREE_ONCE = 8  #: ops of the constants made on first use per batch size (const_arange, padding)
 
 
@@ -180,33 +179,33 @@ def test_tree_v2_overlap_host_ops_per_round_stay_under_the_rule_and_do_not_grow_
     out), derived from the rules:
 
     * graph replays (speculative/tree/graphs.py, fa3/graph_metadata.py, graphs/runner.py): the
-      draft graph 16 = 3 fused copies of the batch and inputs (int64, int32, fp32 topk_p), the
-      shared prefix (TR-013: lp and L - lp 2, one fused metadata copy, the ``cu_seqlens_k``
-      cumsum, the page-table gather and ``// P``), the replay, the clones of its 6 outputs (the
-      graph's buffers are rewritten at its next replay); its expand metadata of every step is
-      the graph's own work (0 host ops).  Verify 13 = 3 copies (int64, int32, the bool tree
-      mask rows), the prefix (K = L: one fused copy, cumsum, 2 for the page table), the replay,
-      the clones of its 5 outputs; its expand metadata likewise inside the graph.  Draft extend (the chain's runner)
-      13 = 2 copies, ``seq_lens_cpu`` (full, cat), ``seq_lens + 0`` and its cumsum, the host max
-      and its read, 2 for the page table, the ``cu_seqlens_q`` cumsum, the replay, the clone of
-      its logits: **42**;
+      draft graph 6 = 3 fused copies of the batch and inputs (int64, int32, fp32 topk_p), the
+      shared prefix page table over the host bound (the gather and ``// P``), the replay; the
+      prefix lengths (TR-013: K = L - lp, ``cu_seqlens_k``), every step's expand metadata and
+      the tail copies into branches t >= 1 (TR-015) are the graph's own work (0 host ops), and
+      its 6 outputs are views (no clone: every reader is launched before the graph's next
+      replay, tests/test_tree_overlap.py).  Verify 6 = 3 copies (int64, int32, the bool tree
+      mask rows), 2 for the page table, the replay; the prefix lengths (K = L), the expand
+      metadata and, v2, the path's KV move and the compaction of predict (TR-020 / TR-021) are
+      inside the graph, its 5 outputs views.  Draft extend (the chain's runner) 13 = 2 copies,
+      ``seq_lens_cpu`` (full, cat), ``seq_lens + 0`` and its cumsum, the host max and its read,
+      2 for the page table, the ``cu_seqlens_q`` cumsum, the replay, the clone of its logits:
+      **25**;
     * round logic: rows to the device (2) and the future-map gathers (3) = 5; the branch slots
-      (geometry 4, positions 4, gather + int64 2) 10, the tail slots (geometry 4, positions 4,
-      one stacked gather + int64, ``i >= lp`` and its masked fill) 13, their KV copy in the
-      1-layer draft pool 2, the draft batch (positions 2, int32 L, ``seq_lens_cpu``) 4; the tree
-      (root ``cat``, positions, FULL_MASK 10) 12; the verify window and batch 6; after verify 33:
-      a = n + 1, the path's slots 5, their KV move in the 2-layer target pool 4, the compaction
-      of predict 3 (no hidden: the early-exit draft does not read it), the draft-extend batch 4,
-      its ``num_accept_tokens`` 1, the kept rows (``select_index``, the logits gather, top-k 2)
-      4, L + a, the next root, the future-map scatters 4, the result rows 4 and their ``cat``:
-      **85**.
+      (geometry 4, positions 4, gather + int64 2) 10, the draft batch (positions 2, int32 L,
+      ``seq_lens_cpu``) 4; the tree (root ``cat``, positions, FULL_MASK 10) 12; the verify
+      window and batch 6; after verify 21: a = n + 1, the draft-extend batch 4, its
+      ``num_accept_tokens`` 1, the kept rows (``select_index``, the logits gather, top-k 2) 4,
+      L + a, the next root, the future-map scatters 4, the result rows 4 and their ``cat``:
+      **58**.
 
-    So <= 127 ops per round at B = 1 (before: 298 at this shape).  The index constants
-    (``const_arange``) and the tree replays' padding constants are made once per batch size
-    (``TREE_ONCE``).  B = 3 pads to the graph of 4: the two tree replays each add one ``cat`` of
-    the padded ``seq_lens_cpu``, verify one of the padded FULL_MASK (the static batch's
-    ``custom_mask``): 3, and no op per request.  The commit phase works on host
-    data: 0 ops outside the allocator.
+    So <= 83 ops per round at B = 1 (before: 298 at this shape, then 127 with the tail copies,
+    the path's KV move and compaction and the prefix lengths eager and the tree outputs
+    cloned).  The index constants (``const_arange``) and the tree replays' padding constants
+    are made once per batch size (``TREE_ONCE``).  B = 3 pads to the graph of 4: the two tree
+    replays each add one ``cat`` of the padded ``seq_lens_cpu``, verify one of the padded
+    FULL_MASK (the static batch's ``custom_mask``): 3, and no op per request.  The commit phase
+    works on host data: 0 ops outside the allocator.
     """
     ops1, r1 = audited_tree(1)
     ops3, r3 = audited_tree(3)

@@ -76,6 +76,56 @@ def test_v2_tree_loop_with_overlap_is_lossless(model, P, k, N, S, graphs):
     assert eng.kv.allocator.num_free_pages == eng.free_pages_at_start
 
 
+def _cuda_like_outputs(monkeypatch):
+    """Emulated graphs that return the SAME output tensors at every replay, rewritten in place
+    (a CUDA graph's outputs live in its pool: ``CudaGraph.replay`` returns one tuple for good);
+    the plain emulator returns fresh tensors, so a read after the next replay would pass there.
+    Returns ``{graph: its fixed outputs}``."""
+    from refspec.graphs import capture
+
+    fixed, replay = {}, capture.EmulatedGraph.replay
+
+    def flat(out):
+        return [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+
+    def rewriting(self):
+        out = replay(self)
+        if self not in fixed:
+            fixed[self] = out
+        else:
+            for dst, src in zip(flat(fixed[self]), flat(out)):
+                dst.copy_(src)
+        return fixed[self]
+    monkeypatch.setattr(capture.EmulatedGraph, "replay", rewriting)
+    return fixed
+
+
+@pytest.mark.spec("TR-018", "TR-019", "SD-002")
+@pytest.mark.parametrize("P", (1, 16))
+def test_overlap_reads_each_tree_graph_output_before_the_graph_replays_again(model, P, monkeypatch):
+    """The tree graphs hand out views of their output buffers, no clone (``TreeGraphRunner.replay``):
+    with buffers every replay rewrites, as on a GPU, the overlapped loop (round k+1 launched
+    before round k is read) still equals plain greedy.  Control: a verify output kept from one
+    round does change under the next round's replay, so a late reader would see it."""
+    fixed = _cuda_like_outputs(monkeypatch)
+    draft = make_draft(model, model)
+    eng = _engine(model, draft, P, 4, 8, overlap=True, graphs=True)
+    runner, kept = eng.runners.graph["tree_verify"], []
+    replay = runner.replay
+
+    def keep_first(live, inputs):
+        out = replay(live, inputs)
+        if not kept:
+            kept.extend((out[3], out[3].clone()))  # accept_index: a view, and its value then
+        return out
+    monkeypatch.setattr(runner, "replay", keep_first)
+    eng.run()
+    for r, (g, o) in zip(sorted(eng.done, key=lambda r: r.rid), _reference(model, draft, 4, 8)):
+        assert r.output == g and r.accepts == o.accepts
+    assert len(fixed) >= 3 and eng.runners.counts[("tree_verify", "graph")] > 1
+    assert not torch.equal(kept[0], kept[1])  # the view was rewritten by later replays
+
+
 @pytest.mark.spec("TR-020", "KV-002", "KV-006", "SD-008")
 @pytest.mark.parametrize("P", (1, 4))
 def test_overlap_reserve_is_twice_alloc_and_the_kv_audits_at_every_round(model, P):

@@ -294,11 +294,16 @@ def test_gpu_replays_the_committed_tree_trace_with_real_fa3(path, tamper, inv):
 @pytest.mark.spec("TR-018")
 def test_graph_replay_that_does_not_write_metadata_in_place_fails(monkeypatch):
     """Each round also replays verify and draft decode through the production tree graphs; a
-    replay whose metadata copy into the captured buffers is lost reads the capture-time batch."""
+    replay whose metadata write into the captured buffers is lost (the prefix page table, the one
+    part replay writes; the rest is the graph's own work) reads the capture-time batch."""
     rep = replay_tree_trace(recorded())
     assert rep.graphs and all(r.graphs == ["verify", "draft"] for r in rep.rounds), rep.to_markdown()
     from refspec.speculative.tree import graphs as tree_graphs
-    monkeypatch.setattr(tree_graphs, "_copy", lambda pairs: None)
+    monkeypatch.setattr(tree_graphs, "replay_page_table", lambda *a: None)
+    rep = replay_tree_trace(recorded())
+    assert not rep.ok and "[TR-018] tree verify: graph replay" in failures(rep)
+    monkeypatch.undo()  # and a graph that does not write its prefix lengths itself
+    monkeypatch.setattr(tree_graphs, "write_prefix_lengths", lambda pre, K: None)
     rep = replay_tree_trace(recorded())
     assert not rep.ok and "[TR-018] tree verify: graph replay" in failures(rep)
     assert replay_tree_trace(recorded(), graphed=False).ok  # eager alone does not see it

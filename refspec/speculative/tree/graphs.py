@@ -17,29 +17,36 @@ M = ``ceil(req_to_token.shape[1] / P)`` columns (CG-008).  Replay copies the liv
 batch buffers (padded requests: row 0, L = 1, slots 0 -- the reserved page, CG-005) with ONE
 ``torch._foreach_copy_`` per dtype (the batch fields, the inputs, the verify tree mask rows; the
 padded rows from constant fill tensors, as :class:`~refspec.graphs.runner.GraphRunner` does),
-then writes the prefix metadata *into* the captured buffers (CG-001): ``K`` (L, or L - lp for
-the draft) in one fused copy, ``cu_seqlens_k`` and the strided page table over the host bound
-(:func:`~refspec.fa3.graph_metadata.replay_page_table`, MD-007) -- the values of
-:func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` / ``draft_prefix_metadata``.
-The expand metadata reads only static buffers, so it is the captured graph's own first work,
-in place and with the eager rule functions (:func:`write_verify_expand`: the tree mask rows,
+then writes the one part of the metadata that needs a host value *into* the captured buffers
+(CG-001): the prefix's strided page table over the host bound
+(:func:`~refspec.fa3.graph_metadata.replay_page_table`, MD-007).  The rest reads only static
+buffers, so it is the captured graph's own first work, in place and with the eager rule
+functions: the prefix lengths (:func:`write_prefix_lengths`: ``K`` = L, or L - lp for the draft,
+and ``cu_seqlens_k``; with the page table the values of
+:func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` / ``draft_prefix_metadata``) and the
+expand metadata (:func:`write_verify_expand`: the tree mask rows,
 which the live batch brings from the tree builder, ``TreeVerifyBatch.tree_mask``;
 :func:`write_draft_expand`: upstream's ``_apply_cuda_graph_metadata`` way,
 ``draft_decode_set_expand_metadata`` on ``cache_loc[:, :s+1]`` into the ``s + 2``-wide buffer
 (unsliced, as at 0.5.12.post1 before sgl-project/sglang#27360's slice, its ``scatter_`` writes
 past the buffer: the #25077 family)).  Upstream writes both parts before the replay, one op per
-field; here a replay dispatches no host op per metadata field (tests/test_launch_audit.py).
+field; here a replay dispatches one gather and one ``// P`` for all of it (tests/test_launch_audit.py).
 The draft extend is the chain's graph: v1 DRAFT_EXTEND at ``Sd + 1`` rows per request, v2
 DRAFT_EXTEND_V2 at N rows (:func:`capture_tree_graphs`).
 
-What the captured functions return (:class:`~refspec.speculative.tree.runners.TreeRunners`):
-the draft graph ends with ``organize_draft_results`` and the tree's length-free structure
-(parents, child lists, ancestors, depth: :func:`~refspec.speculative.tree.device.tree_structure`),
-the verify graph with the target argmax and greedy tree acceptance
+What the captured functions compute (:class:`~refspec.speculative.tree.runners.TreeRunners`):
+the draft graph starts with the tail copies into branches t >= 1 (TR-015, from the static rows
+and L, in the draft pool) and ends with ``organize_draft_results`` and the tree's length-free
+structure (parents, child lists, ancestors, depth:
+:func:`~refspec.speculative.tree.device.tree_structure`), the verify graph ends with the target
+argmax and greedy tree acceptance
 (:func:`~refspec.speculative.tree.device.verify_tree_greedy_device`; its inputs are the node
-tokens and the child lists), so neither the ``[B*N, V]`` logits nor a host loop sit between
-them.  Replay keeps B*N rows of a per-node output and B of a per-request one, cloned out of the
-graph's buffers (the next replay rewrites them), as the chain's runner does.
+tokens and the child lists) and, under v2, the accepted path's KV move and the compaction of
+``predict`` / ``hidden`` to the front (TR-020 / TR-021), so neither the ``[B*N, V]`` logits nor
+a host loop sit between them.  Replay keeps B*N rows of a per-node output and B of a
+per-request one, as views of the graph's buffers (no copy-out, upstream's
+``CudaGraphRunner.replay`` way): valid until the graph's next replay, and the round launches
+every reader of them before that (:meth:`TreeGraphRunner.replay`).
 """
 
 from __future__ import annotations
@@ -95,12 +102,13 @@ def write_verify_expand(exp: FlashAttentionMetadata, mask: torch.Tensor, fb, req
     torch.cumsum(exp.cache_seqlens_int32, 0, dtype=torch.int32, out=exp.cu_seqlens_k[1:])
 
 
-def _copy(pairs: list) -> None:
-    """Write rebuilt metadata into the captured tensors (``(dst, src)`` pairs, real rows and
-    padding alike), never rebinding (CG-001): ONE ``torch._foreach_copy_`` (every FA3 metadata
-    tensor is int32), as :func:`refspec.graphs.runner.copy_rows` writes the batch buffers."""
-    if pairs:
-        copy_rows([d for d, _ in pairs], [s for _, s in pairs])
+def write_prefix_lengths(pre: FlashAttentionMetadata, K: torch.Tensor) -> None:
+    """TR-010 / TR-013, inside both tree graphs: the prefix lengths, in place, from the static
+    ``seq_lens`` alone: ``cache_seqlens <- K`` (verify L, draft L - lp:
+    :func:`~refspec.fa3.tree_metadata.draft_prefix_seqlens`), ``cu_seqlens_k[1:] <- cumsum K``.
+    The prefix page table needs the host bound, so replay writes it (:meth:`TreeGraphRunner._write_metadata`)."""
+    pre.cache_seqlens_int32.copy_(K)
+    torch.cumsum(K, 0, dtype=torch.int32, out=pre.cu_seqlens_k[1:])
 
 
 class TreeGraphRunner:
@@ -273,28 +281,17 @@ class TreeGraphRunner:
             fb.custom_mask = self._pad_mask(None if live is None else live.custom_mask, B, bs)
         return max(lens + [1] * (bs - B))
 
-    def _write_prefix(self, pre: FlashAttentionMetadata, fb, K: torch.Tensor, max_len: int, pairs: list) -> None:
-        """The prefix part in place (TR-010 / TR-013): ``cache_seqlens <- K`` (one of the fused
-        copies), ``cu_seqlens_k[1:] <- cumsum K`` and the strided page table over ``max_len``
-        (:func:`refspec.fa3.graph_metadata.replay_page_table`, MD-007), the same values as
-        :func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` /
-        :func:`~refspec.fa3.tree_metadata.draft_prefix_metadata`.  Raises: CG-008 when the pages
-        do not fit the captured table."""
+    def _write_metadata(self, fb, bs, max_len: int):
+        """The prefix page table (shared by every backend, TR-010 / TR-013), written once per
+        replay over the host bound ``max_len`` (:func:`refspec.fa3.graph_metadata.replay_page_table`,
+        MD-007), and the bound metadata handed to the backends; the prefix lengths and the expand
+        parts are the graph's own first work (:func:`write_prefix_lengths`,
+        :func:`write_verify_expand`, :func:`write_draft_expand`).  Together the values of
+        :func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` / ``draft_prefix_metadata``.
+        Raises: CG-008 when the pages do not fit the captured table."""
         m = -(-max_len // self.P)
         require(m <= self.width, "CG-008", f"replay needs {m} page-table columns, the buffer has {self.width}")
-        pairs.append((pre.cache_seqlens_int32, K))
-        torch.cumsum(K, 0, dtype=torch.int32, out=pre.cu_seqlens_k[1:])
-        replay_page_table(pre, fb, self.r.kv.req_to_token, self.strided, max_len, self.P)
-
-    def _write_metadata(self, fb, bs, max_len: int):
-        """The prefix part (shared by every backend, TR-010 / TR-013), written once per replay
-        from the host bound ``max_len``; the expand parts are the graph's own first work
-        (:func:`write_verify_expand`, :func:`write_draft_expand`)."""
-        pre = self.bound[bs][0][0]
-        K = fb.seq_lens if self.phase == "verify" else tm.draft_prefix_seqlens(fb.seq_lens, self.P)  # L / L - lp
-        pairs = []
-        self._write_prefix(pre, fb, K, max_len, pairs)
-        _copy(pairs)
+        replay_page_table(self.bound[bs][0][0], fb, self.r.kv.req_to_token, self.strided, max_len, self.P)
         for be, (pre, exp) in zip(self.backends, self.bound[bs]):
             be.forward_metadata, be.forward_metadata_spec_decode_expand = pre, exp
 
@@ -306,17 +303,19 @@ class TreeGraphRunner:
         rows = bs * (self.N if self.phase == "verify" else 1)
         inputs = {n: t[:rows] for n, t in self.inputs.items()}
         graph = make_graph(fb.seq_lens.device, pool)
-        fn = self.fn  # the closures must not hold the runner (a cycle only the GC could free)
-        if self.phase == "draft":  # the draft expand metadata is the graph's first work (module doc)
+        fn, pre = self.fn, self.bound[bs][0][0]  # the closures must not hold the runner (a GC-only cycle)
+        if self.phase == "draft":  # the prefix lengths and expand metadata are the graph's first work (module doc)
             expand, k, S, P = [exp for _, exp in self.bound[bs]], self.k, self.S, self.P
 
             def run():
+                write_prefix_lengths(pre, tm.draft_prefix_seqlens(fb.seq_lens, P))  # K = L - lp
                 write_draft_expand(expand, fb, k, S, P)
                 return fn(fb, inputs)
-        else:  # the verify expand metadata likewise, from the mask rows replay copies in
+        else:  # likewise for verify, the expand part from the mask rows replay copies in
             exp, mask, R, N = self.bound[bs][0][1], self.mask_rows[:bs * self.N], self.r.kv.req_to_token, self.N
 
             def run():
+                write_prefix_lengths(pre, fb.seq_lens)  # K = L
                 write_verify_expand(exp, mask, fb, R, N)
                 return fn(fb, inputs)
         graph.capture(run)
@@ -325,9 +324,13 @@ class TreeGraphRunner:
     def replay(self, live, inputs: dict):
         """Pad ``live`` to the smallest captured size, rewrite metadata in place, replay, slice.
 
-        The outputs are the real rows of the graph's output tensors, cloned: the next replay of
-        this graph rewrites those buffers, so a reader that runs after the next round's launch
-        (the overlap schedule) still sees this round's values."""
+        The outputs are views of the real rows of the graph's output tensors (upstream's
+        ``CudaGraphRunner.replay`` returns its ``output_buffers`` sliced), valid until this
+        graph's next replay.  No copy-out: every reader of them is launched in the same round
+        (the next tree, the verify inputs, the compaction, the draft extend, the future-map
+        scatters and the result rows all make new tensors or write the future map), before the
+        next round's launch replays the graph again (``tests/test_tree_overlap.py`` runs the
+        overlap schedule on output buffers that every replay rewrites, as a CUDA graph does)."""
         require(self.can_run(live), "CG-007", f"batch of {live.batch_size}; captured {self.capture_bs}")
         B = live.batch_size
         bs = self.capture_bs[bisect.bisect_left(self.capture_bs, B)]
@@ -339,7 +342,7 @@ class TreeGraphRunner:
         # accepted path and its length) keep B; draft: every output is per request (B rows)
         rows = B * (self.N if self.phase == "verify" else 1)
         keep = [B if o.shape[0] == bs else rows for o in out]
-        return tuple(o[:n].clone() for o, n in zip(out, keep))
+        return tuple(o[:n] for o, n in zip(out, keep))
 
 
 def capture_tree_graphs(runners, capture_bs, dtype) -> None:

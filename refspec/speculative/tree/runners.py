@@ -7,7 +7,8 @@ chain) with
 * ``tree_draft``: the S - 1 draft-decode forwards over B*k branch rows, each on the
   :class:`~refspec.fa3.tree_backend.FlashAttentionTreeBackend` of its step, with SGLang's
   per-step top-k expansion between them (``EAGLEWorker.draft_forward``);
-* ``tree_verify``: TARGET_VERIFY over the N tree nodes of every request.
+* ``tree_verify``: TARGET_VERIFY over the N tree nodes of every request, greedy acceptance and,
+  v2, the accepted path's KV move and compaction.
 
 Both run eagerly or, with ``graphs``, replay a captured graph of the same forward function
 (:mod:`refspec.speculative.tree.graphs`).  Batch builders for both live here too.
@@ -75,6 +76,7 @@ class TreeRunners(SpecRunners):
         if attention != "fa3":
             raise ValueError(f"top-k > 1 runs on the FA3 tree backend only, got attention={attention!r}")
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
+        self.target_pool, self.draft_pool = target_pool, draft_pool  # the tree forwards move KV inside them
         bkw = dict(topk=topk, provider=provider, validate=validate)
         self.tree_verify_be = FlashAttentionTreeBackend(target_pool, kv, num_draft_tokens=num_draft_tokens, **bkw)
         self.tree_step_bes = [FlashAttentionTreeBackend(draft_pool, kv, num_steps=num_steps, speculative_step_id=s,
@@ -96,7 +98,15 @@ class TreeRunners(SpecRunners):
         accept_token_num [B])``: the argmax and
         :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` run inside the forward
         (inside the verify graph when replayed), so the ``[B*N, V]`` logits never leave it
-        (upstream ``EagleVerifyInput.verify``: ``target_predict``, then ``verify_tree_greedy``)."""
+        (upstream ``EagleVerifyInput.verify``: ``target_predict``, then ``verify_tree_greedy``).
+
+        v2 (upstream ``run_eagle_verify``'s tail, TR-020 / TR-021) then finishes the path inside
+        the forward too: its target KV moves to the first a verify slots of each request
+        (:func:`~refspec.speculative.tree.v2.move_accept_tokens_to_target_kvcache` on
+        ``fb.out_cache_loc``) and ``predict`` (and, for a draft that reads it, ``hidden``) come
+        back compacted to the front of each N-row block
+        (:func:`~refspec.speculative.tree.v2.compact_accept_to_front`).  v1 returns them per node
+        and compacts after its host read (:func:`~refspec.speculative.tree.kv.compact_accepted_path`)."""
         N = self.num_draft_tokens
         logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be)
         target_predict = logits.argmax(-1)
@@ -105,11 +115,23 @@ class TreeRunners(SpecRunners):
         predict, accept_index, n = verify_tree_greedy_device(
             x["ids"].view(B, N), ridx, x["retrive_next_token"].view(B, N), x["retrive_next_sibling"].view(B, N),
             target_predict, self.Sd + 1)
+        if self.version == "v2":
+            from refspec.speculative.tree.v2 import compact_accept_to_front, move_accept_tokens_to_target_kvcache
+            acc = accept_index[:, :min(self.Sd + 1, N)]  # a path has at most min(S + 1, N) nodes
+            move_accept_tokens_to_target_kvcache(self.target_pool, fb.out_cache_loc, acc, N)
+            predict = compact_accept_to_front(predict, acc, N)
+            if self.draft.uses_hidden:  # else the draft extend ignores it
+                hidden = compact_accept_to_front(hidden, acc, N)
         return target_predict, hidden, predict, accept_index, n
 
     def _tree_draft_fn(self, fb, x):
-        """S - 1 draft steps + the expansion between them, then the tree's structure.  ``x``:
-        ``topk_p``, ``topk_index`` [B, k] (the root's children) and ``hidden`` [B, E] (EAGLE).
+        """The tail copies, S - 1 draft steps + the expansion between them, then the tree's
+        structure.  ``x``: ``topk_p``, ``topk_index`` [B, k] (the root's children) and ``hidden``
+        [B, E] (EAGLE).  First the partial tail page's lp tokens are copied into branches t >= 1
+        (TR-015: :func:`~refspec.speculative.tree.kv.tail_copy_slots` from the batch's device
+        rows and L, fixed shape, then :func:`~refspec.speculative.tree.kv.move_kv_cache` in the
+        draft pool), so inside the draft graph when replayed; upstream runs
+        ``duplicate_prefix_tail_to_draft_branches`` just before the draft forward.
 
         Returns ``(draft_tokens [B, N-1], parents, retrive_next_token, retrive_next_sibling
         [B, N], ancestors [B, N, N], depth [B, N])``: SGLang's ``organize_draft_results`` over
@@ -117,6 +139,9 @@ class TreeRunners(SpecRunners):
         ``build_tree_efficient`` (:func:`~refspec.speculative.tree.device.tree_structure`), all
         inside the draft graph when replayed; the round adds L (positions, the flat mask)."""
         k, S = self.topk, self.Sd
+        if S > 1:  # fb is None at S = 1: no draft step, no branch KV
+            src, tgt = tree_kv.tail_copy_slots(self.kv, fb.req_pool_indices, fb.seq_lens, k, S)
+            tree_kv.move_kv_cache(self.draft_pool, tgt, src)
         hidden = x.get("hidden")
         ids, hid, scores, info = select_top_k_tokens_first(x["topk_p"], x["topk_index"], hidden, k)
         score_list, token_list, parents_list = [info[0]], [info[1]], [info[2]]
@@ -177,13 +202,12 @@ def round_inputs(eng, reqs):
 
 def draft_in_branches(eng, reqs, rows_dev, L, hi, bound, x, hidden):
     """Draft decode over the k branches once their slots exist (v1: allocated for the round; v2:
-    inside the reserve): branch slots (TR-013), the partial tail page copied into branches t >= 1
-    (TR-015), the S - 1 steps.  ``L`` [B] on the device, ``hi`` its host value or bound.
+    inside the reserve): branch slots (TR-013), then the draft forward (the partial tail page
+    copied into branches t >= 1, TR-015, and the S - 1 steps).  ``L`` [B] on the device, ``hi``
+    its host value or bound.
     Returns the runner's draft outputs (:meth:`TreeRunners._tree_draft_fn`)."""
     kv, k, S = eng.kv, eng.topk, eng.Sd
     loc = tree_kv.assign_draft_cache_locs_device(kv, rows_dev, L, k, S)
-    src, tgt = tree_kv.tail_copy_slots(kv, rows_dev, L, k, S)
-    tree_kv.move_kv_cache(eng.draft_pool, tgt, src)
     fb = tree_draft_batch_device(rows_dev, L, hi, k, S, loc, bound)
     out = eng.runners.tree_draft(fb, x["topk_p"], x["topk_index"], hidden)
     eng.observe("draft_decode", reqs=reqs, fb=fb)
@@ -197,7 +221,8 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
     [B] on the device, ``hi`` its host value (or, ``bound``, an upper bound, which sizes the
     flat ``custom_mask``).  Returns (tree, fb, target_predict, hidden, predict, accept_index, n,
     window); ``target_predict`` int64 [B*N] is the target's argmax per node (upstream
-    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016),
+    ``EagleVerifyInput.verify``'s ``target_predict``), ``predict`` the accepted tokens (TR-016;
+    v2: with ``hidden`` compacted to the front and the path KV moved, :meth:`TreeRunners._tree_verify_fn`),
     ``window`` the ``(positions, slots)`` ``[B, N]`` of L..L+N-1."""
     kv, k, N, B = eng.kv, eng.topk, eng.N, len(reqs)
     tree = assemble_tree(roots, drafted[0], drafted[1:], L, sum(hi) * N + B * N * N)

@@ -12,14 +12,17 @@ draft hidden the previous draft extend left.
 1. **draft** (TR-013..TR-015): the branch layout of v1 (branch t, step j at row position
    ``prefix_base + t*npp*P + lp + j``, the partial tail page copied into branches t >= 1), but
    the branch slots are *inside the reserve*: no ``backup_state`` / ``restore_state``; slots,
-   tail copies and positions are gathered on the device from the device L;
+   tail copies and positions are gathered on the device from the device L (the tail copies by
+   the draft forward itself, inside its graph when replayed);
 2. **tree** (TR-016) and **verify** (TR-010..TR-012) at ``L .. L+N-1``:
    :func:`~refspec.speculative.tree.device.build_tree_device`;
 3. **accept** (TR-016): :func:`~refspec.speculative.tree.device.verify_tree_greedy_device` ->
    ``predict`` [B*N] (0 off the path), ``accept_index`` [B, S+1], n; a = n + 1 stays on the device;
 4. **compact** (TR-020): the path's target KV moves to the first a verify slots of each
    request (:func:`move_accept_tokens_to_target_kvcache`); ``predict`` and the target hidden
-   are gathered to the front of each request's N-row block (:func:`compact_accept_to_front`).
+   are gathered to the front of each request's N-row block (:func:`compact_accept_to_front`);
+   both are the verify forward's last work (upstream's ``run_eagle_verify`` tail; inside the
+   verify graph when replayed, :meth:`~refspec.speculative.tree.runners.TreeRunners._tree_verify_fn`).
    The rejected branches' slots are *not* freed: they stay in the reserve and the next round's
    draft / verify overwrite them; the row is freed whole when the request finishes (KV-006);
 5. **draft extend v2** (TR-021): ``DRAFT_EXTEND_V2`` over the whole verify window, N rows per
@@ -74,8 +77,9 @@ finishes one round late), not upstream's scheduler with its separate forward thr
 (:mod:`refspec.speculative.tree.device`) where upstream calls one CUDA kernel each
 (``build_tree_kernel_efficient``, ``verify_tree_greedy``): ``organize_draft_results`` and the
 tree's length-free structure run inside the draft graph (its last ops), the target's argmax and
-the greedy walk inside the verify graph; only positions and the flat mask (its size is a host
-value) are assembled eagerly between the graphs;
+the greedy walk, the path's KV move and the compaction inside the verify graph; the draft
+slots and positions, the flat mask (its size is a host value) and the draft-extend seeds are
+assembled eagerly between the graphs;
 (4) the tail copies are a fixed-shape gather padded with slot 0 -> slot 0 copies (upstream's
 ``duplicate_prefix_tail_to_draft_branches`` kernel copies exactly lp slots per branch);
 (5) draft step s runs at position L + s (SD-007).
@@ -180,14 +184,12 @@ def round_tree_v2(eng, reqs, seq_lens_hi: list[int] | None = None) -> torch.Tens
     tree, fb, target_predict, hidden, predict, accept_index, n, window = tree_verify_accept(
         eng, reqs, rows_dev, L, hi, bound, roots, drafted)
     a = n + 1
-    # 4. compact: path KV to the first a verify slots; predict and hidden to the front; nothing freed.
-    # A path has at most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
-    acc = accept_index[:, :min(S + 1, N)]
-    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=acc,
+    # 4. compact: the verify forward moved the path KV to the first a verify slots and returned
+    # predict and hidden at the front (TreeRunners._tree_verify_fn); nothing freed.  A path has at
+    # most min(S + 1, N) nodes: with N < S + 1 the last columns are all -1 (dropped)
+    eng.observe("tree_accept", reqs=reqs, parents=tree["parents"], accept_index=accept_index[:, :min(S + 1, N)],
                 draft_tokens=tree["draft_tokens"], target_predict=target_predict)  # for recorders
-    move_accept_tokens_to_target_kvcache(eng.target_pool, fb.out_cache_loc, acc, N)
-    predict = compact_accept_to_front(predict, acc, N)
-    hidden = compact_accept_to_front(hidden, acc, N) if eng.draft.uses_hidden else None  # else the extend ignores it
+    hidden = hidden if eng.draft.uses_hidden else None  # else the extend ignores it
     # 5. draft extend v2 over the whole window: N rows at L..L+N-1 (seq_lens = L + N); keep b*N + a_b - 1
     de = draft_extend_v2_batch_future(kv, [r.row for r in reqs], rows_dev, L, hi, N, window)
     de.seq_lens_cpu_is_bound = bound
