@@ -45,7 +45,7 @@ def main(out: Path, which: list[int], runs: int = 3) -> None:
                     if k in ("x_peer", "x_chain", "launch_us"):
                         per_run.append(", ".join(f"{v:.3g}" for v in vals))
                 else:
-                    cells.append(" / ".join(dict.fromkeys(str(v) for v in vals)))
+                    cells.append(" / ".join(dict.fromkeys(str(v) for v in vals if v is not None)))
             lines.append("| " + " | ".join(cells) + f" | {'; '.join(per_run)} |")
         lines.append("")
     text = "\n".join(lines)
