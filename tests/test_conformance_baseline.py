@@ -98,17 +98,19 @@ def test_a_planted_new_failure_is_new_and_exits_1(trees, tmp_path, capsys):
     assert staged.split()[:2] == ["new,", "same"]
     assert row.split()[:7] == ["new", "failure", "verify", "16", "replay", "1", "DIFFERS:"]
     assert row.endswith("cache_seqlens_int32 [MD-011]")
-    # the upstream line is read from the code under test: no write of the field there, the replay hook's def line
+    # the upstream line is read from the code under test: canned results carry no executed lines, so it is
+    # read statically (and said so): no write of the field there, the replay hook's def line
     _, pr, _ = trees
     fa = pr / "python" / install.FA
     line = next(i for i, x in enumerate(fa.read_text().splitlines(), 1) if "def init_forward_metadata_out_graph" in x)
     findings = [x for x in text.splitlines() if x.startswith("  DIFFERS ")]
     assert findings == [f"  DIFFERS {VERIFY} replay: MD-011 (upstream behaviour) cache_seqlens_int32: refspec "
-                        f"[65, 24] | upstream [66, 24] (upstream {install.FA}:{line})"]
+                        f"[65, 24] | upstream [66, 24] (upstream {install.FA}:{line}, not traced, read statically)"]
     # the report: what this PR changes first, with the rule ID and the per-finding line
     head = md.split("<details>")[0]
     assert "**MD-011**" in head and f"verify P = 16 replay (`{VERIFY}`): `cache_seqlens_int32`: refspec `[65, 24]`, " \
-                                    f"upstream `[66, 24]`; upstream line `{fa}:{line}`" in head
+                                    f"upstream `[66, 24]`; upstream line `{fa}:{line}` (not traced, read " \
+                                    "statically)" in head
     assert "| new failure | verify | 16 | replay | 1 | DIFFERS: cache_seqlens_int32 [MD-011] |" in head
 
 
@@ -133,7 +135,7 @@ def test_failing_on_both_by_one_more_rule_is_a_new_failure(trees, tmp_path, caps
     planted[("pr", VERIFY, "replay")] = dict(OURS, cu_seqlens_k=torch.tensor([0, 64, 88]),
                                              cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
     rc, text, _ = review(trees, tmp_path, capsys)
-    assert rc == 1 and "1 new failure [MD-006, MD-011]" in text and "0 pre-existing" in text
+    assert rc == 1 and "1 new failure [MD-011, MD-006]" in text and "0 pre-existing" in text
 
 
 def test_a_fix_is_reported_as_fixed(trees, tmp_path, capsys):

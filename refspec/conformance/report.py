@@ -19,6 +19,14 @@ from refspec.conformance.known import BUGS, KNOWN, by_key, link
 ADAPTER = "ADAPTER"
 #: the refspec spec pages a finding links to (repository-relative)
 SPEC_BASE = "docs/spec"
+#: ``Finding.how``: the line ran and wrote the field (traced in the worker, :func:`rules.ran`)
+RAN = "ran"
+#: ``Finding.how``: the traceback's line of an upstream exception
+TRACEBACK = "traceback"
+#: ``Finding.how``: no traced line writes the field; read statically (:func:`rules.locate`)
+STATIC = "static"
+#: how each kind of upstream line is said after it (console, report)
+HOW = {RAN: "", TRACEBACK: "", STATIC: "not traced, read statically"}
 #: rules a passing run has not checked: the comparison reads values, never addresses
 NOT_BY_VALUES = (("CG-001", "buffer identity: captured buffers rewritten in place, not rebound; values are compared, "
                             "not addresses"),)
@@ -36,6 +44,9 @@ class Finding:
     where: tuple[str, int] | None  #: (file relative to the folder holding sglang/, line) in the code under test
     url: str | None  #: permalink at the release tag, or the local file:line
     note: str = ""  #: for an upstream exception: whether it is the page-table bound or the mode's rule
+    how: str = STATIC  #: how ``where`` was found: :data:`RAN`, :data:`TRACEBACK` or :data:`STATIC`
+    via: tuple[str, int] | None = None  #: :data:`RAN` in a helper / kernel file: the backend's line that ran it
+    via_url: str | None = None
 
     @property
     def spec(self) -> str:
@@ -73,21 +84,28 @@ class Row:
         return self.error is None and not self.undocumented
 
 
+#: ``Finding.ours`` when upstream raised or returned nothing: refspec's side of that result
+BUILT = "the metadata built"
 _AT = re.compile(r" at ((?:\S*/)?sglang/\S+?\.py):(\d+)")
 
 
-def find(row: Row, target=None) -> None:
+def find(row: Row, target=None, executed=None) -> None:
     """Fill ``row.findings``: each undocumented diff and the upstream error with its rule ID and
-    level (:func:`rules.rule_for`) and the upstream line read from ``target``'s code (the
-    traceback's line for an error; :func:`rules.locate` for a field)."""
+    level (:func:`rules.rule_for`) and the upstream line in ``target``'s code: the traceback's
+    line for an error; for a field the executed line that wrote it (:func:`rules.ran` over
+    ``executed``, the lines that ran while upstream built this result), else, when none did or
+    nothing was traced, the line :func:`rules.locate` reads statically (``Finding.how`` says which)."""
     row.findings.clear()
     shape = getattr(target, "shape", None)
     files = (rules.FA, *((shape.kernels,) if shape and shape.kernels and shape.kernels != rules.FA else ()))
 
     def where(fld):
         if target is None:
-            return None
-        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld)
+            return None, STATIC, None
+        w = rules.ran(target.site, executed, fld)
+        if w is not None:
+            return (w[0], w[1]), RAN, (None if w[2] is None or w[0] == rules.FA else (rules.FA, w[2]))
+        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld), STATIC, None
 
     def url(w):
         return rules.link(target, *w) if w else None
@@ -96,20 +114,22 @@ def find(row: Row, target=None) -> None:
         m = _AT.search(row.error)
         if m is None and " at " in row.error and "/refspec/conformance/" in row.error.split(":", 1)[0] + row.error:
             # raised in refspec's own adapter, not in upstream: the code cannot be driven there, no rule is broken
-            row.findings.append(Finding(ADAPTER, "cannot drive", None, "a result", row.error, None, None))
+            row.findings.append(Finding(ADAPTER, "cannot drive", None, BUILT, row.error, None, None))
             return
-        w = (m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))) if m else where(None)
+        w, how, _ = ((m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))), TRACEBACK, None) if m \
+            else where(None)
         stmt = rules.statement(os.path.join(target.site, w[0]), w[1]) if m and target is not None else ""
         rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt)
-        row.findings.append(Finding(rid, rules.level(rid), None, "a result", row.error, w, url(w), note))
+        row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how))
     for d in row.undocumented:
         rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
-        w = where(d.field)
-        row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w)))
+        w, how, via = where(d.field)
+        row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w), how=how, via=via,
+                                    via_url=url(via)))
 
 
 def _cell(rows: list[Row]) -> str:
-    ids = sorted({f.rule for r in rows for f in r.findings})
+    ids = rules.by_cause({f.rule for r in rows for f in r.findings})
     bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
     tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}]" if ids else ""
     if any(r.error for r in rows):
@@ -125,7 +145,8 @@ def finding_line(r: Row, f: Finding) -> str:
     """``DIFFERS decode/P4/B3/bs4 replay: MD-003 (upstream behaviour) cache_seqlens_int32: refspec .. |
     upstream .. (upstream sglang/...py:123)``."""
     where = f"{r.job} {r.phase}" + ("" if r.step is None else f" step {r.step}")
-    at = f" (upstream {f.where[0]}:{f.where[1]})" if f.where else ""
+    via = f", run from {f.via[0].rsplit('/', 1)[-1]}:{f.via[1]}" if f.via else ""
+    at = f" (upstream {f.where[0]}:{f.where[1]}{via}{', ' + HOW[f.how] if HOW[f.how] else ''})" if f.where else ""
     if f.rule == ADAPTER:
         return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
     bug = f" [{by_key(r.bug).marker}]" if r.bug else ""
@@ -158,10 +179,11 @@ def table(rows: list[Row], pin: str, verbose: bool = False, target=None, limit: 
             out += [f"  documented {where}: {d.field}: refspec {d.ours} | upstream {d.theirs} ({d.documented})"
                     for d in r.diffs if d.documented]
         out += [finding_line(r, f) for f in r.findings]
-    n_find = sum(len(r.findings) for r in rows if r.pin == pin)
+    mine = [r for r in rows if r.pin == pin]
+    n_find = sum(len(r.findings) for r in mine)
     if not verbose and n_find > limit:
         out = [x for x in out if not x.startswith("  documented")][:limit]
-        out.append(f"  ... {n_find - limit} more findings (-v prints all, --report FILE.md writes them)")
+        out.append(more_line(n_find - limit, mine))
     return "\n".join(lines + out)
 
 
@@ -216,19 +238,41 @@ def _target_md(rows: list[Row], label: str, base: str) -> list[str]:
     return lines + _rules_md([r for r in rows if r.pin == label and r.findings], base)
 
 
+def distinct(rows: list[Row]) -> dict[tuple, list[tuple[Row, Finding]]]:
+    """The findings of ``rows`` (the adapter's left out) grouped as the report lists them: one
+    bullet per (rule, field, upstream line, mode, phase), rules cause first (:func:`rules.by_cause`),
+    each group's findings in row order."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        for f in r.findings:
+            if f.rule != ADAPTER:
+                groups[(f.rule, f.field, f.where, r.mode, r.phase)].append((r, f))
+    order = {rid: i for i, rid in enumerate(rules.by_cause({k[0] for k in groups}))}
+    return dict(sorted(groups.items(), key=lambda kv: order[kv[0][0]]))
+
+
+def more_line(n_more: int, rows: list[Row], of: str = "") -> str:
+    """The console's ``... N more findings`` line: how many findings in all and how many distinct
+    ones the report writes (:func:`distinct`)."""
+    total = sum(len(r.findings) for r in rows)
+    k = len(distinct(rows))
+    return (f"  ... {n_more} more findings {of}({total} in all, {k} distinct by rule, field, upstream line, mode "
+            f"and phase: -v prints all {total}, --report FILE.md writes the {k} distinct ones)")
+
+
 def _rules_md(mine: list[Row], base: str) -> list[str]:
-    """The findings of the failing rows ``mine``: the rules broken (ID, level, spec link), each
-    distinct finding with both values and the upstream line, the closing words (known bugs)."""
+    """The findings of the failing rows ``mine``: the rules broken (ID, level, spec link, how many
+    results break each), each distinct finding (:func:`distinct`) with both values and the upstream
+    line, the closing words (the rules cause first; the known bugs)."""
     from refspec.cli.cite import spec_link
 
     if not mine:
         return []
     lines: list[str] = []
+    groups = distinct(mine)
     by_rule: dict[str, list] = defaultdict(list)
-    for r in mine:
-        for f in r.findings:
-            if f.rule != ADAPTER:
-                by_rule[f.rule].append((r, f))
+    for (rid, *_), items in groups.items():
+        by_rule[rid] += items
     adapter = [(r, f) for r in mine for f in r.findings if f.rule == ADAPTER]
     if adapter:
         lines += [f"{len(adapter)} results not compared: refspec's adapter cannot drive this code there "
@@ -236,40 +280,52 @@ def _rules_md(mine: list[Row], base: str) -> list[str]:
     if not by_rule:
         return lines
     lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
-    for rid, items in sorted(by_rule.items()):
+    for rid, items in by_rule.items():
         f0 = items[0][1]
         fields = sorted({f.field or "upstream error" for _, f in items})
-        lines.append(f"| [{rid}]({spec_link(rid, base)}) {rules.RULES[rid].title} | {f0.level} | {len(items)} | "
+        n = len({id(r) for r, _ in items})  # results (rows), as the summary counts them; not findings
+        lines.append(f"| [{rid}]({spec_link(rid, base)}) {rules.RULES[rid].title} | {f0.level} | {n} | "
                      f"{', '.join(fields)} |")
-    lines.append("")
-    seen = set()
-    for rid, items in sorted(by_rule.items()):
-        for r, f in items:
-            key = (rid, f.field, f.where, r.mode, r.phase)
-            if key in seen:
-                continue
-            seen.add(key)
-            at = f"[`{f.where[0]}:{f.where[1]}`]({f.url})" if f.where and f.url and f.url.startswith("http") \
-                else (f"`{f.url}`" if f.url else "unknown line")
-            what = f"{f.note or 'upstream exception'}" if f.field is None else f"`{f.field}`"
-            bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
-            lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}"
-                         f"{'' if r.step is None else f' step {r.step}'} (`{r.job}`): {what}: "
-                         f"refspec `{f.ours}`, upstream `{f.theirs}`; upstream line {at}{bug}")
+    total = sum(len(items) for items in groups.values())
+    lines += ["", f"{_n(len(groups), 'distinct finding')} of {total} (one example per rule, field, upstream line, "
+                  f"mode and phase):", ""]
+    for items in groups.values():
+        r, f = items[0]
+        rid = f.rule
+        at = _at(f.where, f.url) if f.where or f.url else "unknown"
+        at += f", run from {_at(f.via, f.via_url)}" if f.via else ""
+        at += f" ({HOW[f.how]})" if f.where and HOW[f.how] else ""
+        bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
+        like = f" ({len(items)} findings like it)" if len(items) > 1 else ""
+        step = "" if r.step is None else f" step {r.step}"
+        if f.field is None:
+            values = f"{f.note or 'upstream exception'}: refspec builds the metadata, upstream `{f.theirs}`"
+        else:
+            values = f"`{f.field}`: refspec `{f.ours}`, upstream `{f.theirs}`"
+        lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}{step} (`{r.job}`): {values}; "
+                     f"upstream line {at}{bug}{like}")
     lines.append("")
     verb = "does not follow" if any(f.level == "refspec hardening" for items in by_rule.values()
                                     for _, f in items) else "violates"
-    lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in sorted(by_rule)) +
-                 " (`python -m refspec cite ID` prints each rule with its sources).")
+    lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in by_rule) +
+                 " (cause first: the rule of the field the others are derived from; `python -m refspec cite ID` "
+                 "prints each rule with its sources).")
     for key in sorted({r.bug for r in mine if r.bug}):
         b = by_key(key)
-        rids = sorted({f.rule for r in mine if r.bug == key for f in r.findings})
+        rids = rules.by_cause({f.rule for r in mine if r.bug == key for f in r.findings})
         n = sum(r.bug == key for r in mine)
         lines.append(">")
         lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
                      f"(status: {b.status}); it does not fail the run.")
     lines.append("")
     return lines
+
+
+def _at(where: tuple[str, int] | None, url: str | None) -> str:
+    """A Markdown upstream line: the permalink for a release, else the local ``file:line``."""
+    if where and url and url.startswith("http"):
+        return f"[`{where[0]}:{where[1]}`]({url})"
+    return f"`{url}`" if url else "unknown"
 
 
 def _bug_link(key: str) -> str:
@@ -285,8 +341,10 @@ def summary(rows: list[Row], pin: str) -> dict:
             "undocumented": sum(not r.ok for r in mine), "known_bug": sum(bool(r.bug) for r in mine)}
 
 
-def bugs_table(keys: set[str]) -> str:
-    """The known upstream bugs ``keys``: rule, status (fixed by / open PR), what, upstream lines."""
+def bugs_table(keys: set[str], rows: list[Row] = ()) -> str:
+    """The known upstream bugs ``keys``: rule, status (fixed by / open PR), what, the lines its
+    failing ``rows`` cite in the code under review (where it was recognised there), then the
+    upstream lines at the releases it was reproduced at (said to be those releases' lines)."""
     lines = []
     for b in BUGS:
         if b.key not in keys:
@@ -297,8 +355,18 @@ def bugs_table(keys: set[str]) -> str:
                      + (f" (also {', '.join(b.also)})" if b.also else "") + f" {where}")
         lines.append(f"      {b.what}")
         lines.append(f"      status: {b.status}")
+        here = {}
+        for r in rows:
+            if r.bug == b.key:
+                for f in r.findings:
+                    if f.where:
+                        here.setdefault((r.pin, f.where, f.via), f.url)
+        for (pin, (rel, n), via), url in here.items():
+            run_from = f", run from {via[0].split('/')[-1]}:{via[1]}" if via else ""
+            lines.append(f"      in the code under review, sglang {pin}: {rel.split('/')[-1]}:{n}{run_from}  {url}")
         for pin, f, line in b.upstream:
-            lines.append(f"      upstream {pin} {f.split('/')[-1]}:{line}  {link(pin, f, line)}")
+            lines.append(f"      at the release {pin} (not the code under review): {f.split('/')[-1]}:{line}  "
+                         f"{link(pin, f, line)}")
     return "\n".join(lines)
 
 
@@ -373,7 +441,7 @@ def changes(base_rows: list[Row], test_rows: list[Row]) -> list[Change]:
 
 def _rule_ids(rows: list[Row]) -> str:
     """``MD-008, CG-004`` and the known bugs' keys of failing ``rows``."""
-    ids = sorted({f.rule for r in rows for f in r.findings})
+    ids = rules.by_cause({f.rule for r in rows for f in r.findings})
     bugs = sorted({by_key(r.bug).marker for r in rows if r.bug})
     return ", ".join(ids + bugs)
 
@@ -437,10 +505,10 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12) -> 
         lines.append(f"{'change':<{s}}  {'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result")
         for (status, label, P, phase), cs in groups.items():
             lines.append(f"{status:<{s}}  {label:<{w}}  {P:>3}  {phase:<13} {len(cs):>5}  {_change_cell(status, cs)}")
-    found = [finding_line(c.row, f) for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) for f in c.row.findings]
+    new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS)]
+    found = [finding_line(r, f) for r in new for f in r.findings]
     if not verbose and len(found) > limit:
-        found = found[:limit] + [f"  ... {len(found) - limit} more findings of new failures (-v prints all, "
-                                 "--report FILE.md writes them)"]
+        found = found[:limit] + [more_line(len(found) - limit, new, "of new failures ")]
     lines += found
     pre = pre_existing_line(chs)
     if pre:

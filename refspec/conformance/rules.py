@@ -3,8 +3,11 @@
 :func:`rule_for` maps a compared field of a (mode, phase) to the invariant that governs it
 (``docs/spec/metadata.md``, ``graphs.md``, ``paging-attention.md``, ``tree.md``); its level is the
 catalogue's (:data:`refspec.core.invariants.RULES`, read at run time).  :func:`locate` reads the
-installed upstream file and returns the line of the function that builds that (mode, phase) where
-the field is written, so a failing row points at the code under test, not at a table.
+installed upstream file: :func:`ran` picks, among the upstream lines that ran while the result
+was built (recorded in the worker, :mod:`refspec.conformance.lines`), the last that writes the
+field; :func:`locate`, the fallback when none does, reads the line of the function that builds
+that (mode, phase) where the field is written; so a failing row points at the code under test,
+not at a table.
 """
 
 from __future__ import annotations
@@ -173,18 +176,80 @@ def _lines(path: str) -> tuple[str, ...]:
 
 
 def _writes(name: str, expand: bool) -> re.Pattern:
-    obj = r"metadata_expand\." if expand else r""
-    return re.compile(rf"{obj}\b{name}\w*\b(\[[^\]]*\])?\s*(=(?!=)|\.copy_\(|\.fill_\(|\+=|-=)|tl\.store\(\s*{name}")
+    """A line that writes ``name`` (``name`` and a suffix such as ``_int32`` / ``_ptr``, not a
+    ``..._stride_0`` local): an assignment, ``.copy_(`` / ``.fill_(``, ``+=`` / ``-=``, or a
+    Triton ``tl.store(name ...``; ``expand``: only ``metadata_expand.name``, else never it."""
+    obj = r"metadata_expand\." if expand else r"(?<!metadata_expand\.)"
+    return re.compile(rf"{obj}\b{name}(?!\w*stride)\w*\b(\[[^\]]*\])?\s*(=(?!=)|\.copy_\(|\.fill_\(|\+=|-=)"
+                      rf"|tl\.store\(\s*{name}(?!\w*stride)")
+
+
+def _field_pattern(field: str | None) -> re.Pattern | None:
+    part, _, f = (field or "").rpartition(":")
+    name = FIELD_NAMES.get(f)
+    return _writes(name, part == "expand") if name else None
+
+
+def _is_write(path: str, line: int, text: str, pat: re.Pattern) -> bool:
+    """Whether ``text`` (line ``line`` of ``path``) writes the field ``pat`` names: an in-place
+    write (``.copy_(``, ``.fill_(``, ``tl.store(``), or an ``=`` / ``+=`` / ``-=`` of an
+    assignment statement; a keyword argument (``page_table=metadata.page_table`` in a call) is not
+    a write of it."""
+    m = pat.search(text)
+    if m is None:
+        return False
+    if "(" in m.group(0) and "=" not in m.group(0).replace("==", ""):
+        return True
+    code = statement(path, line)
+    try:
+        node = ast.parse(code).body[0] if code else None
+    except SyntaxError:
+        return True  # (a line the parser cannot place: the textual test alone)
+    return isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+
+
+def _binding(path: str, line: int) -> bool:
+    """Whether the statement at ``line`` only binds a view (``x = self.buf["k"][:bs]``: a name,
+    attribute or subscript chain, no call, no arithmetic) rather than writing values."""
+    text = statement(path, line)
+    try:
+        node = ast.parse(text).body[0] if text else None
+    except SyntaxError:
+        return False
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+        return False
+    v = node.value
+    while isinstance(v, (ast.Subscript, ast.Attribute)):
+        v = v.value
+    return isinstance(v, ast.Name)
+
+
+def ran(site: str, executed, field: str | None) -> tuple[str, int, int | None] | None:
+    """``(file relative to site, line, via)``: among the ``executed`` lines (``((file, line, via),
+    ...)`` in the order they last ran, :mod:`refspec.conformance.lines`; ``via``: the backend
+    file's line that was running, for a line of a helper or kernel file) the last that writes
+    ``field`` (the textual test of :func:`locate`), a line writing values preferred over one that
+    only binds a buffer view (:func:`_binding`); None when no executed line writes it."""
+    pat = _field_pattern(field)
+    if pat is None or not executed:
+        return None
+    hits = []
+    for rel, n, via in executed:
+        path = os.path.join(site, rel)
+        lines = _lines(path)
+        if 0 < n <= len(lines) and _is_write(path, n, lines[n - 1], pat):
+            hits.append((rel, n, via))
+    values = [h for h in hits if not _binding(os.path.join(site, h[0]), h[1])]
+    return (values or hits or [None])[-1]
 
 
 def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
            ) -> tuple[str, int] | None:
     """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
     ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
-    order they run), or the def line of the phase's first function; None if none is found."""
-    part, _, f = (field or "").rpartition(":")
-    name = FIELD_NAMES.get(f)
-    pat = _writes(name, part == "expand") if name else None
+    order they run), or the def line of the phase's first function; None if none is found.  Read
+    statically: the fallback when no executed line writes the field (:func:`ran`)."""
+    pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
     fallback = None
     for func in PHASE_FUNCS.get((hooks, phase), ()):
@@ -202,7 +267,7 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
             lo, hi = span[0] - 1, span[1]
             start = next((i for i in range(lo, hi) if branch.search(lines[i])), lo)
             for i in (*range(start, hi), *range(lo, start)):
-                if pat.search(lines[i]):
+                if _is_write(path, i + 1, lines[i], pat):
                     return rel, i + 1
     return fallback
 
@@ -213,3 +278,25 @@ def link(target, rel: str, line: int) -> str:
         return f"https://github.com/sgl-project/sglang/blob/{target.tag}/python/{rel}#L{line}"
     site = target.site if target is not None else ""
     return f"{os.path.join(site, rel)}:{line}"
+
+
+#: the order a report lists the rules one result breaks: the field the others are derived from
+#: first (docs/citing.md, "Which ID to quote": the rule that names the cause, then its
+#: consequences).  K_b (``cache_seqlens``: the mode's formula), then q_b (``cu_seqlens_q``), then
+#: what is computed from them (``cu_seqlens_k`` / ``max_seqlen_k`` from K_b, ``max_seqlen_q`` from
+#: q_b, the live pages from K_b, the dead columns), then the rules this map names for no single
+#: field (the tree rules, CG-002), by ID; last the kernel's page-table bound (PA-003 / CG-008: a
+#: table too narrow for the K_b it is read with)
+CAUSE_ORDER = (("MD-003", "MD-008", "MD-010", "MD-011"), ("MD-002", "MD-009", "CG-003", "CG-004"), ("MD-006",),
+               ("CG-006", "PA-010"), ("PA-002",), ("MD-007",), None, ("PA-003", "CG-008"))
+
+
+def cause_rank(rule: str) -> tuple[int, str]:
+    """``rule``'s place in :data:`CAUSE_ORDER` (a rule of no group: the ``None`` slot), then its ID."""
+    group = next((i for i, g in enumerate(CAUSE_ORDER) if g and rule in g), CAUSE_ORDER.index(None))
+    return group, rule
+
+
+def by_cause(rules_: set[str] | list[str]) -> list[str]:
+    """Rule IDs, cause first (:data:`CAUSE_ORDER`)."""
+    return sorted(set(rules_), key=cause_rank)

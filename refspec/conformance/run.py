@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refspec.conformance import cases, install, known, report, rules, tree_cases
+from refspec.conformance import cases, install, known, lines, report, rules, tree_cases
 from refspec.conformance.compare import compare, compare_parts
 
 WORKER_TIMEOUT: float | None = None  #: seconds a worker may run (None: no limit; the sweep sets one)
@@ -146,7 +146,8 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                 for d in raw:
                     k = known.match(pin, j.mode, phase, d.field, d)
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
-            report.find(row, target if not isinstance(target, str) else None)
+            report.find(row, target if not isinstance(target, str) else None,
+                        got.get(lines.EXECUTED) if isinstance(got, dict) else None)
             if not row.ok:  # a known upstream bug (by its signature, or at its pins): its rule names the row
                 b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
                               known.below_bound(row.undocumented))
@@ -355,7 +356,7 @@ def render(out: Outcome, verbose: bool = False) -> str:
         parts.append(report.known_table(used))
     if out.bugs():
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")
-        parts.append(report.bugs_table(out.bugs()))
+        parts.append(report.bugs_table(out.bugs(), out.rows))
     verdict = "OK" if out.ok else "FAIL" if out.unexplained else "KNOWN UPSTREAM BUGS ONLY"
     parts.append(f"== {verdict}: timings {out.seconds}")
     if not out.unexplained:
@@ -385,7 +386,7 @@ def render_review(rev: Review, verbose: bool = False) -> str:
     bugs = {c.row.bug for c in rev.changes if c.row.bug and c.status != report.UNCHANGED}
     if bugs:
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")
-        parts.append(report.bugs_table(bugs))
+        parts.append(report.bugs_table(bugs, [c.row for c in rev.changes if c.status != report.UNCHANGED]))
     n = len(rev.new_failures)
     verdict = (f"FAIL: {n} new failure{'' if n == 1 else 's'} against the baseline" if n
                else "OK: no new failure against the baseline")

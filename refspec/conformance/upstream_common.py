@@ -182,9 +182,12 @@ def draft_steps(multi, num_steps: int) -> list:
 
 
 def fields(md) -> dict:
-    """Copies of the metadata fields the comparison reads (upstream ``FlashAttentionMetadata``)."""
+    """Copies of the metadata fields the comparison reads (upstream ``FlashAttentionMetadata``);
+    marks the end of the phase's executed lines (:func:`refspec.conformance.lines.mark`)."""
+    from refspec.conformance.lines import mark
+
     out = {}
     for f in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "max_seq_len_q", "max_seq_len_k", "page_table"):
         x = getattr(md, f)
         out[f] = x.clone() if isinstance(x, torch.Tensor) else (None if x is None else int(x))
-    return out
+    return mark(out)

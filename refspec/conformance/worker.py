@@ -8,7 +8,8 @@ this code.  ``REFSPEC_REVERT_FIX`` (optional) names an upstream fix toggle to re
 (:func:`refspec.conformance.upstream_common.finish_imports`).  ``JOBS`` is a ``torch.save`` of
 ``[(job id, inputs)]``; ``OUT`` receives ``{"results": {job id: {(phase, step): fields} |
 "error text"}, "info": ...}``.  A job whose upstream call raises (a stub used at run time
-included) is reported with the exception, never as a result.
+included) is reported with the exception, never as a result.  Each result's fields carry the
+upstream lines that ran while it was built (:mod:`refspec.conformance.lines`).
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -51,12 +52,14 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     up = importlib.import_module(shape.adapter).Upstream(site, shape)
     t_import = time.perf_counter() - t0
-    from refspec.conformance import stubs
+    from refspec.conformance import lines, stubs
 
+    tracer = lines.Tracer(site)
     results = {}
     for job_id, inputs in torch.load(jobs_path, weights_only=False):
         try:
-            results[job_id] = up.run(inputs)
+            with tracer.job():
+                results[job_id] = tracer.attach(up.run(inputs))
         except Exception as e:  # noqa: BLE001 -- reported per job; the comparison counts it as an error
             results[job_id] = describe(e)
     info = dict(up.info(), site=site, import_s=round(t_import, 1), run_s=round(time.perf_counter() - t0 - t_import, 1),
