@@ -35,17 +35,21 @@ def test_context_wall_drops_a_live_page_on_0523_and_not_with_the_35985_change(re
     the context wall (context 64, P = 16, 4 graph columns) fails, where K > 64 needs 5 pages --
     verify K = L + N (B3: L = 61 -> 65; B5: L = 64 -> 68), draft decode K = L + s + 1 (B5 only:
     L = 64 -> 65, 66 at steps 0 and 1), draft extend v2 K = L + N (both shapes, replay and staged
-    replay): 2 + 2 + 2 + 2 = 8 rows; decode (K = L <= 64) and every capture (a one-page dummy
-    batch) stay at or above the bound.  With #35985's change (5 columns) every row passes."""
+    replay), and its eager ``/no-cpu-mirrors`` rows (no ``seq_lens_cpu``: the eager table is
+    ``req_to_token[:, :max_context_len]``): 2 + 2 + 2 + 2 + 2 = 10 rows; decode (K = L <= 64) and
+    every capture (a one-page dummy batch) stay at or above the bound.  With #35985's change (5
+    columns) every row passes."""
     res = results["context-wall-page-table"]
     assert not res.problems(), controls.render([res])
     failing = _rows(res, res.buggy)
-    assert len(failing) == 8 and all(r.job.endswith("/wall") for r in failing)
+    assert len(failing) == 10 and all(r.job.endswith(("/wall", "/wall/no-cpu-mirrors")) for r in failing)
+    assert sorted(r.job for r in failing if r.phase == "eager") == ["draft_extend_v2/P16/B3/bs4/wall/no-cpu-mirrors",
+                                                                  "draft_extend_v2/P16/B5/bs8/wall/no-cpu-mirrors"]
     assert {(r.job.split("/")[2], r.mode, r.step) for r in failing} == {
         ("B3", "verify", None), ("B5", "verify", None), ("B5", "draft_decode", 0), ("B5", "draft_decode", 1),
         ("B3", "draft_extend_v2", None), ("B5", "draft_extend_v2", None)}
     live = [d for r in failing for d in r.undocumented if d.field == "page_table[live]"]
-    assert len(live) == 8 and all(d.short_table for d in live)
+    assert len(live) == 10 and all(d.short_table for d in live)
     assert all(d.ours.count(",") == 4 and d.theirs.count(",") == 3 and "(4 columns <" in d.theirs
                for d in live)  # refspec's 5 live pages, upstream's 4
     assert all(r.bug == "context-wall-page-table" and {f.rule for f in r.findings} == {"CG-008"} for r in failing)

@@ -61,6 +61,7 @@ class Job:
     graphed: bool
     inputs: dict
     refspec: dict  #: (phase, step) -> {field: tensor | int}
+    unreachable: str | None = None  #: why upstream's own runner never builds this batch (not run, not compared)
 
 
 def lengths(page_size: int, B: int) -> list[int]:
@@ -228,6 +229,44 @@ def build_jobs(modes, page_sizes=PAGE_SIZES, shapes=tuple(SHAPES), seed: int = 0
                     ref.update(g)
                 jobs.append(Job(f"{mode}/P{P}/{shape}" + (f"/{tag}" if tag else ""), mode, P, shape, graphed,
                                 inputs, ref))
+    return jobs
+
+
+#: the modes whose eager batch upstream's spec-v2 EAGLE worker builds without CPU mirrors where
+#: the backends opt out (``install.Shape.cpu_mirrors`` False); the tag their jobs carry
+NO_MIRROR_MODES = ("draft_extend_v2",)
+NO_MIRROR_TAG = "no-cpu-mirrors"
+
+
+def without_mirrors(jobs: list[Job]) -> list[Job]:
+    """An eager-only copy of each job of :data:`NO_MIRROR_MODES` with the CPU mirrors
+    ``seq_lens_cpu`` / ``extend_seq_lens_cpu`` None, compared with refspec's eager result for the
+    same batch (refspec's rule does not depend on where its lengths live).
+
+    That is the batch upstream's backend gets when the worker publishes no CPU mirror:
+    ``resolve_seq_lens_cpu`` sets ``seq_lens_cpu = None`` (``managers/overlap_utils.py:436`` at
+    v0.5.16), and the backend's eager DRAFT_EXTEND_V2 branch then takes
+    ``speculative_num_draft_tokens`` for ``max_seq_len_q`` (``flashattention_backend.py:950-966``,
+    whose comment names ``extend_seq_lens_cpu`` None on the GPU-only spec path).  Job ids end in
+    ``/no-cpu-mirrors``."""
+    out = []
+    for j in jobs:
+        if j.mode not in NO_MIRROR_MODES or ("eager", None) not in j.refspec:
+            continue
+        eager = dict(j.inputs["eager"], seq_lens_cpu=None, extend_seq_lens_cpu=None)
+        inputs = {k: v for k, v in j.inputs.items() if k not in ("capture", "replay", "bs")}
+        out.append(Job(f"{j.id}/{NO_MIRROR_TAG}", j.mode, j.page_size, j.shape, False, dict(inputs, eager=eager),
+                       {("eager", None): j.refspec[("eager", None)]}))
+    return out
+
+
+def mark_unreachable(jobs: list[Job], idle_why: str | None) -> list[Job]:
+    """``jobs`` with the empty IDLE batches marked unreachable (``Job.unreachable = idle_why``) where
+    upstream's runner never builds metadata for one (``install.Shape.idle_unreachable``)."""
+    if idle_why:
+        for j in jobs:
+            if j.mode == "idle":
+                j.unreachable = f"an empty batch: {idle_why}"
     return jobs
 
 

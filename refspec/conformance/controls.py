@@ -59,7 +59,7 @@ def _grid(t: install.Target) -> list[cases.Job]:
     """The whole default grid of ``t`` (what ``python -m refspec conformance`` runs on it): the
     context-wall control holds only if the wall's rows are the sole failures on the buggy code
     and a fix that reads the headroom (#35985) passes every row, no IndexError anywhere."""
-    return select(t, cases.PAGE_SIZES, None, tree_cases.TOPKS)
+    return [j for j in select(t, cases.PAGE_SIZES, None, tree_cases.TOPKS) if not j.unreachable]
 
 
 def _long_tree(t: install.Target) -> list[cases.Job]:
@@ -74,7 +74,7 @@ NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
 CONTROLS: tuple[Control, ...] = (
     Control("context-wall-page-table", NEW, Code("0.5.23", ("pr35985-page-table-width",)), _grid,
             frozenset({("verify", "replay"), ("draft_decode", "replay"), ("draft_extend_v2", "replay"),
-                       ("draft_extend_v2", "replay-staged")})),
+                       ("draft_extend_v2", "replay-staged"), ("draft_extend_v2", "eager")})),
     Control("draft-expand-unsliced-scatter", OLD, NEW, _long_tree, frozenset({("tree_draft_decode", "replay")})),
     Control("draft-extend-v2-double-count", Code("0.5.23", ("pr26512-draft-extend-v2-double-count",)), NEW, _de_v2,
             frozenset({("draft_extend_v2", "eager")})),

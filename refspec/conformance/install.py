@@ -122,6 +122,11 @@ class Shape:
     missing: str | None = None  #: why no adapter drives it (what is missing), None if one does
     modes: tuple = ()  #: the modes compared on this code
     no_draft_decode: str | None = None  #: why draft decode is not compared (no multi-step backend), or None
+    #: False where every FA3 backend a spec-v2 EAGLE step touches declares ``needs_cpu_seq_lens = False``
+    #: (:func:`cpu_mirrors`): upstream's worker then hands the backend no ``seq_lens_cpu``
+    cpu_mirrors: bool = True
+    idle_unreachable: str | None = None  #: why upstream never builds eager metadata for an empty batch, or None
+    tree_missing: str | None = None  #: the first of OWN_TREE_FILES this code lacks, or None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -239,6 +244,73 @@ def toggles(site: str) -> dict[str, list[str]]:
     return out
 
 
+#: upstream's eager runners, newest layout first (the function that runs an IDLE batch)
+RUNNERS = (("sglang/srt/model_executor/runner/eager_runner.py", "_execute_idle"),
+           ("sglang/srt/model_executor/model_runner.py", "forward_idle"))
+
+
+def _needs_flag(cls: ast.ClassDef) -> bool | None:
+    """The constant ``needs_cpu_seq_lens`` a class sets (class body, or ``self.`` in ``__init__``;
+    the last one wins), None if it sets none."""
+    value = None
+    for n in cls.body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)):
+            names = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id == "needs_cpu_seq_lens" for t in names) and \
+                    isinstance(n.value, ast.Constant):
+                value = bool(n.value.value)
+    init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    for n in ast.walk(init) if init else ():
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and any(
+                isinstance(t, ast.Attribute) and t.attr == "needs_cpu_seq_lens" for t in n.targets):
+            value = bool(n.value.value)
+    return value
+
+
+def cpu_mirrors(fa: str, filename: str = "<unknown>") -> bool:
+    """Whether upstream's spec-v2 EAGLE worker hands the FA3 backends CPU mirrors.
+
+    SGLang's scheduler ORs ``needs_cpu_seq_lens`` over the backends a spec-v2 step touches (target,
+    draft, draft extend: ``FlashAttentionBackend`` and ``FlashAttentionMultiStepBackend``), a
+    backend without the attribute counting as True (``decide_needs_cpu_seq_lens``,
+    ``managers/overlap_utils.py:22`` at v0.5.16); when it is False ``resolve_seq_lens_cpu`` sets
+    ``seq_lens_cpu = None`` (``:436``).  False only when both classes set it False."""
+    classes = {n.name: n for n in ast.parse(fa, filename).body if isinstance(n, ast.ClassDef)}
+    return not all(c in classes and _needs_flag(classes[c]) is False
+                   for c in ("FlashAttentionBackend", "FlashAttentionMultiStepBackend"))
+
+
+def _guard(test: ast.expr) -> bool:
+    """``<...>.batch_size > 0`` (the empty-batch guard)."""
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Attribute) and \
+        test.left.attr == "batch_size" and len(test.ops) == 1 and isinstance(test.ops[0], ast.Gt) and \
+        isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == 0
+
+
+def idle_unreachable(site: str) -> str | None:
+    """Why upstream's runner never builds eager metadata for an empty IDLE batch (its idle path calls
+    ``init_forward_metadata`` only under ``if forward_batch.batch_size > 0``), or None where it
+    may (a call outside such a guard, or no runner found)."""
+    for rel, func in RUNNERS:
+        text = _read(site, rel)
+        if text is None:
+            continue
+        fn = next((n for n in ast.walk(ast.parse(text, os.path.join(site, rel)))
+                   if isinstance(n, ast.FunctionDef) and n.name == func), None)
+        if fn is None:
+            continue
+        guarded = {id(c) for g in ast.walk(fn) if isinstance(g, ast.If) and _guard(g.test)
+                   for b in g.body for c in ast.walk(b)}
+        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                 and c.func.attr == "init_forward_metadata"]
+        if calls and all(id(c) in guarded for c in calls):
+            guard = next(g for g in ast.walk(fn) if isinstance(g, ast.If) and _guard(g.test))
+            return (f"{rel}:{guard.lineno} {func} builds attention metadata only if forward_batch.batch_size > 0 "
+                    f"(an empty batch never reaches the backend)")
+        return None
+    return None
+
+
 def detect(site: str) -> Shape:
     """The API shape of the SGLang code under ``site`` (the folder holding ``sglang/``), from its
     source text; ``shape.adapter`` None with ``shape.missing`` saying what is missing."""
@@ -258,10 +330,12 @@ def detect(site: str) -> Shape:
     members = _enum_members(fbi, "ForwardMode", os.path.join(site, FBI)) if fbi else set()
     kernels = next((f for f in KERNEL_FILES if re.search(r"^def normal_decode_set_metadata\b", _read(site, f) or "",
                                                          re.M)), None)
+    tree_missing = next((f for f in OWN_TREE_FILES if not os.path.exists(os.path.join(site, f))), None)
     shape = Shape(hooks=hooks, draft_extend_v1="DRAFT_EXTEND" in members, draft_extend_v2="DRAFT_EXTEND_V2" in members,
                   topk="forward_metadata_spec_decode_expand" in fa, kernels=kernels,
-                  staged="stage_draft_extend_metadata" in be,
-                  own_tree=all(os.path.exists(os.path.join(site, f)) for f in OWN_TREE_FILES), toggles=toggles(site))
+                  staged="stage_draft_extend_metadata" in be, own_tree=tree_missing is None, toggles=toggles(site),
+                  cpu_mirrors=cpu_mirrors(fa, os.path.join(site, FA)), idle_unreachable=idle_unreachable(site),
+                  tree_missing=tree_missing)
     if hooks is None:
         shape.missing = (f"FlashAttentionBackend has neither the graph hooks init_forward_metadata_out_graph / "
                          f"_in_graph nor the legacy init_forward_metadata_capture_cuda_graph / _replay_cuda_graph "

@@ -123,6 +123,19 @@ KNOWN: tuple[Known, ...] = (
           "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
           "upstream's replay kernel stores only each row's live pages (store mask cols < "
           "ceil(K_b / P)); columns at or past ceil(K_b / P) are never read (PA-007)"),
+    # ---- eager without CPU mirrors (cases.without_mirrors: needs_cpu_seq_lens False) ----
+    Known("eager-max-k-context", ("max_seq_len_k",), ("draft_extend_v2",), ("eager",), NEW,
+          (("0.5.23", FA, 902), ("0.5.23", FA, 1185)),
+          "max_b K_b",
+          "with no seq_lens_cpu (the spec-v2 worker when no backend needs CPU mirrors) upstream's eager bound "
+          "is max_context_len; FA3 does not read max_seqlen_k (only FA4's static grid does)"),
+    Known("eager-table-context-width", ("page_table[dead]",), ("draft_extend_v2",), ("eager",), NEW,
+          (("0.5.23", FA, 1190),),
+          "a table of ceil(max_b K_b / P) columns",
+          "with no seq_lens_cpu upstream slices req_to_token[:, :max_context_len]; while that is at least the "
+          "kernel bound every live page is in both tables and the columns past it are never read (PA-007); "
+          "below the bound it is the known bug context-wall-page-table, never this entry",
+          at_bound=True),
     # ---- top-k > 1 (refspec.conformance.tree_cases) ----
     Known("tree-expand-max-k", ("expand:max_seq_len_k",), _TREE, ("eager",), BOTH,
           (("0.5.23", FA, 87), ("0.5.23", FA, 964), ("0.5.23", FA, 1105), ("0.5.12.post1", FA, 49),
@@ -212,6 +225,9 @@ class Bug:
 
     short_table: bool = False  #: shown only when upstream's table is below the kernel bound (a live page dropped)
     issue: int | None = None  #: the sglang PR a report links (``sglang#N``): the fix, the open fix, or the bug's own PR
+    #: (mode, phase) pairs recognised besides ``modes`` x ``phases`` (the wall's eager draft extend v2
+    #: without CPU mirrors: :func:`refspec.conformance.cases.without_mirrors`)
+    also_at: tuple[tuple[str, str], ...] = ()
 
     @property
     def signature(self) -> bool:
@@ -239,7 +255,8 @@ class Bug:
         page table narrower than ceil(K_b / P) whose live pages agree up to its width and none is a
         live table that differs otherwise (``Diff.short_table``, ``Diff.truncated``); ``code``: the
         code's label, compared with ``pins`` only for a bug without a signature."""
-        if (code not in self.pins and not self.signature) or mode not in self.modes or phase not in self.phases:
+        if (code not in self.pins and not self.signature) or \
+                ((mode not in self.modes or phase not in self.phases) and (mode, phase) not in self.also_at):
             return False
         if error is not None:
             return bool(self.error) and self.error in error
@@ -258,16 +275,19 @@ WALL_FIXED = patched("0.5.23", "pr35985-page-table-width")
 PFT = "python/sglang/srt/debug_utils/pr_fix_toggle.py"
 BUGS: tuple[Bug, ...] = (
     Bug("context-wall-page-table", "CG-008", ("PA-003",), BOTH + (DE_V2_DOUBLE_COUNT,),
-        ("decode", "verify", "draft_decode", "draft_extend", "draft_extend_v2"), ("capture", "replay", "replay-staged"),
+        ("decode", "verify", "draft_decode", "draft_extend", "draft_extend_v2"),
+        ("capture", "replay", "replay-staged"),
         ("page_table[live]", "page_table[dead]"), "",
-        (("0.5.23", FA, 196), ("0.5.23", FA, 2432), ("0.5.12.post1", FA, 1338)),
+        (("0.5.23", FA, 196), ("0.5.23", FA, 2432), ("0.5.12.post1", FA, 1338), ("0.5.23", FA, 1190)),
         "open: sglang#35985 (https://github.com/sgl-project/sglang/pull/35985); #29665 proposed the same and was "
         "closed",
         "the graph page tables have ceil(context_len / P) columns while req_to_token rows are wider (speculative "
         "headroom): a request near the context limit (L = 61, P = 16, context 64) verifies K = L + N = 65 keys = 5 "
         "pages, and replay writes 4: the kernel is handed a table without the request's last live page (below "
-        "the kernel bound ceil(max_b K_b / P); a table only narrower than refspec's is graph-table-headroom)",
-        short_table=True, issue=35985),
+        "the kernel bound ceil(max_b K_b / P); a table only narrower than refspec's is graph-table-headroom). "
+        "The eager builder has the same wall where no CPU mirror is published (seq_lens_cpu None): its table is "
+        "req_to_token[:, :max_context_len] (#35985 widens max_context_len by N, which covers both)",
+        short_table=True, issue=35985, also_at=(("draft_extend_v2", "eager"),)),
     Bug("draft-expand-unsliced-scatter", "TR-018", (), OLD, ("tree_draft_decode",), ("replay",),
         ("expand:page_table[dead]",), "out of bounds",
         (("0.5.12.post1", FA, 1977), ("0.5.12.post1", FA, 3017), ("0.5.23", PFT, 76), ("0.5.23", FA, 3084)),

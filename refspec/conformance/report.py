@@ -225,6 +225,7 @@ def markdown(out, command: str = "", base_url: str = "") -> str:
         lines += [f"`{command}`", ""]
     for label in dict.fromkeys(r.pin for r in out.rows):
         lines += _target_md(out.rows, label, base)
+    lines += unreachable_md(out)
     lines.append(f"<sub>{how[0].upper()}{how[1:]}.</sub>")
     return "\n".join(lines)
 
@@ -467,11 +468,33 @@ def _n(k: int, noun: str) -> str:
     return f"{k} {noun}{'' if k == 1 else 's'}"
 
 
-def _change_groups(chs: list[Change], verbose: bool = False) -> dict[tuple, list[Change]]:
+def unreachable_md(out) -> list[str]:
+    """Markdown lines for ``out.unreachable`` (:func:`refspec.conformance.run.unreachable_lines`)."""
+    from refspec.conformance.run import unreachable_lines
+
+    return [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in unreachable_lines(out)] + \
+        ([""] if getattr(out, "unreachable", None) else [])
+
+
+def _absent(c: Change, last: dict | None) -> bool:
+    """A new, agreeing result of a mode the baseline does not run (``last``: mode -> why)."""
+    return bool(last) and c.status == NEW_SAME and c.row.mode in last
+
+
+def absent_lines(last: dict | None) -> list[str]:
+    """``tree_verify, tree_draft_decode not run on the baseline: <why>``, one line per reason."""
+    by_why: dict[str, list[str]] = defaultdict(list)
+    for mode, why in (last or {}).items():
+        by_why[why].append(mode)
+    return [f"{', '.join(modes)} not run on the baseline: {why}" for why, modes in by_why.items()]
+
+
+def _change_groups(chs: list[Change], verbose: bool = False, last: dict | None = None) -> dict[tuple, list[Change]]:
     """Changes grouped by (status, mode label, P, phase), in :data:`CHANGES` order; the unchanged
-    and the pre-existing only with ``verbose``."""
+    and the pre-existing only with ``verbose``; the new agreeing results of the modes in ``last``
+    (mode -> why the baseline does not run it) after all the others."""
     groups: dict[tuple, list[Change]] = defaultdict(list)
-    for c in sorted(chs, key=lambda c: CHANGES.index(c.status)):
+    for c in sorted(chs, key=lambda c: (_absent(c, last), CHANGES.index(c.status))):
         if verbose or c.status not in (UNCHANGED, PRE_EXISTING):
             groups[(c.status, c.row.label, c.row.page_size, c.row.phase)].append(c)
     return groups
@@ -494,17 +517,24 @@ def pre_existing_line(chs: list[Change]) -> str:
             + (f" ({bugs} on known upstream bugs)" if bugs else "") + "; they do not fail this run")
 
 
-def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12) -> str:
+def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12, last: dict | None = None) -> str:
     """Console: one line per changed (status, mode, P, phase) group, then the findings of the new
-    failures (up to ``limit``; every one with ``verbose``), the pre-existing line, the unchanged count."""
-    groups = _change_groups(chs, verbose)
-    lines = []
+    failures (up to ``limit``; every one with ``verbose``), the pre-existing line, the unchanged count.
+    ``last`` (mode -> why the baseline does not run it): those modes' new agreeing groups come
+    after the others, under one line saying why (:func:`absent_lines`)."""
+    groups = _change_groups(chs, verbose, last)
+    lines, said = [], False
     if groups:
         w = max([len(k[1]) for k in groups] + [4])
         s = max(len(k[0]) for k in groups)
         lines.append(f"{'change':<{s}}  {'mode':<{w}}  {'P':>3}  {'phase':<13} cases  result")
         for (status, label, P, phase), cs in groups.items():
+            if not said and _absent(cs[0], last):
+                lines += absent_lines(last)
+                said = True
             lines.append(f"{status:<{s}}  {label:<{w}}  {P:>3}  {phase:<13} {len(cs):>5}  {_change_cell(status, cs)}")
+    if not said:
+        lines += absent_lines(last)
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS)]
     found = [finding_line(r, f) for r in new for f in r.findings]
     if not verbose and len(found) > limit:
@@ -529,7 +559,9 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     if command:
         lines += [f"`{command}`", ""]
     lines += [f"**{change_summary(chs, test, baseline)}**.", ""]
-    groups = _change_groups(chs)
+    last = getattr(rev, "not_on_baseline", None)
+    lines += [x + "." for x in absent_lines(last)] + ([""] if last else [])
+    groups = _change_groups(chs, last=last)
     if groups:
         lines += ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
         for (status, label, P, phase), cs in groups.items():
@@ -541,6 +573,7 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     pre = pre_existing_line(chs)
     if pre:
         lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]
+    lines += unreachable_md(rev.test)
     lines += ["<details><summary>Both full comparisons</summary>", ""]
     for out in (rev.test, rev.baseline):
         for label in dict.fromkeys(r.pin for r in out.rows):

@@ -74,6 +74,8 @@ class Outcome:
     info: dict  #: target label -> worker info (import / run seconds, interpreter check, ...)
     seconds: dict  #: install / per-target timings
     targets: dict = field(default_factory=dict)  #: label -> install.Target
+    #: (target label, job id, why) of the jobs not run: upstream's own runner never builds that batch
+    unreachable: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -232,6 +234,9 @@ def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None 
         flat, tree = [m for m in modes if m in cases.MODES], [m for m in modes if m in tree_cases.MODES]
         jobs = cases.build_jobs(flat, page_sizes, staged=target.shape.staged)
         jobs += cases.edge_jobs(flat, page_sizes, staged=target.shape.staged)
+        if not target.shape.cpu_mirrors:  # upstream's worker publishes no seq_lens_cpu here
+            jobs += cases.without_mirrors(jobs)
+        cases.mark_unreachable(jobs, target.shape.idle_unreachable)
         jobs += tree_cases.build_jobs(tree, page_sizes, topks)
         jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
     return jobs
@@ -248,7 +253,8 @@ def _why_not(target: install.Target, lack: list[str]) -> str:
     if "idle" in lack and s.hooks == "legacy":
         why.append("the legacy-hooks releases build no metadata for an empty batch")
     if any(m in tree_cases.MODES for m in lack):
-        why.append("no top-k > 1 path" if not s.topk else "upstream's own tree builder is missing")
+        why.append("no top-k > 1 path" if not s.topk else
+                   f"upstream's own tree builder is missing ({s.tree_missing or ', '.join(install.OWN_TREE_FILES)})")
     return "; " + "; ".join(why) if why else ""
 
 
@@ -275,9 +281,11 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
 
 def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
     """Run upstream on each ``(target, jobs)`` of ``plans`` and compare: the :class:`Outcome`."""
-    rows, info = [], {}
+    rows, info, unreachable = [], {}, []
     for t, jobs in plans:
         tt = time.perf_counter()
+        unreachable += [(t.label, j.id, j.unreachable) for j in jobs if j.unreachable]
+        jobs = [j for j in jobs if not j.unreachable]
         if not jobs:  # a baseline without any of the selected modes (review): no worker
             info[t.label] = {}
             continue
@@ -285,7 +293,23 @@ def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
         rows += rows_for(t, jobs, results)
         seconds[t.label] = round(time.perf_counter() - tt, 1)
     seconds["total"] = round(time.perf_counter() - t0, 1)
-    return Outcome(rows, info, seconds, {t.label: t for t, _ in plans})
+    return Outcome(rows, info, seconds, {t.label: t for t, _ in plans}, unreachable)
+
+
+def unreachable_lines(out: Outcome, side: str = "") -> list[str]:
+    """One line per target and reason: the jobs not run because upstream's own runner never builds
+    their batch, counted and named (``== not reachable upstream: ...``)."""
+    groups: dict = {}
+    for label, job, why in getattr(out, "unreachable", ()):
+        groups.setdefault((label, why), []).append(job)
+    return [f"== {side}not reachable upstream: sglang {label}: {len(jobs)} job{'' if len(jobs) == 1 else 's'} not run "
+            f"({', '.join(jobs)}): {why}" for (label, why), jobs in groups.items()]
+
+
+def not_on_baseline(base: install.Target, test_jobs: list[cases.Job]) -> dict[str, str]:
+    """``{mode: why}`` for the modes of ``test_jobs`` the baseline's shape does not compare."""
+    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in base.shape.modes]
+    return {m: _why_not(base, [m]).lstrip("; ") or "not among its modes" for m in lack}
 
 
 @dataclass
@@ -296,6 +320,7 @@ class Review:
     baseline: Outcome
     test: Outcome
     changes: list[report.Change]
+    not_on_baseline: dict = field(default_factory=dict)  #: mode -> why the baseline does not run it
 
     @property
     def new_failures(self) -> list[report.Change]:
@@ -327,7 +352,7 @@ def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     t1 = time.perf_counter()
     base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
     test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
-    return Review(base_out, test_out, report.changes(base_out.rows, test_out.rows))
+    return Review(base_out, test_out, report.changes(base_out.rows, test_out.rows), not_on_baseline(base, jobs))
 
 
 def render(out: Outcome, verbose: bool = False) -> str:
@@ -350,6 +375,7 @@ def render(out: Outcome, verbose: bool = False) -> str:
         tab = report.table(out.rows, label, verbose, out.targets.get(label))
         if tab:
             parts.append(tab)
+    parts += unreachable_lines(out)
     if verbose:
         used = {d.documented for r in out.rows for d in r.diffs if d.documented}
         parts.append("== documented differences (* = seen in this run)")
@@ -380,9 +406,12 @@ def render_review(rev: Review, verbose: bool = False) -> str:
             parts.append(f"== {side}: sglang {label}: {s['cases']} cases, {s['same']} identical, {s['documented']} "
                          f"with only documented differences, {s['undocumented']} failing"
                          + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else ""))
+    for side, out in (("baseline: ", rev.baseline), ("under test: ", rev.test)):
+        if not verbose:
+            parts += unreachable_lines(out, side)
     test, base = next(iter(rev.test.targets)), next(iter(rev.baseline.targets))
     parts.append(f"== changes: {report.change_summary(rev.changes, test, base)}")
-    parts.append(report.changes_table(rev.changes, verbose))
+    parts.append(report.changes_table(rev.changes, verbose, last=rev.not_on_baseline))
     bugs = {c.row.bug for c in rev.changes if c.row.bug and c.status != report.UNCHANGED}
     if bugs:
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")

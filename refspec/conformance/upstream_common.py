@@ -158,14 +158,15 @@ def spec_info(mode: str, d: dict, num_draft_tokens: int):
 
 def forward_batch(FM, mode: str, d: dict, num_draft_tokens: int, **extra):
     """A ``ForwardBatch`` namespace from a job's batch dict ``d`` (``cases.snapshot_batch``)."""
-    seq_cpu = d["seq_lens_cpu"]
+    seq_cpu = d["seq_lens_cpu"]  # None: no CPU mirror (cases.without_mirrors); seq_lens_sum None with it
     ext_cpu = d["extend_seq_lens_cpu"]
     prefix_cpu = None
     if mode in ("extend", "extend_prefix", "draft_extend", "draft_extend_v2") and ext_cpu is not None:
         prefix_cpu = [int(s) - int(e) for s, e in zip(seq_cpu.tolist(), ext_cpu)]
     return NS(forward_mode=FM[d["forward_mode"]], batch_size=int(d["req_pool_indices"].numel()),
               req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"], seq_lens_cpu=seq_cpu,
-              seq_lens_sum=int(seq_cpu.sum()), extend_seq_lens=d["extend_seq_lens"], extend_seq_lens_cpu=ext_cpu,
+              seq_lens_sum=None if seq_cpu is None else int(seq_cpu.sum()), extend_seq_lens=d["extend_seq_lens"],
+              extend_seq_lens_cpu=ext_cpu,
               extend_prefix_lens_cpu=prefix_cpu, encoder_lens=None,
               # (0.4.4.x reads the device tensor; ForwardBatch.init_new: int32, like extend_seq_lens)
               extend_prefix_lens=None if prefix_cpu is None else torch.tensor(prefix_cpu, dtype=torch.int32),

@@ -1,0 +1,193 @@
+"""The conformance grid follows what upstream's own worker and runner do at the code under test.
+
+* CPU mirrors: where both FA3 backend classes declare ``needs_cpu_seq_lens = False`` (0.5.16 on:
+  upstream's spec-v2 worker then publishes no ``seq_lens_cpu``), each eager DRAFT_EXTEND_V2 job
+  also runs with ``seq_lens_cpu`` / ``extend_seq_lens_cpu`` None (``/no-cpu-mirrors``), compared
+  with refspec's eager result for the same batch.  A planted off-by-one in the backend's
+  ``extend_seq_lens_cpu is None`` fallback (``speculative_num_draft_tokens - 1``) is caught there
+  and invisible to the mirrored job.
+* Idle: where the runner builds eager metadata only for ``batch_size > 0``, the empty IDLE batch is
+  not run upstream; it is counted and named ("not reachable upstream") and never fails the run.
+* ``--baseline``: the modes the baseline does not run come after the changed groups, under one
+  line saying why (for the tree modes: the missing upstream module).
+
+Fake source trees (:func:`test_conformance_specs.fake_tree`) and a worker replaced by canned
+results: nothing of upstream runs here.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+from refspec.conformance import cases, install, report
+from refspec.conformance import run as conformance
+from refspec.conformance import upstream_common as uc
+from refspec.conformance.cases import Job
+from refspec.conformance.compare import compare
+from test_conformance_baseline import BASE_FA, OURS, VERIFY, review, trees  # noqa: F401 (trees: a fixture)
+from test_conformance_specs import GRAPH_FA, fake_tree
+
+FLAG = "    needs_cpu_seq_lens: bool = False\n"
+NO_MIRROR_FA = GRAPH_FA.replace("class FlashAttentionBackend(AttentionBackend):\n",
+                                "class FlashAttentionBackend(AttentionBackend):\n" + FLAG) \
+    .replace("class FlashAttentionMultiStepBackend:\n", "class FlashAttentionMultiStepBackend:\n" + FLAG)
+RUNNER = "python/sglang/srt/model_executor/runner/eager_runner.py"
+GUARDED = """
+class EagerRunner:
+    def _execute_idle(self, forward_batch, pp_proxy_tensors=None):
+        model_runner = self.model_runner
+        if forward_batch.batch_size > 0:
+            model_runner.attn_backend.init_forward_metadata(forward_batch)
+        else:
+            model_runner.attn_backend.forward_metadata = None
+"""
+UNGUARDED = """
+class EagerRunner:
+    def _execute_idle(self, forward_batch, pp_proxy_tensors=None):
+        self.model_runner.attn_backend.init_forward_metadata(forward_batch)
+"""
+
+
+def quiet(*_):
+    pass
+
+
+def tree(root, fa=GRAPH_FA, runner: str | None = None):
+    t = fake_tree(root, fa)
+    if runner is not None:
+        (t / RUNNER).parent.mkdir(parents=True, exist_ok=True)
+        (t / RUNNER).write_text(textwrap.dedent(runner))
+    return t
+
+
+def shape(root, fa=GRAPH_FA, runner: str | None = None) -> install.Shape:
+    return install.detect(str(tree(root, fa, runner) / "python"))
+
+
+def test_cpu_mirrors_are_off_only_where_both_fa3_classes_declare_needs_cpu_seq_lens_false(tmp_path):
+    assert shape(tmp_path / "a", NO_MIRROR_FA).cpu_mirrors is False
+    assert shape(tmp_path / "b").cpu_mirrors is True  # no attribute: the base class's True
+    one = GRAPH_FA.replace("class FlashAttentionMultiStepBackend:\n", "class FlashAttentionMultiStepBackend:\n" + FLAG)
+    assert shape(tmp_path / "c", one).cpu_mirrors is True  # the draft-extend backend still needs them
+    back_on = NO_MIRROR_FA.replace("    def init_cuda_graph_state(self, max_bs, max_num_tokens):\n",
+                                   "    def __init__(self, model_runner):\n        self.needs_cpu_seq_lens = True\n"
+                                   "    def init_cuda_graph_state(self, max_bs, max_num_tokens):\n")
+    assert shape(tmp_path / "d", back_on).cpu_mirrors is True  # __init__ sets it back
+
+
+def test_the_idle_case_is_unreachable_where_the_runner_guards_an_empty_batch(tmp_path):
+    s = shape(tmp_path / "a", runner=GUARDED)
+    line = next(i for i, x in enumerate(GUARDED.splitlines(), 1) if "batch_size > 0" in x)
+    assert s.idle_unreachable.startswith(f"sglang/srt/model_executor/runner/eager_runner.py:{line} _execute_idle "
+                                         f"builds attention metadata only if forward_batch.batch_size > 0")
+    assert shape(tmp_path / "b", runner=UNGUARDED).idle_unreachable is None
+    assert shape(tmp_path / "c").idle_unreachable is None  # no runner found: the case runs
+
+
+def test_no_mirror_jobs_are_eager_copies_of_draft_extend_v2_with_the_mirrors_none():
+    jobs = cases.build_jobs(("verify", "draft_extend_v2"), (4,))
+    extra = cases.without_mirrors(jobs)
+    de = [j for j in jobs if j.mode == "draft_extend_v2"]
+    assert [j.id for j in extra] == [f"{j.id}/no-cpu-mirrors" for j in de] and len(extra) == 2
+    for j, x in zip(de, extra):
+        assert not x.graphed and not {"bs", "capture", "replay"} & set(x.inputs)
+        assert x.inputs["eager"]["seq_lens_cpu"] is None and x.inputs["eager"]["extend_seq_lens_cpu"] is None
+        assert j.inputs["eager"]["seq_lens_cpu"] is not None and j.inputs["eager"]["extend_seq_lens_cpu"]
+        assert torch.equal(x.inputs["eager"]["seq_lens"], j.inputs["eager"]["seq_lens"])
+        assert list(x.refspec) == [("eager", None)] and x.refspec[("eager", None)] is j.refspec[("eager", None)]
+
+
+def test_the_run_adds_them_only_for_code_whose_backends_opt_out(tmp_path):
+    ids = {}
+    for name, fa in (("off", NO_MIRROR_FA), ("on", GRAPH_FA)):
+        t = install.resolve(str(tree(tmp_path / name, fa)), root=str(tmp_path / "r"), log=quiet)
+        ids[name] = [j.id for j in conformance._jobs(t, (4,), ("draft_extend_v2",), ())]
+    assert [i for i in ids["off"] if i.endswith("/no-cpu-mirrors")] == \
+        ["draft_extend_v2/P4/B3/bs4/no-cpu-mirrors", "draft_extend_v2/P4/B5/bs8/no-cpu-mirrors"]
+    assert not [i for i in ids["on"] if "no-cpu-mirrors" in i]
+
+
+def _fallback_q(fb, num_draft_tokens: int, minus: int) -> dict:
+    """0.5.16's eager DRAFT_EXTEND_V2 q metadata (``flashattention_backend.py:956-963``), with
+    ``minus`` planted in the ``extend_seq_lens_cpu is None`` fallback (1: the trial's bugC)."""
+    return {"max_seq_len_q": max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu is not None
+            else num_draft_tokens - minus,
+            "cu_seqlens_q": torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens, dim=0, dtype=torch.int32),
+                                                    (1, 0))}
+
+
+def test_a_planted_off_by_one_in_the_no_mirror_fallback_is_caught_only_by_the_no_mirror_job():
+    (job,) = cases.build_jobs(("draft_extend_v2",), (4,), shapes=("B3/bs4",))
+    (bare,) = cases.without_mirrors([job])
+    FM, N = {"DRAFT_EXTEND_V2": "DRAFT_EXTEND_V2"}, job.inputs["num_draft_tokens"]
+    seen = {}
+    for j in (job, bare):
+        fb = uc.forward_batch(FM, j.mode, j.inputs["eager"], N)
+        if j is bare:  # what the worker hands upstream: no mirror anywhere
+            assert fb.seq_lens_cpu is None and fb.seq_lens_sum is None and fb.extend_seq_lens_cpu is None
+            assert fb.extend_prefix_lens_cpu is None and fb.spec_info.extend_seq_lens_cpu is None
+        ours = j.refspec[("eager", None)]
+        for minus in (0, 1):
+            got = dict(ours, **_fallback_q(fb, N, minus))
+            seen[(j is bare, minus)] = [d.field for d in compare(ours, got, j.page_size)]
+    assert seen == {(False, 0): [], (False, 1): [], (True, 0): [], (True, 1): ["max_seq_len_q"]}
+
+
+def test_an_unreachable_idle_case_is_not_run_is_named_and_does_not_fail(tmp_path, monkeypatch):
+    ran = []
+
+    def worker(target, jobs):
+        ran.extend(j.id for j in jobs)
+        return {j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}
+
+    monkeypatch.setattr(conformance, "run_worker", worker)
+    for name, runner in (("guarded", GUARDED), ("unguarded", UNGUARDED)):
+        ran.clear()
+        t = install.resolve(str(tree(tmp_path / name, runner=runner)), root=str(tmp_path / "r"), log=quiet)
+        out = conformance.run(sglang=[t], page_sizes=(4,), modes=("decode", "idle"), log=quiet)
+        text = conformance.render(out)
+        if name == "unguarded":  # its runner may build it: compared as before
+            assert "idle/P4/B3/bs4" in ran and not out.unreachable
+            assert "not reachable upstream" not in text
+            continue
+        assert "idle/P4/B3/bs4" not in ran and ran and out.ok
+        assert [(j, why.split(":")[0]) for _, j, why in out.unreachable] == [("idle/P4/B3/bs4", "an empty batch")]
+        assert "idle" not in {r.mode for r in out.rows}
+        line = next(x for x in text.splitlines() if "not reachable upstream" in x)
+        assert line.startswith(f"== not reachable upstream: sglang {t.label}: 1 job not run (idle/P4/B3/bs4): an "
+                               f"empty batch: sglang/srt/model_executor/runner/eager_runner.py:")
+        assert "== OK" in text
+        assert "Not reachable upstream: sglang" in report.markdown(out)
+
+
+def test_modes_the_baseline_does_not_run_come_after_the_changed_groups_under_one_line(trees, tmp_path, capsys):  # noqa: F811
+    base, _, planted = trees
+    fake_tree(base, BASE_FA, modes="")  # the baseline's ForwardMode has no DRAFT_EXTEND_V2
+    why = "draft_extend_v2 not run on the baseline: ForwardMode has no DRAFT_EXTEND_V2"
+    planted[("base", VERIFY, "replay")] = dict(OURS, cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
+    rc, text, md = review(trees, tmp_path, capsys)
+    assert rc == 0, text
+    lines = text.splitlines()
+    fixed = next(i for i, x in enumerate(lines) if x.startswith("fixed"))
+    said = lines.index(why)
+    new = [i for i, x in enumerate(lines) if x.startswith("new, same")]
+    assert fixed < said < min(new) and len(new) == 2, text
+    assert why + "." in md and md.index(why) < md.index("| new, same |")
+    del planted[("base", VERIFY, "replay")]
+    rc, text, _ = review(trees, tmp_path, capsys, "-v")  # verbose: after the unchanged groups too
+    lines = text.splitlines()
+    unchanged = [i for i, x in enumerate(lines) if x.startswith("unchanged ")]
+    new = [i for i, x in enumerate(lines) if x.startswith("new, same")]
+    assert unchanged and new and max(unchanged) < lines.index(why) < min(new), text
+
+
+def test_the_tree_modes_reason_names_the_missing_upstream_module(tmp_path):
+    base = install.resolve(str(tree(tmp_path / "b")), root=str(tmp_path / "r"), log=quiet)
+    assert base.shape.tree_missing == install.OWN_TREE_FILES[0] and not base.shape.own_tree
+    base.shape.topk = True
+    jobs = [Job("tree_verify/P1/k2", "tree_verify", 1, "k2", True, {}, {}), Job(VERIFY, "verify", 16, "B3/bs4",
+                                                                                True, {}, {})]
+    assert conformance.not_on_baseline(base, jobs) == {
+        "tree_verify": f"upstream's own tree builder is missing ({install.OWN_TREE_FILES[0]})"}
