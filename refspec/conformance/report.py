@@ -365,8 +365,10 @@ def bugs_table(keys: set[str], rows: list[Row] = ()) -> str:
         for (pin, (rel, n), via), url in here.items():
             run_from = f", run from {via[0].split('/')[-1]}:{via[1]}" if via else ""
             lines.append(f"      in the code under review, sglang {pin}: {rel.split('/')[-1]}:{n}{run_from}  {url}")
+        reviewed = {r.pin for r in rows}
         for pin, f, line in b.upstream:
-            lines.append(f"      at the release {pin} (not the code under review): {f.split('/')[-1]}:{line}  "
+            whose = "the line recorded for this bug" if pin in reviewed else "not the code under review"
+            lines.append(f"      at the release {pin} ({whose}): {f.split('/')[-1]}:{line}  "
                          f"{link(pin, f, line)}")
     return "\n".join(lines)
 
