@@ -182,3 +182,18 @@ def test_an_upstream_error_is_worded_as_such_and_the_console_counts_what_the_rep
     text = report.table(rows, "@ pr", limit=4)
     assert text.splitlines()[-1] == ("  ... 7 more findings (11 in all, 6 distinct by rule, field, upstream line, "
                                      "mode and phase: -v prints all 11, --report FILE.md writes the 6 distinct ones)")
+
+
+def test_the_known_bug_footer_says_whose_line_a_recorded_release_line_is():
+    """bugs_table: a bug's recorded line at release X reads "the line recorded for this bug" when X is the
+    code under review, and "not the code under review" otherwise (the review trial's footer finding)."""
+    from refspec.conformance.known import BUGS
+    from refspec.conformance.report import Row, bugs_table
+
+    bug = next(b for b in BUGS if b.upstream)
+    pin = bug.upstream[0][0]
+    row = Row(pin=pin, job="j", mode="verify", page_size=16, shape="B3", phase="replay", step=None, bug=bug.key)
+    assert f"at the release {pin} (the line recorded for this bug)" in bugs_table({bug.key}, [row])
+    other = Row(pin="/tmp/a-pr-tree", job="j", mode="verify", page_size=16, shape="B3", phase="replay", step=None,
+                bug=bug.key)
+    assert f"at the release {pin} (not the code under review)" in bugs_table({bug.key}, [other])
