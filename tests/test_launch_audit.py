@@ -84,7 +84,7 @@ def test_a_replay_writes_its_buffers_in_one_copy_per_dtype(draft, dtypes):
 REPLAYS = {"draft_decode": 2 + 2 * 4 + 1 + 1, "verify": 2 + 4 + 1 + 1, "draft_extend": 2 + 5 + 1 + 1}
 ROUND_LOGIC = 2 + 4 + 8 + 3 + 9 + 14
 BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 29 + 40 = 69
-PADDED = 2  #: a replay with padded rows adds the host ``seq_lens_cpu`` padding: ``full`` and ``cat``
+PADDED = 1  #: a replay with padded rows adds the host ``seq_lens_cpu`` padding: one ``cat`` (its fill made once)
 
 
 def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch():
@@ -93,7 +93,7 @@ def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch()
 
     * each graph replay (graphs/runner.py, fa3/graph_metadata.py): 2 copies (int64, int32); no
       padded row at B = 1 (a captured size 1), so ``seq_lens_cpu`` is the live one (a padded
-      replay adds ``full`` and ``cat``, :data:`PADDED`); per backend 4 = ``seq_lens + delta``
+      replay adds a ``cat`` onto a constant fill, :data:`PADDED`); per backend 4 = ``seq_lens + delta``
       written into ``cache_seqlens``, ``cu_seqlens_k`` cumsum, the page-table gather and
       ``// P`` (the host bound ``max K`` is read from the CPU list, no op); draft extend + 1
       (``cu_seqlens_q`` cumsum); the replay 1; 1 clone of the one output read (tokens; hidden

@@ -16,6 +16,7 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -63,22 +64,18 @@ class Tracer:
             return local
         return local
 
+    @contextlib.contextmanager
     def job(self):
-        """Context manager: trace one job (a fresh record; tracing off again on exit)."""
-        tracer = self
-
-        class _Job:
-            def __enter__(self):
-                global _active
-                tracer._seen, tracer._n, tracer._last, tracer._marked = {}, 0, (), []
-                _active = tracer
-                sys.settrace(tracer._call)
-
-            def __exit__(self, *exc):
-                global _active
-                sys.settrace(None)
-                _active = None
-        return _Job()
+        """Trace one job (a fresh record; tracing off again on exit)."""
+        global _active
+        self._seen, self._n, self._last, self._marked = {}, 0, (), []
+        _active = self
+        sys.settrace(self._call)
+        try:
+            yield self
+        finally:
+            sys.settrace(None)
+            _active = None
 
     def mark(self, fields: dict) -> None:
         if self._seen:

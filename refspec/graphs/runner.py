@@ -151,9 +151,7 @@ class GraphRunner:
                 dst.append(buf[T:bs * W])
                 src.append(fill_source(buf, 0)[T:bs * W])
         copy_rows(dst, src)
-        live_cpu = None if live is None else live.seq_lens_cpu.long()
-        fb.seq_lens_cpu = live_cpu if bs == B else torch.full((bs - B,), fill, dtype=torch.long) if live is None \
-            else torch.cat([live_cpu, torch.full((bs - B,), fill, dtype=torch.long)])
+        fb.seq_lens_cpu = padded_cpu(None if live is None else live.seq_lens_cpu, bs, fill)
         fb.seq_lens_cpu_is_bound = live is not None and live.seq_lens_cpu_is_bound
         fb.num_accept_tokens_cpu = _cpu_list(live, "num_accept_tokens_cpu", B, bs, W)
         fb.extend_seq_lens_cpu = _cpu_list(live, "extend_seq_lens_cpu", B, bs, W)
@@ -283,6 +281,20 @@ def fill_source(buf: torch.Tensor, value: int) -> torch.Tensor:
     if key not in _FILLS:
         _FILLS[key] = torch.full_like(buf, value)
     return _FILLS[key]
+
+
+def padded_cpu(live_cpu: torch.Tensor | None, bs: int, fill: int) -> torch.Tensor:
+    """The static batch's ``seq_lens_cpu`` (int64 ``[bs]``, tokens): the live rows, then ``fill``
+    per padded row from a constant CPU tensor made once per (count, fill) and shared (never
+    written); the live tensor itself when no row is padded (no op)."""
+    live_cpu = None if live_cpu is None else live_cpu.long()
+    n = bs - (0 if live_cpu is None else len(live_cpu))
+    if n == 0:
+        return live_cpu
+    key = ("cpu", n, fill)
+    if key not in _FILLS:
+        _FILLS[key] = torch.full((n,), fill, dtype=torch.long)
+    return _FILLS[key] if live_cpu is None else torch.cat([live_cpu, _FILLS[key]])
 
 
 def copy_rows(dst: list, src: list) -> None:

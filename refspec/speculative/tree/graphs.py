@@ -62,7 +62,7 @@ from refspec.fa3.metadata import FlashAttentionMetadata
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 from refspec.graphs.capture import make_graph
 from refspec.fa3.graph_metadata import replay_page_table
-from refspec.graphs.runner import GraphRunner, copy_rows, fill_source
+from refspec.graphs.runner import GraphRunner, copy_rows, fill_source, padded_cpu
 
 
 def replay_draft_expand_table(page_table: torch.Tensor, cache_seqlens: torch.Tensor, draft_cache_loc, seq_lens,
@@ -161,7 +161,7 @@ class TreeGraphRunner:
         self.strided = torch.arange(0, W * self.P, self.P, device=dev).clamp(max=kv.req_to_token.shape[1] - 1)
         self.width = W
         self.graphs, self.static, self.bound = {}, {}, {}
-        self._plans, self._pads = {}, {}  # _fill's cached copy plans, padded seq_lens_cpu / mask blocks
+        self._plans, self._pads = {}, {}  # _fill's cached copy plans, padded mask blocks
         pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         for bs in reversed(self.capture_bs):
             self._capture(bs, pool)
@@ -217,13 +217,6 @@ class TreeGraphRunner:
             return live.tree_mask
         return tm.verify_mask_rows(live.custom_mask, live.seq_lens, self.N)
 
-    def _pad_cpu(self, n: int) -> torch.Tensor:
-        """``seq_lens_cpu`` of ``n`` padded rows (L = 1), one tensor per n (never written)."""
-        t = self._pads.get(("cpu", n))
-        if t is None:
-            t = self._pads[("cpu", n)] = torch.ones(n, dtype=torch.long)
-        return t
-
     def _fill_plan(self, bs: int, B: int, present: tuple) -> tuple[list, list]:
         """The copies of :meth:`_fill` for a (bs, B) replay with the ``present`` inputs, built once
         and cached: the destination slices and their sources (a constant fill tensor,
@@ -275,8 +268,7 @@ class TreeGraphRunner:
         dst, src = self._fill_plan(bs, B, tuple(sorted(inputs or ())))
         copy_rows(dst, [source(x) for x in src])  # one _foreach_copy_ per dtype
         lens = [] if live is None else live.seq_lens_cpu.tolist()
-        fb.seq_lens_cpu = self._pad_cpu(bs) if live is None else live.seq_lens_cpu.long() if bs == B else \
-            torch.cat([live.seq_lens_cpu.long(), self._pad_cpu(bs - B)])
+        fb.seq_lens_cpu = padded_cpu(None if live is None else live.seq_lens_cpu, bs, 1)  # padded rows: L = 1
         if self.phase == "verify":
             fb.custom_mask = self._pad_mask(None if live is None else live.custom_mask, B, bs)
         return max(lens + [1] * (bs - B))
