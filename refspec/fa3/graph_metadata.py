@@ -153,8 +153,7 @@ class GraphMetadataMixin:
         delta = mode_delta(fb, self.speculative_step_id)
         write_cache_seqlens(md, fb.seq_lens[:bs], delta)
         max_k = max(fb.seq_lens_cpu[:bs].tolist()) + delta
-        m_pages = -(-max_k // P)
-        require(m_pages <= gs.width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {gs.width}")
+        check_table_width(max_k, P, gs.width)
         replay_page_table(md, fb, self.kv.req_to_token, gs.strided_indices, max_k, P)
 
 
@@ -168,6 +167,13 @@ def graph_table_width(req_to_token: torch.Tensor, page_size: int) -> int:
     instead is case B07's bug (sglang #35985, #29665).
     """
     return -(-req_to_token.shape[1] // page_size)
+
+
+def check_table_width(max_k: int, page_size: int, width: int) -> None:
+    """CG-008 at replay: the ``ceil(max_k / P)`` pages the kernel reads fit the captured table's
+    ``width`` columns (pages).  Raises: InvariantError CG-008."""
+    m_pages = -(-max_k // page_size)
+    require(m_pages <= width, "CG-008", f"max K {max_k} needs {m_pages} pages, graph table width {width}")
 
 
 def check_frozen_max_seqlen_q(md: FlashAttentionMetadata, fb: ForwardBatch, num_real: int) -> None:

@@ -61,7 +61,7 @@ from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.metadata import FlashAttentionMetadata
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 from refspec.graphs.capture import make_graph
-from refspec.fa3.graph_metadata import replay_page_table
+from refspec.fa3.graph_metadata import check_table_width, replay_page_table
 from refspec.graphs.runner import GraphRunner, copy_rows, fill_source, padded_cpu
 
 
@@ -281,8 +281,7 @@ class TreeGraphRunner:
         :func:`write_verify_expand`, :func:`write_draft_expand`).  Together the values of
         :func:`~refspec.fa3.tree_metadata.verify_prefix_metadata` / ``draft_prefix_metadata``.
         Raises: CG-008 when the pages do not fit the captured table."""
-        m = -(-max_len // self.P)
-        require(m <= self.width, "CG-008", f"replay needs {m} page-table columns, the buffer has {self.width}")
+        check_table_width(max_len, self.P, self.width)
         replay_page_table(self.bound[bs][0][0], fb, self.r.kv.req_to_token, self.strided, max_len, self.P)
         for be, (pre, exp) in zip(self.backends, self.bound[bs]):
             be.forward_metadata, be.forward_metadata_spec_decode_expand = pre, exp
