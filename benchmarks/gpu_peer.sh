@@ -31,10 +31,10 @@ case "$1" in
       --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa3/$FA3 || exit 1
     (python3 -c "import torch, flash_attn_interface as f; print(torch.__version__, torch.version.cuda, f.__file__)"; \
       nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) > /tmp/env.txt 2>&1; cat /tmp/env.txt
-    timeout 540 python3 benchmarks/peer_median.py /tmp/peer ${RUNS:-0} 2>&1 | grep -v -i warn | tail -n 60
+    PIN=${PIN:-} timeout 540 python3 benchmarks/peer_median.py /tmp/peer ${RUNS:-0} 2>&1 | grep -v -i warn | tail -n 60
     cp -r /tmp/peer "$OUT/peer"; cp /tmp/env.txt "$OUT/" ;;
   bench2)
-    timeout 470 python3 benchmarks/peer_median.py /tmp/peer ${RUNS:-1 2} 2>&1 | grep -v -i warn | tail -n 60
+    PIN=${PIN:-} timeout 470 python3 benchmarks/peer_median.py /tmp/peer ${RUNS:-1 2} 2>&1 | grep -v -i warn | tail -n 60
     cp -r /tmp/peer "$OUT/peer"; cp /tmp/env.txt "$OUT/" 2>/dev/null
     timeout 110 python3 benchmarks/greedy_changes.py 2>&1 | grep -v -i warn \
       | tee "$OUT/greedy_changes.md" ;;

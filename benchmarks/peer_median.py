@@ -5,11 +5,15 @@ each figure per row (tokens/s, ratios), as one Markdown table.
 
 Runs process I (default: 0 1 2) into OUTDIR/run{I}/bench.json, then, once OUTDIR holds all
 three, writes the medians to OUTDIR/median.md (and stdout): the runs may be split over calls.
+``PIN=K`` runs each process on CPU core K only (``os.sched_setaffinity``; the peer and refspec rows
+share the process, so both are pinned): the chain spec rows are host-bound, and unpinned runs on the
+H200 host took a B = 1 round in either ~2 or ~3 ms (benchmarks/results/h200_peer2.md).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -20,6 +24,9 @@ KEYS = ("peer_tok_per_s", "graph_greedy_tok_per_s", "x_peer", "accept_length", "
 
 
 def main(out: Path, which: list[int], runs: int = 3) -> None:
+    if os.environ.get("PIN"):
+        os.sched_setaffinity(0, {int(os.environ["PIN"])})  # inherited by the bench processes
+        print("pinned to CPU", sorted(os.sched_getaffinity(0)))
     for i in which:
         subprocess.run([sys.executable, "-m", "refspec", "bench", "--device", "cuda", "--sections", "peer",
                         "--out", str(out / f"run{i}")], check=True)

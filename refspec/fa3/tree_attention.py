@@ -7,7 +7,12 @@ rule of ``sgl_kernel.merge_state_v2`` (TR-012)::
     m = max(l1, l2);  o = (o1 e^(l1 - m) + o2 e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m))
 
 which equals one softmax over the union of the two (disjoint) key sets.  FA3 returns the LSE as
-``[H, T]``; ``merge_state_v2`` takes ``[T, H]``, hence the ``lse.T.contiguous()`` upstream.
+``[H, T]``; ``merge_state_v2`` takes ``[T, H]``, hence the ``lse.T.contiguous()`` upstream (refspec
+passes the ``.T`` view: both merges below read it through its strides).
+
+:func:`merge_state_torch` is the rule in torch; :func:`merge_state` runs it as one fused kernel
+where the device allows (:mod:`refspec.fa3.merge_kernel`: a CUDA device with Triton), as upstream
+runs one ``merge_state_v2`` kernel per layer.
 
 TARGET_VERIFY's expand call reads the pool as page size 1 (``key_cache.view(-1, 1, Hkv, D)``,
 sgl-project/sglang#7725) because its table holds token slots; draft decode's expand call reads
@@ -22,11 +27,20 @@ from __future__ import annotations
 
 import torch
 
-from refspec.fa3 import kernel
+from refspec.fa3 import kernel, merge_kernel
 from refspec.fa3.metadata import FlashAttentionMetadata
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
+    """TR-012, as the production path runs it: :func:`refspec.fa3.merge_kernel.merge_state_fused`
+    (one kernel) on a CUDA device with Triton, else :func:`merge_state_torch`.  Same arguments,
+    result and errors as those."""
+    if merge_kernel.available(o1.device):
+        return merge_kernel.merge_state_fused(o1, lse1, o2, lse2)
+    return merge_state_torch(o1, lse1, o2, lse2)
+
+
+def merge_state_torch(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
     """TR-012: ``merge_state_v2(v_a, s_a, v_b, s_b)`` in pure torch.
 
     Shapes: o1, o2 ``[T, H, D]``; lse1, lse2 ``[T, H]`` fp32 (natural log; note the layout:
@@ -70,5 +84,5 @@ def cascade_attention(q, k_cache, v_cache, prefix: FlashAttentionMetadata, expan
     o, lse, *_ = _kernel_call(q, k_cache, v_cache, prefix, layer, window, provider)  # FA3 may return more
     ke, ve = (page1_view(k_cache), page1_view(v_cache)) if expand_page1 else (k_cache, v_cache)
     o_exp, lse_exp, *_ = _kernel_call(q, ke, ve, expand, layer, window, provider)
-    out, _ = merge_state(o, lse.T.contiguous(), o_exp, lse_exp.T.contiguous())
+    out, _ = merge_state(o, lse.T, o_exp, lse_exp.T)
     return out
