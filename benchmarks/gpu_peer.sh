@@ -11,6 +11,7 @@
 #   5                bash benchmarks/gpu_peer.sh bench2    # processes 1 and 2, the medians, the change table
 #   6                bash benchmarks/gpu_peer.sh tests     # the GPU suite + the tree sync audit
 #   6'               bash benchmarks/gpu_peer.sh tests-host  # or only the GPU tests of graph replay, overlap, trees
+#   6''              bash benchmarks/gpu_peer.sh profile   # where a B = 1 spec round's host and GPU time go
 #   7                bash benchmarks/gpu_peer.sh demo      # demo --device cuda (the trained head)
 set -u
 OUT=${OUT:-out}
@@ -48,6 +49,8 @@ case "$1" in
       tests/test_gpu_overlap.py tests/test_gpu_spec.py tests/test_gpu_tree.py tests/test_gpu_tree_overlap.py \
       tests/test_gpu_tree_cu_seqlens_k.py tests/test_gpu_cu_seqlens_k.py tests/test_gpu_window.py > "$OUT/gpu-tests-host.log" 2>&1
     echo "gpu tests rc=$?"; tail -n 4 "$OUT/gpu-tests-host.log" ;;
+  profile)  # torch.profiler tables of the B = 1 spec rounds (benchmarks/diag_profile.py)
+    timeout ${T:-300} python3 benchmarks/diag_profile.py "$OUT/profile" 2>&1 | grep -v -i warn | tail -n 150 ;;
   demo)
     timeout 200 python3 -m refspec demo --device cuda > "$OUT/demo-cuda.log" 2>&1
     echo "demo rc=$?"; tail -n 25 "$OUT/demo-cuda.log" ;;
