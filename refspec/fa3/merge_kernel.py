@@ -3,8 +3,9 @@
 Upstream's cascade attention merges the prefix and expand halves with ``sgl_kernel.merge_state_v2``,
 a single CUDA kernel per layer.  The rule written in torch
 (:func:`refspec.fa3.tree_attention.merge_state_torch`) is ~20 elementwise kernels per call; in a
-30-layer TARGET_VERIFY graph that was ~600 extra launches per tree round on the H200, the largest
-part of the tree round's GPU time.  This kernel computes the same formula, per (token, head) row::
+30-layer TARGET_VERIFY graph that was ~600 launches per tree round; with this kernel the tree round's
+GPU time on the H200 went from ~4.3 to 2.66 ms (benchmarks/results/h200_peer3.md).  This kernel
+computes the same formula, per (token, head) row::
 
     l1, l2 := -inf where +-inf              (an empty side gets weight 0)
     m = max(l1, l2), 0 where -inf
@@ -80,10 +81,9 @@ def merge_state_fused(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, ls
     fp32, any strides (FA3's ``lse.T`` view).  Raises ValueError naming the argument for other
     shapes, and RuntimeError where :func:`available` is False.
     """
-    k = _kernel()
-    if k is None or not o1.is_cuda:
+    if not available(o1.device):
         raise RuntimeError("merge_state_fused needs a CUDA tensor and Triton (see merge_kernel.available)")
-    merge, pow2 = k
+    merge, pow2 = _kernel()
     if o1.dim() != 3 or o2.shape != o1.shape:
         raise ValueError(f"merge_state_fused: o1 {tuple(o1.shape)} and o2 {tuple(o2.shape)} must both be [T, H, D]")
     T, H, D = o1.shape

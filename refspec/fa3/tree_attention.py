@@ -33,8 +33,9 @@ from refspec.fa3.metadata import FlashAttentionMetadata
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
     """TR-012, as the production path runs it: :func:`refspec.fa3.merge_kernel.merge_state_fused`
-    (one kernel) on a CUDA device with Triton, else :func:`merge_state_torch`.  Same arguments,
-    result and errors as those."""
+    (one kernel) on a CUDA device with Triton, else :func:`merge_state_torch`.  Same arguments and
+    result (up to fp32 rounding of exp / log); the fused kernel also refuses wrong shapes or a non-fp32
+    LSE with a ValueError naming the argument."""
     if merge_kernel.available(o1.device):
         return merge_kernel.merge_state_fused(o1, lse1, o2, lse2)
     return merge_state_torch(o1, lse1, o2, lse2)
