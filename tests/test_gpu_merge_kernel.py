@@ -63,10 +63,14 @@ def test_merge_state_runs_the_fused_kernel_on_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_merge_names_a_bad_lse():
+def test_fused_merge_names_a_bad_argument():
     o1, l1, o2, l2 = _inputs(4, 2, 64, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match="lse2 must be fp32"):
         merge_kernel.merge_state_fused(o1, l1.T, o2, l2)  # [H, T], not [T, H]
+    with pytest.raises(ValueError, match="lse1 is on cpu"):
+        merge_kernel.merge_state_fused(o1, l1.T.cpu(), o2, l2.T)
+    with pytest.raises(ValueError, match="contiguous last"):
+        merge_kernel.merge_state_fused(o1.transpose(1, 2).contiguous().transpose(1, 2), l1.T, o2, l2.T)
 
 
 def test_merge_state_on_cpu_is_the_torch_rule():

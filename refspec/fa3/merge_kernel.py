@@ -78,8 +78,8 @@ def merge_state_fused(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, ls
     """TR-012 in one kernel: ``(o [T, H, D] in o1.dtype, lse [T, H] fp32)``.
 
     ``o1, o2 [T, H, D]`` on one CUDA device with a contiguous last dim; ``lse1, lse2 [T, H]``
-    fp32, any strides (FA3's ``lse.T`` view).  Raises ValueError naming the argument for other
-    shapes, and RuntimeError where :func:`available` is False.
+    fp32, any strides (FA3's ``lse.T`` view), on the same device.  Raises ValueError naming the
+    argument for other shapes, dtypes or devices, and RuntimeError where :func:`available` is False.
     """
     if not available(o1.device):
         raise RuntimeError("merge_state_fused needs a CUDA tensor and Triton (see merge_kernel.available)")
@@ -91,6 +91,9 @@ def merge_state_fused(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, ls
         if lse.shape != (T, H) or lse.dtype != torch.float32:
             raise ValueError(f"merge_state_fused: {name} must be fp32 [T, H] = [{T}, {H}], got "
                              f"{lse.dtype} {tuple(lse.shape)}")
+    for name, x in (("o2", o2), ("lse1", lse1), ("lse2", lse2)):
+        if x.device != o1.device:
+            raise ValueError(f"merge_state_fused: {name} is on {x.device}, o1 on {o1.device}: all on one device")
     if o1.stride(2) != 1 or o2.stride(2) != 1:
         raise ValueError("merge_state_fused: o1 and o2 need a contiguous last (head_dim) dim")
     out = torch.empty_like(o1, memory_format=torch.contiguous_format)
