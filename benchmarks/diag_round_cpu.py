@@ -59,4 +59,4 @@ eng.run()
 pr.disable()
 capture.EmulatedGraph.replay = saved
 print("rounds", eng.rounds_launched)
-pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+pstats.Stats(pr).sort_stats(sys.argv[3] if len(sys.argv) > 3 else "tottime").print_stats(top)

@@ -81,9 +81,9 @@ def test_a_replay_writes_its_buffers_in_one_copy_per_dtype(draft, dtypes):
 
 
 #: the bound of one round's launch phase (B = 1), op by op (test docstring)
-REPLAYS = {"draft_decode": 2 + 2 * 4 + 1 + 1, "verify": 2 + 4 + 1 + 1, "draft_extend": 2 + 5 + 1 + 1}
-ROUND_LOGIC = 2 + 4 + 8 + 3 + 9 + 14
-BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 29 + 40 = 69
+REPLAYS = {"draft_decode": 2 + 2 * 2 + 1 + 1, "verify": 2 + 2 + 1 + 1, "draft_extend": 2 + 3 + 1 + 1}
+ROUND_LOGIC = 2 + 3 + 5 + 3 + 8 + 13
+BOUND_B1 = sum(REPLAYS.values()) + ROUND_LOGIC  # 21 + 34 = 55
 PADDED = 1  #: a replay with padded rows adds the host ``seq_lens_cpu`` padding: one ``cat`` (its fill made once)
 
 
@@ -93,24 +93,26 @@ def test_host_ops_per_round_stay_under_the_rule_and_do_not_grow_with_the_batch()
 
     * each graph replay (graphs/runner.py, fa3/graph_metadata.py): 2 copies (int64, int32); no
       padded row at B = 1 (a captured size 1), so ``seq_lens_cpu`` is the live one (a padded
-      replay adds a ``cat`` onto a constant fill, :data:`PADDED`); per backend 4 = ``seq_lens + delta``
-      written into ``cache_seqlens``, ``cu_seqlens_k`` cumsum, the page-table gather and
-      ``// P`` (the host bound ``max K`` is read from the CPU list, no op); draft extend + 1
-      (``cu_seqlens_q`` cumsum); the replay 1; 1 clone of the one output read (tokens; hidden
-      only for EAGLE).  Draft decode has Sd - 1 = 2 backends: 2 + 8 + 1 + 1 = 12; verify 8;
-      draft extend 9: **29**.
+      replay adds a ``cat`` onto a constant fill, :data:`PADDED`); per backend 2 = the page-table
+      gather and ``// P`` (the host bound ``max K`` is read from the CPU list, no op; ``seq_lens
+      + delta`` into ``cache_seqlens`` and the ``cu_seqlens_k`` cumsum are the graph's own work,
+      ``init_forward_metadata_in_graph``: 0); draft extend + 1 (``cu_seqlens_q`` cumsum); the
+      replay 1; 1 clone of the one output read (tokens; hidden only for EAGLE).  Draft decode has
+      Sd - 1 = 2 backends: 2 + 4 + 1 + 1 = 8; verify 6; draft extend 7: **21**.
     * round logic (speculative/rounds.py, core/future_batch.py, speculative/overlap.py):
-      rows to the device + one future-map gather = 2; the window's positions (arange, add) and
-      slots (gather, int64) = 4; per builder a host ``seq_lens_cpu`` and int32 ``seq_lens`` = 6,
-      draft extend's ``extend_seq_lens`` and L + N = 2 (8); draft-decode inputs (ids, forced)
-      and the drafts ``cat`` <= 3; the verify input ``cat`` + acceptance (eq, int64, cumprod,
-      sum) + candidates (arange, cat, lt, where) = 9; a = n + 1, its int32 copy, the kept rows
-      (arange, add), the next state (L + a, a - 1, the roots' gather, the kept d_1), the
-      future-map scatter (stack, index_put), ``draft_len`` (gather, + 1), the result ``cat`` and
-      its copy = 14: **40**.
+      rows to the device + one future-map gather = 2; the window's positions (+ a constant
+      ``arange``, ``core/constants.py``) and slots (gather, int64) = 3; per builder a host
+      ``seq_lens_cpu`` = 3, the int32 ``seq_lens`` once for all three and draft extend's L + N
+      (its ``extend_seq_lens`` a constant) = 5; draft-decode inputs (ids, forced) and the drafts
+      ``cat`` <= 3; the verify input ``cat`` + acceptance (eq, int64, cumprod, sum) + candidates
+      (cat, lt, where) = 8; a = n + 1, its int32 copy, the kept rows (constant ``b * N`` + n),
+      the next state (L + a, a - 1, the roots' gather, the kept d_1), the future-map scatter
+      (stack, index_put), ``draft_len`` (gather, + 1), the result ``cat`` and its copy = 13:
+      **34**.  The constants are made once per shape (a few ops in the first round).
 
-    So <= 69 ops per round at B = 1 (before this bound: 134, of which 40 per-field copies and
-    fills in the three replays; 83 before the unpadded replay and the host bound's CPU list).
+    So <= 55 ops per round at B = 1 (69 before the in-graph lengths and the constants; 134 before
+    the fused copies, of which 40 per-field copies and fills in the three replays; 83 before the
+    unpadded replay and the host bound's CPU list).
     B = 3 (replayed padded to 4) adds the three replays' ``seq_lens_cpu`` padding, the two copies
     of the draft steps' first Sd - 1 window columns (a strided slice) and, once per batch size
     the run meets (3, 2, 1 as requests finish), the constant "no override" drafts: no op per
@@ -167,9 +169,9 @@ def audited_tree(B: int):
 
 #: the tree round's launch phase (B = 1), op by op (test docstring)
 TREE_REPLAYS = {"draft": 3 + 2 + 1, "verify": 3 + 2 + 1,
-                "draft_extend": 2 + 2 + 2 + 2 + 2 + 1 + 1 + 1}  # 6 + 6 + 13 = 25
+                "draft_extend": 2 + 2 + 2 + 1 + 1 + 1}  # 6 + 6 + 9 = 21
 TREE_ROUND_LOGIC = 5 + (10 + 4) + 12 + 6 + 21  # 5 + 14 + 12 + 6 + 21 = 58
-TREE_BOUND_B1 = sum(TREE_REPLAYS.values()) + TREE_ROUND_LOGIC  # 25 + 58 = 83
+TREE_BOUND_B1 = sum(TREE_REPLAYS.values()) + TREE_ROUND_LOGIC  # 21 + 58 = 79
 TREE_ONCE = 8  #: ops of the constants made on first use per batch size (const_arange, padding)
 
 
@@ -187,10 +189,10 @@ def test_tree_v2_overlap_host_ops_per_round_stay_under_the_rule_and_do_not_grow_
       replay, tests/test_tree_overlap.py).  Verify 6 = 3 copies (int64, int32, the bool tree
       mask rows), 2 for the page table, the replay; the prefix lengths (K = L), the expand
       metadata and, v2, the path's KV move and the compaction of predict (TR-020 / TR-021) are
-      inside the graph, its 5 outputs views.  Draft extend (the chain's runner) 13 = 2 copies,
-      ``seq_lens_cpu`` (full, cat), ``seq_lens + 0`` and its cumsum, the host max and its read,
-      2 for the page table, the ``cu_seqlens_q`` cumsum, the replay, the clone of its logits:
-      **25**;
+      inside the graph, its 5 outputs views.  Draft extend (the chain's runner) 9 = 2 copies,
+      ``seq_lens_cpu`` (full, cat), 2 for the page table, the ``cu_seqlens_q`` cumsum, the
+      replay, the clone of its logits (``seq_lens + 0`` and its cumsum are the graph's own work):
+      **21**;
     * round logic: rows to the device (2) and the future-map gathers (3) = 5; the branch slots
       (geometry 4, positions 4, gather + int64 2) 10, the draft batch (positions 2, int32 L,
       ``seq_lens_cpu``) 4; the tree (root ``cat``, positions, FULL_MASK 10) 12; the verify
@@ -199,13 +201,13 @@ def test_tree_v2_overlap_host_ops_per_round_stay_under_the_rule_and_do_not_grow_
       L + a, the next root, the future-map scatters 4, the result rows 4 and their ``cat``:
       **58**.
 
-    So <= 83 ops per round at B = 1 (before: 298 at this shape, then 127 with the tail copies,
-    the path's KV move and compaction and the prefix lengths eager and the tree outputs
-    cloned).  The index constants (``const_arange``) and the tree replays' padding constants
-    are made once per batch size (``TREE_ONCE``).  B = 3 pads to the graph of 4: the two tree
-    replays each add one ``cat`` of the padded ``seq_lens_cpu``, verify one of the padded
-    FULL_MASK (the static batch's ``custom_mask``): 3, and no op per request.  The commit phase
-    works on host data: 0 ops outside the allocator.
+    So <= 79 ops per round at B = 1 (83 before the chain runner's in-graph lengths; 298 at this
+    shape, then 127 with the tail copies, the path's KV move and compaction and the prefix
+    lengths eager and the tree outputs cloned).  The index constants (``const_arange``) and the
+    tree replays' padding constants are made once per batch size (``TREE_ONCE``).  B = 3 pads to
+    the graph of 4: the two tree replays each add one ``cat`` of the padded ``seq_lens_cpu``,
+    verify one of the padded FULL_MASK (the static batch's ``custom_mask``): 3, and no op per
+    request.  The commit phase works on host data: 0 ops outside the allocator.
     """
     ops1, r1 = audited_tree(1)
     ops3, r3 = audited_tree(3)

@@ -134,7 +134,7 @@ HOST_SITES = {
     ("fa3/metadata.py", "init_forward_metadata"): "seq_lens_cpu (mirror or bound, MD-006)",
     ("fa3/metadata.py", "eager_cache_seqlens"): "max(seq_lens_cpu) (MD-006)",
     ("fa3/metadata.py", "eager_query_layout"): "seq_lens_cpu vs extend_seq_lens_cpu (EXTEND's prefix test)",
-    ("fa3/graph_metadata.py", "_update_lengths"): "seq_lens_cpu (MD-006)",
+    ("fa3/graph_metadata.py", "_write_page_table"): "max(seq_lens_cpu) (MD-006)",
 }
 KERNEL_STAND_IN = "fa3/emulator.py"  # the CPU contract emulator; the real FA3 kernel reads nothing back
 

@@ -173,7 +173,7 @@ TREE_HOST_SITES = {
     ("core/kv_cache.py", "is_in_use"): "the allocator's host in-use bitmap (v1's TR-017 check)",
     ("fa3/metadata.py", "eager_cache_seqlens"): "max(seq_lens_cpu) (MD-006), the prefill / draft extend",
     ("fa3/metadata.py", "eager_query_layout"): "seq_lens_cpu vs extend_seq_lens_cpu",
-    ("fa3/graph_metadata.py", "_update_lengths"): "seq_lens_cpu (MD-006)",
+    ("fa3/graph_metadata.py", "_write_page_table"): "max(seq_lens_cpu) (MD-006)",
     ("fa3/tree_metadata.py", "draft_prefix_metadata"): "max(seq_lens_cpu) (mirror or bound)",
     ("fa3/tree_metadata.py", "verify_prefix_metadata"): "max(seq_lens_cpu) (mirror or bound)",
     ("speculative/tree/graphs.py", "_fill"): "live.seq_lens_cpu (host) into the padded batch",

@@ -119,7 +119,7 @@ KNOWN: tuple[Known, ...] = (
           at_bound=True),
     Known("replay-dead-columns", ("page_table[dead]",), ("decode", "draft_decode", "verify", "draft_extend_v2"),
           ("replay", "replay-staged"), NEW, (("0.5.23", KM, 256), ("0.5.23", KM, 265), ("0.5.23", KM, 383)),
-          "copies columns [0, ceil(max K / P)) of every row (graph_metadata._update_lengths), so a short "
+          "copies columns [0, ceil(max K / P)) of every row (graph_metadata._write_page_table), so a short "
           "row also holds its req_to_token entries past its own last page (as 0.5.12.post1 does)",
           "upstream's replay kernel stores only each row's live pages (store mask cols < "
           "ceil(K_b / P)); columns at or past ceil(K_b / P) are never read (PA-007)"),

@@ -47,5 +47,8 @@ class GraphableBackend(AttentionBackend, Protocol):
     def init_forward_metadata_capture_cuda_graph(self, bs: int, num_tokens: int, fb: ForwardBatch) -> object:
         """Bind the metadata of batch size ``bs`` to buffer slices and freeze its scalars."""
 
+    def init_forward_metadata_in_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """Rewrite the captured metadata in place from ``fb``'s device fields: recorded in the graph."""
+
     def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: ForwardBatch, num_real: int) -> object:
-        """Rewrite the captured metadata in place for the padded batch ``fb`` (``num_real`` real rows)."""
+        """Before a replay of the padded batch ``fb`` (``num_real`` real rows): what needs the host."""

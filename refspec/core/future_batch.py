@@ -4,7 +4,8 @@ In the overlap loop the host launches round k+1 before it has read round k's acc
 it does not know the committed length L of round k+1; the device does (the future map's
 ``seq_lens``, :mod:`refspec.speculative.future`).  These builders take
 
-* ``seq_lens`` ``[B]`` int64 on the device: the exact L (or L + N) per request;
+* ``seq_lens`` ``[B]`` int64 or int32 on the device: the exact L (or L + N) per request (the
+  batches' ``seq_lens`` are int32: given int32, no builder converts it again);
 * ``seq_lens_hi``: a host list of upper bounds, ``seq_lens_hi[b] >= seq_lens[b]``;
 
 and compute ``positions = seq_lens[b] + i`` and ``out_cache_loc = req_to_token[r_b, positions]``
@@ -38,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from refspec.core.batch import ForwardBatch, _check_rows
+from refspec.core.constants import const_arange, const_full
 from refspec.core.kv_cache import KVCache
 from refspec.core.modes import ForwardMode
 
@@ -54,7 +56,7 @@ def round_window(kv: KVCache, rows: list[int], rows_dev: torch.Tensor, seq_lens:
     for b, hi in enumerate(seq_lens_hi):
         if hi + width > W:
             raise ValueError(f"request {b}: bound {hi} + {width} positions past the req_to_token width {W}")
-    pos = seq_lens[:, None] + torch.arange(width, device=seq_lens.device)
+    pos = seq_lens[:, None] + const_arange(width, seq_lens.device)
     return pos, kv.req_to_token[rows_dev[:, None], pos].long()
 
 
@@ -90,7 +92,7 @@ def draft_extend_v2_batch_future(kv, rows, rows_dev, seq_lens, seq_lens_hi, num_
     """DRAFT_EXTEND_V2 after a verify at L (``seq_lens`` and the bound are L's): ``seq_lens``
     L + N; N tokens at L .. L + N - 1."""
     N, B = num_draft_tokens, len(rows)
-    ext = torch.full((B,), N, dtype=torch.int32, device=seq_lens.device)
+    ext = const_full(B, N, torch.int32, seq_lens.device)
     return _future_build(ForwardMode.DRAFT_EXTEND_V2, kv, rows, rows_dev, seq_lens + N,
                          [h + N for h in seq_lens_hi], window, N, num_draft_tokens=N,
                          extend_seq_lens=ext, extend_seq_lens_cpu=[N] * B)

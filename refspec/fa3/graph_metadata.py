@@ -17,6 +17,14 @@ DRAFT_EXTEND_V2      max_seqlen_q = W = Sd + 1   cache_seqlens <- seq_lens (L + 
                                                  (= [0, W, 2W, ...], uniform)
 ===================  ==========================  ====================================================
 
+**Where the rewrite runs.**  ``cache_seqlens`` and ``cu_seqlens_k`` depend only on the static
+batch's device ``seq_lens``, so they are the captured graph's own first work
+(:meth:`GraphMetadataMixin.init_forward_metadata_in_graph`, upstream 0.5.23's hook of that name):
+no host launch per replay.  The page table (its width m comes from the CPU bound) and the draft
+extend's ``cu_seqlens_q`` are written before the replay
+(:meth:`GraphMetadataMixin.init_forward_metadata_replay_cuda_graph`); a validating replay runs the
+in-graph writes there too, so that its checks see the values the kernel will read.
+
 m = ceil(max K / P) from the CPU mirror; columns >= m keep stale values, which is harmless
 because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width M is
 ``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
@@ -109,8 +117,36 @@ class GraphMetadataMixin:
         self.forward_metadata = md
         return md
 
+    def init_forward_metadata_in_graph(self, bs: int, fb: ForwardBatch) -> None:
+        """The part of the replay metadata the graph records as its own first work (upstream 0.5.23's
+        ``init_forward_metadata_in_graph``): ``cache_seqlens <- seq_lens + delta`` and
+        ``cu_seqlens_k`` (:func:`write_cache_seqlens`), in place (CG-001), from the static batch's
+        device ``seq_lens``, so a replay launches no op for them.
+
+        The page table and the draft extend's ``cu_seqlens_q`` stay out of the graph
+        (:meth:`init_forward_metadata_replay_cuda_graph`): the table's live columns come from the
+        CPU bound.  Upstream records its fused metadata kernel in the graph for DRAFT_EXTEND_V2
+        (``draft_extend_set_metadata``) and launches it before the replay for the other modes
+        (``normal_decode_set_metadata``),
+        `flashattention_backend.py@v0.5.23
+        <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L478>`_.
+        Raises ValueError when nothing was captured for this mode and ``bs``.
+        """
+        md, _ = self._captured(fb, bs)
+        write_cache_seqlens(md, fb.seq_lens[:bs], mode_delta(fb, self.speculative_step_id))
+
+    def _captured(self, fb: ForwardBatch, bs: int):
+        key = (_mode_key(fb), bs)
+        if self.graph_state is None or key not in self.graph_state.captured:
+            raise ValueError(f"no graph metadata captured for {key} (init_cuda_graph_state and the capture hook "
+                             f"come first)")
+        return self.graph_state.captured[key]
+
     def init_forward_metadata_replay_cuda_graph(self, bs: int, fb: ForwardBatch, num_real: int):
-        """Rewrite the captured (mode, bs) metadata in place for the padded batch ``fb``.
+        """Rewrite the captured (mode, bs) metadata in place for the padded batch ``fb``, out of the graph:
+        the page table over the CPU bound and the draft extend's ``cu_seqlens_q``; the lengths are
+        the graph's own work (:meth:`init_forward_metadata_in_graph`), run here as well when
+        ``validate`` is on, so that the checks see the values the kernel will read.
 
         ``fb`` holds ``bs`` rows (``num_real`` real, then padding) with CPU mirrors.
         Raises: ValueError (nothing captured for this mode and ``bs``), CG-008 (pages do not
@@ -121,15 +157,12 @@ class GraphMetadataMixin:
         :mod:`refspec.fa3.validate` on the real rows.  Without ``validate`` a rebound tensor is
         silently stale, as on a real GPU.
         """
-        key = (_mode_key(fb), bs)
-        if self.graph_state is None or key not in self.graph_state.captured:
-            raise ValueError(f"no graph metadata captured for {key} (init_cuda_graph_state and the capture hook "
-                             f"come first)")
-        md, bound = self.graph_state.captured[key]
+        md, bound = self._captured(fb, bs)
         if self.validate:
             self.count_validation()
             validate_batch(fb, self.kv.req_to_token, num_real=num_real)
-        self._update_lengths(md, fb, bs)
+            self.init_forward_metadata_in_graph(bs, fb)
+        self._write_page_table(md, fb, bs)
         if fb.forward_mode.is_draft_extend(include_v2=True):  # the live token layout (CG-003 / CG-004)
             write_draft_extend_cu_q(md, draft_extend_rows(fb, bs))
         if self.validate:
@@ -149,10 +182,14 @@ class GraphMetadataMixin:
         """The in-place writes shared by capture (dummy values) and replay, one rule each:
         ``cache_seqlens`` and ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table
         (:func:`replay_page_table`), after the CG-008 width check."""
+        write_cache_seqlens(md, fb.seq_lens[:bs], mode_delta(fb, self.speculative_step_id))
+        self._write_page_table(md, fb, bs)
+
+    def _write_page_table(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
+        """The page table over the CPU bound ``max K = max(seq_lens_cpu) + delta`` (MD-006), after
+        the CG-008 width check (:func:`replay_page_table`)."""
         gs, P = self.graph_state, self.page_size
-        delta = mode_delta(fb, self.speculative_step_id)
-        write_cache_seqlens(md, fb.seq_lens[:bs], delta)
-        max_k = max(fb.seq_lens_cpu[:bs].tolist()) + delta
+        max_k = max(fb.seq_lens_cpu[:bs].tolist()) + mode_delta(fb, self.speculative_step_id)
         check_table_width(max_k, P, gs.width)
         replay_page_table(md, fb, self.kv.req_to_token, gs.strided_indices, max_k, P)
 

@@ -36,13 +36,15 @@ all.  SGLang writes the same fields with one ``copy_`` / ``fill_`` each
 ``DecodeInputBuffers.populate_from_forward_batch`` at
 `v0.5.12.post1 <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/model_executor/cuda_graph_runner.py#L296>`_)
 and fuses the metadata writes that follow into one Triton kernel per backend
-(``normal_decode_set_metadata`` / ``draft_extend_set_metadata``,
+(``normal_decode_set_metadata`` before the replay / ``draft_extend_set_metadata`` recorded in the graph,
 `python/sglang/kernels/ops/attention/metadata.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/ops/attention/metadata.py#L505>`_).
 The CPU mirrors of the static batch (``seq_lens_cpu``, the per-request lists) are built with
 no per-request Python loop.
 
-Graphs run ``forward_fn(fb, inputs)`` on the runner's *static* batch and input buffers, so the
-captured launches read the same memory at every replay.  Outputs come back sliced to the real
+Graphs run each backend's ``init_forward_metadata_in_graph`` and then ``forward_fn(fb, inputs)``
+on the runner's *static* batch and input buffers, so the captured launches read the same memory
+at every replay, and the metadata rewrite is recorded with them (no host launch per replay;
+:mod:`refspec.fa3.graph_metadata`).  Outputs come back sliced to the real
 rows (tokens, or requests for ``rows="requests"``) and cloned.
 """
 
@@ -184,13 +186,19 @@ class GraphRunner:
         fb = self._static_batch(bs)
         self._fill(fb, None, bs, None)
         self._check_fills(fb, 0, bs)
-        for sub, backend in zip(self.split(fb), self.backends):
+        subs = self.split(fb)
+        for sub, backend in zip(subs, self.backends):
             backend.init_forward_metadata_capture_cuda_graph(bs, bs * self.W, sub)
         self._check_padding(fb, 0, bs)
         graph = make_graph(fb.seq_lens.device, pool)
         inputs = {n: t[: bs * self.W] for n, t in self.inputs.items()}
-        fwd = self.forward_fn  # the closure must not hold the runner (a cycle only the GC could free)
-        graph.capture(lambda: fwd(fb, inputs))
+        fwd, pairs = self.forward_fn, list(zip(self.backends, subs))  # the closure must not hold the runner
+
+        def run():  # the metadata rewrite is the graph's own first work (CG-001: into the captured buffers)
+            for backend, sub in pairs:
+                backend.init_forward_metadata_in_graph(bs, sub)
+            return fwd(fb, inputs)
+        graph.capture(run)
         self.graphs[bs], self.static[bs] = graph, fb
 
     def can_run(self, fb: ForwardBatch) -> bool:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from refspec.core.constants import const_arange
+
 
 def num_correct_drafts(drafts: torch.Tensor, predict: torch.Tensor) -> torch.Tensor:
     """n per request (SD-001).
@@ -41,7 +43,7 @@ def committed_candidates(drafts: torch.Tensor, predict: torch.Tensor, n: torch.T
     input of the v2 draft extend (all N rows; equal to ``predict`` under the greedy rule).
     """
     B, N = predict.shape
-    i = torch.arange(N, device=predict.device)
+    i = const_arange(N, predict.device)
     d_shift = torch.cat([drafts, predict[:, -1:]], dim=1)  # column N-1 is never < n
     return torch.where(i[None, :] < n[:, None], d_shift, predict)
 

@@ -154,10 +154,11 @@ def launch(eng, reqs, joined: list[int]) -> InFlight:
 
     def batches(eng, reqs, rows_dev, L_dev):  # one window L..L+N-1 for all three forwards
         kv, N, rows = eng.kv, eng.N, [r.row for r in reqs]
-        win = round_window(kv, rows, rows_dev, L_dev, hi, N)
-        steps = draft_decode_steps_batch_future(kv, rows, rows_dev, L_dev, hi, eng.Sd, win) if eng.Sd > 1 else None
-        return (steps, verify_batch_future(kv, rows, rows_dev, L_dev, hi, N, win),
-                draft_extend_v2_batch_future(kv, rows, rows_dev, L_dev, hi, N, win))
+        L32 = L_dev.to(torch.int32)  # the batches' seq_lens dtype, converted once for all three
+        win = round_window(kv, rows, rows_dev, L32, hi, N)
+        steps = draft_decode_steps_batch_future(kv, rows, rows_dev, L32, hi, eng.Sd, win) if eng.Sd > 1 else None
+        return (steps, verify_batch_future(kv, rows, rows_dev, L32, hi, N, win),
+                draft_extend_v2_batch_future(kv, rows, rows_dev, L32, hi, N, win))
 
     before, counts = eng.syncs["in_round"], Counter(eng.runners.counts)
     out = eng._overlap_round(reqs, hi, batches)  # prepare (the 2x reserve) + round_v2; trees: their own

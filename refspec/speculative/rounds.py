@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from refspec.core.constants import const_arange
 from refspec.core.batch import draft_decode_steps_batch, draft_extend_batch, draft_extend_v2_batch, verify_batch
 from refspec.core.transfer import h2d, h2d_many
 from refspec.speculative.accept import committed_candidates
@@ -133,7 +134,7 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     fb.num_accept_tokens = a_dev.to(torch.int32)  # device only; used to select the kept row
     d_next, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
     eng.observe("draft_extend", reqs=reqs, fb=fb)
-    keep = torch.arange(0, len(reqs) * N, N, device=n.device) + n  # row b*N + a_b - 1 (= b*N + n_b)
+    keep = const_arange(len(reqs), n.device, step=N) + n  # row b*N + a_b - 1 (= b*N + n_b)
     _next_state(eng, rows_dev, L_dev + a_dev, cand, d_next, dh, keep, a_dev)
     draft_len = fb.positions[keep] + 1  # the kept row's KV index + 1
     return pack(a_dev, cand, drafts, draft_len, L_dev)

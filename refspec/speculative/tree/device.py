@@ -46,21 +46,8 @@ from __future__ import annotations
 
 import torch
 
+from refspec.core.constants import const_arange  # noqa: F401 (the tree modules import it from here)
 from refspec.core.invariants import require
-
-
-_ARANGES: dict = {}
-
-
-def const_arange(n: int, device, start: int = 0, step: int = 1) -> torch.Tensor:
-    """``torch.arange(start, start + n * step, step)`` int64 on ``device``, made once per shape and
-    shared (never written): the index constants of a round's tensor arithmetic, not rebuilt (one
-    host op each on a GPU) every round."""
-    key = (torch.device(device), n, start, step)
-    t = _ARANGES.get(key)
-    if t is None:
-        t = _ARANGES[key] = torch.arange(start, start + n * step, step, dtype=torch.long, device=device)
-    return t
 
 
 def _doubling_rounds(n: int) -> int:
