@@ -6,8 +6,9 @@ Sections (each figure is a ratio against a baseline measured in the same run):
    context lengths: achieved KV bytes/s as % of the device-to-device copy bandwidth measured
    in this run (``torch`` copy of a large buffer).
    ``scale``: the kernel, the emulator and the oracle on one small batch, for scale.
-2. ``metadata``: time of the graph replay-metadata update (in-place writes + page table) per
-   call vs the kernel time of the same batch, validation on and off.
+2. ``metadata``: time of the out-of-graph replay-metadata update (the page table in place; with
+   validation also the lengths and the checks) per call vs the kernel time of the same batch,
+   validation on and off.
 3. ``loop``: one full spec round (Sd draft steps + verify + draft extend) of the production
    loop, v1 and v2, graphs vs eager, host syncs per round; and end-to-end tokens/s + accept
    length over page sizes (registered by :mod:`refspec.speculative` when the engine is present).
@@ -142,7 +143,9 @@ def bench_scale(device, quick):
 
 
 def bench_metadata(device, quick):
-    """Replay-metadata update vs kernel time for verify batches (validation on and off)."""
+    """Replay-metadata update vs kernel time for verify batches (validation on and off): the
+    out-of-graph replay hook, i.e. the page table and its checks (the lengths are the graph's own
+    work, ``init_forward_metadata_in_graph``; a validating replay writes them here too)."""
     rows = []
     for B in ((1, 4) if quick else (1, 8, 32, 128)):
         t_kernel, _, _, built, _ = _kernel_case(device, 16, B, 512 if quick else 4096, 4, in_graph=False)
