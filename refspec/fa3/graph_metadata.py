@@ -179,9 +179,11 @@ class GraphMetadataMixin:
         return md
 
     def _update_lengths(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
-        """The in-place writes shared by capture (dummy values) and replay, one rule each:
-        ``cache_seqlens`` and ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table
-        (:func:`replay_page_table`), after the CG-008 width check."""
+        """The capture hook's in-place writes (dummy values), one rule each: ``cache_seqlens`` and
+        ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table (:func:`replay_page_table`),
+        after the CG-008 width check.  A replay writes the same fields in two places: the lengths in
+        the graph (:meth:`init_forward_metadata_in_graph`), the page table before it
+        (:meth:`_write_page_table`)."""
         write_cache_seqlens(md, fb.seq_lens[:bs], mode_delta(fb, self.speculative_step_id))
         self._write_page_table(md, fb, bs)
 

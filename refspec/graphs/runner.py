@@ -43,7 +43,9 @@ no per-request Python loop.
 
 Graphs run each backend's ``init_forward_metadata_in_graph`` and then ``forward_fn(fb, inputs)``
 on the runner's *static* batch and input buffers, so the captured launches read the same memory
-at every replay, and the metadata rewrite is recorded with them (no host launch per replay;
+at every replay, and the length part of the metadata rewrite (``cache_seqlens``, ``cu_seqlens_k``)
+is recorded with them (no host launch per replay for it; the page table and the draft extend's
+``cu_seqlens_q`` are still written before each replay by ``init_forward_metadata_replay_cuda_graph``,
 :mod:`refspec.fa3.graph_metadata`).  Outputs come back sliced to the real
 rows (tokens, or requests for ``rows="requests"``) and cloned.
 """
