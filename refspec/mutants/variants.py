@@ -78,7 +78,8 @@ CHAIN_VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "to page 0, every replay is wrong",
             ("CG-001", "CG-002")),
     Variant("replay-rebind-cache-seqlens", gm.write_cache_seqlens, R.rebind_cache_seqlens,
-            "replay assigns a new cache_seqlens tensor instead of copying into the captured one",
+            "the lengths' write (the graph's own first work, and a validating replay's) assigns a new "
+            "cache_seqlens tensor instead of copying into the captured one",
             f"{SG}4855 (6ffb6bd47); case B11, {SG}26019",
             "the graph keeps reading the capture-time lengths (the padding fill + delta): each row "
             "attends to a few keys instead of K_b",
