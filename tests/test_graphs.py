@@ -327,6 +327,42 @@ def test_emulated_graph_reuses_capture_time_buffers_and_scalars():
     assert g.replay().tolist() == [31.0, 41.0]
 
 
+@pytest.mark.spec("CG-001", "MD-006")
+@pytest.mark.parametrize("name", ALL)
+def test_the_lengths_are_the_graphs_own_work(name, monkeypatch):
+    """``cache_seqlens = seq_lens + delta`` and ``cu_seqlens_k`` are recorded in the graph
+    (``init_forward_metadata_in_graph``): without validation the out-of-graph replay hook writes
+    neither, and the replay itself does.  Expected lengths by hand: the live ``seq_lens`` plus the
+    mode's delta (K_DELTA), then ``1 + delta`` (verify, decode) or W (draft extend) per padded row.
+    Negative control: a graph captured without its in-graph hook keeps the capture-time lengths."""
+    from refspec.fa3.graph_metadata import GraphMetadataMixin
+
+    reqs = Requests(scenario(name, 4))
+    fb, x, _ = reqs.live([0, 1, 2])
+    L = fb.seq_lens.tolist()
+    d = K_DELTA[name]
+    pad = TOKENS_PER_REQ[name] if name.startswith("draft_extend") else 1 + d
+    want_K = [l + d for l in L] + [pad]
+    want_cu = [0, *[sum(want_K[:i + 1]) for i in range(4)]]
+
+    def lengths(runner):
+        md = runner.backend.forward_metadata
+        return md.cache_seqlens_int32.tolist(), md.cu_seqlens_k.tolist()
+
+    runner = reqs.runner(capture_bs=(4,), validate=False)
+    before = lengths(runner)  # the capture's: 4 padded rows
+    static = runner.static[4]
+    runner._fill(static, fb, 4, x)
+    runner.backend.init_forward_metadata_replay_cuda_graph(4, static, num_real=3)
+    assert lengths(runner) == before  # the hook alone leaves them
+    runner.replay(fb, x)
+    assert lengths(runner) == (want_K, want_cu)
+    monkeypatch.setattr(GraphMetadataMixin, "init_forward_metadata_in_graph", lambda self, bs, fb: None)
+    stale = reqs.runner(capture_bs=(4,), validate=False)  # captured without the in-graph write
+    stale.replay(fb, x)
+    assert lengths(stale)[0] != want_K
+
+
 @pytest.mark.spec("CG-001")
 @pytest.mark.parametrize("bug", ["replay-rebind-page-table", "replay-rebind-cache-seqlens"])
 @pytest.mark.parametrize("name", ["decode", "verify"])
