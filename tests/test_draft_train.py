@@ -13,7 +13,7 @@ import torch
 from refspec.model.llama import LlamaConfig, LlamaModel, init_random_, tiny_config
 from refspec.real import draft_data as dd
 from refspec.real.draft_train import (CALIBRATION_STEPS, Recipe, RowsBatch, RowsBackend, UnrollBackend, draft_losses,
-                                      extract_features, lr_at, new_head, save_head, train)
+                                      extract_features, host_stats, lr_at, new_head, save_head, train)
 
 
 # ------------------------------------------------------------------ data
@@ -209,10 +209,10 @@ def test_step_zero_loss_is_scored_on_the_next_greedy_token():
             return torch.nn.functional.one_hot(nxt, 128).float(), torch.zeros(R * n, 64)
 
     _, st = draft_losses(Oracle(), ids, torch.tensor([16, 16]), hidden, greedy, Recipe(unroll=1, hidden_weight=0.0))
-    assert st["top1"] == [1.0]
+    assert host_stats(st)["top1"] == [1.0]
     _, st = draft_losses(Oracle(), ids, torch.tensor([16, 16]), hidden, torch.roll(greedy, 1, 1),
                          Recipe(unroll=1, hidden_weight=0.0))
-    assert st["top1"][0] < 0.5  # a shifted label (the text's own next token) is a different target
+    assert host_stats(st)["top1"][0] < 0.5  # a shifted label (the text's own next token) is a different target
 
 
 # ------------------------------------------------------------------ the head file
@@ -257,4 +257,23 @@ def test_loss_weights_are_finite_for_padded_rows():
     hidden, greedy = extract_features(m, ids)
     head = new_head(m, seed=0)
     loss, st = draft_losses(head, ids, torch.tensor([16, 9, 2, 16]), hidden, greedy, Recipe())
-    assert math.isfinite(float(loss)) and all(math.isfinite(c) for c in st["ce"])
+    assert math.isfinite(float(loss)) and all(math.isfinite(c) for c in host_stats(st)["ce"])
+
+
+def test_a_training_step_reads_nothing_back():
+    """``draft_losses`` keeps its stats on the device (``host_stats`` reads them all at once when
+    they are logged), so a training step never waits for the GPU: no tensor value is read inside
+    it.  Negative control: ``host_stats`` on the same stats is a read."""
+    from refspec.audits.sync import host_reads
+
+    m, rows, _ = _tiny()
+    ids = torch.from_numpy(rows[:4].astype(np.int64))
+    hidden, greedy = extract_features(m, ids)
+    head = new_head(m, seed=0)
+    with host_reads() as reads:
+        loss, st = draft_losses(head, ids, torch.tensor([16, 9, 2, 16]), hidden, greedy, Recipe())
+        loss.backward()
+    assert not reads, f"host reads inside a training step: {dict(reads)}"
+    with host_reads() as reads:
+        host_stats(st)
+    assert reads

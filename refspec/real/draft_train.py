@@ -167,7 +167,9 @@ def draft_losses(head: EagleDraft, ids: torch.Tensor, lengths: torch.Tensor, hid
 
     Shapes: ``ids [R, T]`` int64, ``lengths [R]`` (valid tokens), ``hidden [R, T, E]``,
     ``greedy [R, T]``.  Rows are read at draft KV indices j = 0..T-2 (index j consumes
-    ``ids[:, j+1]``).  Returns ``(loss, {"ce": [...], "top1": [...], "hidden": x})``.
+    ``ids[:, j+1]``).  Returns ``(loss, stats)``: ``stats`` holds detached 0-d tensors
+    (``{"ce": [...], "top1": [...], "hidden": x}``, one per unrolled step), so a training step
+    reads nothing back from the device; :func:`host_stats` makes them floats when they are logged.
     """
     R, T = ids.shape
     n = T - 1
@@ -190,17 +192,26 @@ def draft_losses(head: EagleDraft, ids: torch.Tensor, lengths: torch.Tensor, hid
         lg = logits.view(R, n, -1)[m].float()
         ce = F.cross_entropy(lg, y[m])
         total = total + recipe.step_weights[s] * ce
-        ce_s.append(float(ce.detach()))
-        top1_s.append(float((lg.argmax(-1) == y[m]).float().mean().detach()))
+        ce_s.append(ce.detach())
+        top1_s.append((lg.argmax(-1) == y[m]).float().mean().detach())
         if s == 0 and recipe.hidden_weight:
             def rms(t):
                 t = t.float()
                 return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
             hl = F.smooth_l1_loss(rms(g[:, :n - 1][valid[:, 1:]]), rms(hidden[:, 1:n][valid[:, 1:]]))
             total = total + recipe.hidden_weight * hl
-            hidden_loss = float(hl.detach())
+            hidden_loss = hl.detach()
         prev = g
     return total, {"ce": ce_s, "top1": top1_s, "hidden": hidden_loss if recipe.hidden_weight else 0.0}
+
+
+def host_stats(stats: dict) -> dict:
+    """:func:`draft_losses`' stats as floats (one device -> host read for all of them)."""
+    flat = [*stats["ce"], *stats["top1"], stats["hidden"]]
+    vals = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=stats["ce"][0].device).reshape(())
+                        for v in flat]).tolist()
+    n = len(stats["ce"])
+    return {"ce": vals[:n], "top1": vals[n:2 * n], "hidden": vals[-1]}
 
 
 def _sync(dev) -> None:
@@ -241,6 +252,7 @@ def evaluate(head: EagleDraft, ids, lengths, hidden, greedy, recipe: Recipe, bat
         sl = slice(a, a + batch)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             _, st = draft_losses(head, ids[sl], lengths[sl], hidden[sl], greedy[sl], recipe)
+        st = host_stats(st)
         w = int((lengths[sl] - 1).clamp(min=0).sum())
         sums += np.array([st["top1"], st["ce"]]) * w
         count += w
@@ -334,6 +346,7 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
         head.load_state_dict(ck["head"])
         opt.load_state_dict(ck["opt"])
         step, order, log = ck["step"], ck["order"], ck["log"]
+    order_dev = torch.from_numpy(order).to(dev)  # once: a per-step pageable copy would wait for the GPU
     t1 = time.perf_counter()
     finished = True
     head.train()
@@ -341,7 +354,7 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             finished = False
             break
-        b = torch.from_numpy(order[step * recipe.batch_rows:(step + 1) * recipe.batch_rows]).to(dev)
+        b = order_dev[step * recipe.batch_rows:(step + 1) * recipe.batch_rows]
         for gparam in opt.param_groups:
             gparam["lr"] = lr_at(step, recipe)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -361,7 +374,7 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
                 recipe = dataclasses.replace(recipe, steps=max(step + 1, int(rate * (train_seconds - (
                     time.perf_counter() - t1)))))
         if step % 10 == 0 or step == recipe.steps:
-            st = dict(st, step=step, steps=recipe.steps, loss=round(float(loss.detach()), 4),
+            st = dict(host_stats(st), step=step, steps=recipe.steps, loss=round(float(loss.detach()), 4),
                       lr=lr_at(step - 1, recipe))
             log.append(st)
             if progress is not None:
