@@ -625,3 +625,24 @@ def test_decode_over_unreserved_positions_names_the_missing_reservation():
     fb = B.decode_batch(kv, [r], [9])
     with pytest.raises(InvariantError, match=r"^\[PA-008\].*position\(s\) \[5, 6, 7, 8\].*no slot was reserved"):
         FlashAttentionBackend(pool, kv).init_forward_metadata(fb)
+
+
+def test_cuda_graphs_with_the_emulator_are_refused_with_the_reason(monkeypatch):
+    """A CUDA graph capture cannot run the emulator (it checks its metadata on the host): a graphed
+    backend on a CUDA device whose provider is the emulator is refused up front, naming why no
+    real kernel was chosen, instead of failing inside torch's capture.  CPU graphs (the emulated
+    ones) and real providers pass."""
+    from refspec.fa3 import kernel
+
+    kernel.check_graphable(torch.device("cpu"), "emulator")  # the emulated graphs: fine
+    kernel.check_graphable(torch.device("cuda"), "fa3")  # a real kernel: nothing to check here
+    monkeypatch.setattr(kernel, "hopper_reason", lambda device=None: "GPU is sm_80, FA3 needs Hopper (sm_90)")
+    with pytest.raises(ValueError, match="need a real FA3 kernel.*sm_80"):
+        kernel.check_graphable(torch.device("cuda"), "emulator")
+    monkeypatch.setattr(kernel, "hopper_reason", lambda device=None: None)
+    monkeypatch.setattr(kernel, "_real_kernel", lambda name: f"`import {name}` failed: ImportError")
+    with pytest.raises(ValueError, match="import fa3` failed"):
+        kernel.check_graphable(torch.device("cuda"), "emulator")
+    monkeypatch.setenv("REFSPEC_FA3_PROVIDER", "emulator")
+    with pytest.raises(ValueError, match="REFSPEC_FA3_PROVIDER=emulator"):
+        kernel.check_graphable(torch.device("cuda"), "emulator")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from refspec.core.batch import ForwardBatch
+from refspec.fa3 import kernel
 from refspec.fa3.metadata import FlashAttentionMetadata, cumsum0, mode_delta
 from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.core.invariants import InvariantError, require
@@ -90,6 +91,7 @@ class GraphMetadataMixin:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Preallocate the graph buffers; the page-table width M comes from ``req_to_token``."""
         P, R = self.page_size, self.kv.req_to_token
+        kernel.check_graphable(R.device, self.provider)
         M = graph_table_width(R, P)
         i32 = dict(dtype=torch.int32, device=R.device)
         self.graph_state = GraphState(

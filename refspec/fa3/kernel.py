@@ -53,6 +53,21 @@ def hopper_reason(device=None) -> str | None:
     return None if major == 9 else f"GPU is sm_{major}{minor}, FA3 needs Hopper (sm_90)"
 
 
+def check_graphable(device, provider: str) -> None:
+    """CUDA graphs on a CUDA device need a real kernel provider.  The emulator checks its
+    metadata on the host (``tolist``), which a stream capture forbids, so capture would fail deep
+    inside torch; this says why first.  Raises ValueError naming the provider and why no real
+    one was chosen (no Hopper GPU, FA3 not importable, or ``REFSPEC_FA3_PROVIDER``)."""
+    if torch.device(device).type != "cuda" or provider != "emulator":
+        return
+    why = hopper_reason(device) or "; ".join(r for r in (_real_kernel(n) for n in ("fa3", "sgl_kernel"))
+                                              if isinstance(r, str))
+    if os.environ.get("REFSPEC_FA3_PROVIDER") == "emulator":
+        why = "REFSPEC_FA3_PROVIDER=emulator"
+    raise ValueError(f"CUDA graphs on {device} need a real FA3 kernel, but the provider is the emulator ({why}): "
+                     "install FA3 (`flash_attn_interface`, docs/fa3-contract.md) or run without graphs")
+
+
 def provider_status() -> dict[str, str]:
     """Each provider -> 'available' or the reason it is not (for ``python -m refspec info``)."""
     status = {}

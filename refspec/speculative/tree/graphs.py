@@ -57,6 +57,7 @@ import torch
 
 from refspec.core.invariants import require
 from refspec.core.modes import ForwardMode
+from refspec.fa3 import kernel
 from refspec.fa3 import tree_metadata as tm
 from refspec.fa3.metadata import FlashAttentionMetadata
 from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
@@ -153,6 +154,8 @@ class TreeGraphRunner:
                 self.inputs["hidden"] = z(max_bs, E, dt=dtype)
             rows, xw = [max_bs * self.k] * len(self.backends), [s + 2 for s in range(len(self.backends))]
             self.fn = runners._tree_draft_fn
+        for be in self.backends:  # a graph capture cannot run the emulator's host-side checks
+            kernel.check_graphable(dev, be.provider)
         # one prefix set for all backends: the prefix part does not depend on the draft step
         # (TR-013), so the S - 1 steps read the same buffers, written once per replay
         prefix = (z(max_bs), z(max_bs + 1), z(max_bs, W))
