@@ -48,6 +48,7 @@ import torch
 
 from refspec.core.constants import const_arange  # noqa: F401 (the tree modules import it from here)
 from refspec.core.invariants import require
+from refspec.speculative.tree import accept_kernel
 
 
 def _doubling_rounds(n: int) -> int:
@@ -212,8 +213,23 @@ def verify_tree_greedy_device(candidates, retrive_index, retrive_next_token, ret
     Shapes: ``candidates``, ``retrive_*`` int64 ``[B, N]``; ``target_predict`` int64 ``[B*N]``.
     Returns ``predicts`` int64 ``[B*N]`` (the target's token at every path node, 0 elsewhere),
     ``accept_index`` int64 ``[B, num_speculative_tokens]`` (flat node ids of the path, -1
-    padded) and ``accept_token_num`` int64 ``[B]`` (n).
+    padded) and ``accept_token_num`` int64 ``[B]`` (n).  On CUDA with Triton one fused kernel
+    walks the tree as upstream's ``verify_tree_greedy`` does
+    (:func:`refspec.speculative.tree.accept_kernel.verify_tree_greedy_fused`); elsewhere the
+    tensor rule :func:`verify_tree_greedy_torch`.
     """
+    if accept_kernel.available(candidates.device):
+        return accept_kernel.verify_tree_greedy_fused(candidates, retrive_index, retrive_next_token,
+                                                      retrive_next_sibling, target_predict, num_speculative_tokens)
+    return verify_tree_greedy_torch(candidates, retrive_index, retrive_next_token, retrive_next_sibling,
+                                    target_predict, num_speculative_tokens)
+
+
+def verify_tree_greedy_torch(candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict,
+                             num_speculative_tokens: int):
+    """:func:`verify_tree_greedy_device` as tensor code, every request at once, no host loop: per
+    node its owner and place in its child list (list ranking), then one gather per level along
+    the path.  Same arguments and results."""
     B, N = candidates.shape
     dev = candidates.device
     ridx = retrive_index.long()
