@@ -114,8 +114,9 @@ class GraphMetadataMixin:
         cu_q.copy_(torch.arange(0, bs * q + 1, q, dtype=torch.int32))
         md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], q, 0,
                                     gs.page_table[:bs, :])
-        self._update_lengths(md, fb, bs)
         gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
+        self.init_forward_metadata_in_graph(bs, fb)  # the dummy values, as every replay writes them
+        self._write_page_table(md, fb, bs)
         self.forward_metadata = md
         return md
 
@@ -179,15 +180,6 @@ class GraphMetadataMixin:
                               max_seqlen_q=md.max_seq_len_q)
         self.forward_metadata = md
         return md
-
-    def _update_lengths(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
-        """The capture hook's in-place writes (dummy values), one rule each: ``cache_seqlens`` and
-        ``cu_seqlens_k`` (:func:`write_cache_seqlens`) and the page table (:func:`replay_page_table`),
-        after the CG-008 width check.  A replay writes the same fields in two places: the lengths in
-        the graph (:meth:`init_forward_metadata_in_graph`), the page table before it
-        (:meth:`_write_page_table`)."""
-        write_cache_seqlens(md, fb.seq_lens[:bs], mode_delta(fb, self.speculative_step_id))
-        self._write_page_table(md, fb, bs)
 
     def _write_page_table(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
         """The page table over the CPU bound ``max K = max(seq_lens_cpu) + delta`` (MD-006), after
