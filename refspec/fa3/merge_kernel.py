@@ -28,20 +28,14 @@ its fallback where that CUDA kernel does not apply, is ``merge_state_triton`` in
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from refspec.core.triton_kernels import runs_on, triton_kernel
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    """The jitted Triton kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
+@triton_kernel
+def _kernel(triton, tl):
+    """The jitted merge kernel and ``triton.next_power_of_2``."""
     @triton.jit
     def merge(o1, o2, out, l1p, l2p, lse_out,
               s1t, s1h, s2t, s2h, sot, soh, sl1t, sl1h, sl2t, sl2h, H,
@@ -71,7 +65,7 @@ def _kernel():
 
 def available(device: torch.device) -> bool:
     """True where the fused kernel runs: a CUDA device and an importable Triton."""
-    return torch.device(device).type == "cuda" and _kernel() is not None
+    return runs_on(device, _kernel)
 
 
 def merge_state_fused(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):

@@ -17,20 +17,14 @@ Available where Triton is (CUDA builds of torch ship it); :func:`available` says
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from refspec.core.triton_kernels import runs_on, triton_kernel
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    """The jitted Triton kernel, or None where Triton cannot be imported."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
+@triton_kernel
+def _kernel(triton, tl):
+    """The jitted acceptance kernel."""
     @triton.jit
     def verify(predicts, accept_index, accept_num, cand, ridx, nxt, sib, tp,
                S: tl.constexpr, N: tl.constexpr):
@@ -67,7 +61,7 @@ def _kernel():
 
 def available(device: torch.device) -> bool:
     """True where the fused kernel runs: a CUDA device and an importable Triton."""
-    return torch.device(device).type == "cuda" and _kernel() is not None
+    return runs_on(device, _kernel)
 
 
 def verify_tree_greedy_fused(candidates, retrive_index, retrive_next_token, retrive_next_sibling, target_predict,
