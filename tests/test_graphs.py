@@ -414,3 +414,22 @@ def test_replay_validates_the_live_batch_first():
     assert e.value.inv_id == "MD-006" and "mirror" in str(e.value)
     with variants.enabled("replay-skips-validate-batch"):
         assert runner.replay(bad, inputs).shape == b.q.shape  # no check left to refuse it
+
+
+@pytest.mark.spec("CG-001")
+@pytest.mark.parametrize("name", ["decode", "verify", "draft_extend"])
+def test_the_capture_records_the_page_table_the_graph_reads(name):
+    """The capture hook records the captured tensors (what CG-001 compares every replay with) after
+    its dummy page-table write, so the record holds the very tensor the captured forward reads and
+    keeps it alive, also when the write rebinds ("replay-rebind-page-table" in force at capture).
+    Recorded before that write (as 0fd39fc did), the graph read a tensor that only the metadata
+    held, which the next rebinding replay freed: on the H200 the bug zoo's next replay hit an
+    illegal memory access, which poisons the process (benchmarks/results/h200_peer5.md).
+    Expected by construction: the record and the metadata name the same tensor right after capture."""
+    reqs = Requests(scenario(name, 4))
+    with variants.enabled("replay-rebind-page-table"):
+        runner = reqs.runner(capture_bs=(4,), validate=False)
+    captured = runner.backend.graph_state.captured
+    assert captured
+    for key, (md, bound) in captured.items():
+        assert md.page_table is bound["page_table"], key

@@ -114,9 +114,9 @@ class GraphMetadataMixin:
         cu_q.copy_(torch.arange(0, bs * q + 1, q, dtype=torch.int32))
         md = FlashAttentionMetadata(gs.cache_seqlens[:bs], cu_q, gs.cu_seqlens_k[: bs + 1], q, 0,
                                     gs.page_table[:bs, :])
-        gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})
-        self.init_forward_metadata_in_graph(bs, fb)  # the dummy values, as every replay writes them
-        self._write_page_table(md, fb, bs)
+        self._write_page_table(md, fb, bs)  # the dummy values, as every replay writes them
+        gs.captured[(_mode_key(fb), bs)] = (md, {n: getattr(md, n) for n in _TENSORS})  # what the graph reads
+        self.init_forward_metadata_in_graph(bs, fb)
         self.forward_metadata = md
         return md
 
