@@ -6,7 +6,7 @@ For each head (the committed ``refspec/real/heads/smollm2-135m-eagle.safetensors
 checked, and NEW, loaded with ``sha256=None``) on the same 16 MT-Bench prompts, 128 new tokens:
 
 * the production loop's accept length (FA3, CUDA graphs, v2, P = 16, chain Sd = 3, B = 16 and
-  B = 1), the figure issue 25's bar and the committed card's measurement use;
+  B = 1), the figure of issue 25's bar and of ``bench --sections eagle`` (benchmarks/results/h200_eagle.md);
 * the teacher-forced accept length (:func:`refspec.harness.teacher_forced.teacher_forced_accepts`)
   on the production path's own greedy text of the same prompts, so both heads are scored on
   identical tokens.
@@ -35,6 +35,12 @@ def main(new: str, out: Path) -> int:
     from refspec.real.eagle_head import HEAD_FILE, head_card, load_eagle_head
     from refspec.speculative.greedy import production_greedy
 
+    from refspec.real import missing_reason
+
+    if not torch.cuda.is_available():
+        raise SystemExit("compare_heads.py needs a CUDA GPU (FA3 and CUDA graphs)")
+    if missing_reason() is not None:
+        raise SystemExit(f"compare_heads.py needs the real weights: {missing_reason()}")
     out.mkdir(parents=True, exist_ok=True)
     model, prompts, label = _workload(16)
     heads = {"committed": load_eagle_head(model), "new": load_eagle_head(model, new, sha256=None)}

@@ -13,17 +13,19 @@
 #   2  carry .whl1 .tok   bash benchmarks/gpu_eagle.sh stash2
 #   3  carry .w2          bash benchmarks/gpu_eagle.sh train    # installs the weights, starts training (setsid)
 #   4  carry .whl2        bash benchmarks/gpu_eagle.sh fa3      # installs FA3 while the head trains
-#   5                     bash benchmarks/gpu_eagle.sh wait     # waits for the head, returns it and the training log in $OUT
+#   5                     bash benchmarks/gpu_eagle.sh wait     # waits <= 550 s for the head (exit 3: call it again), returns it
 #   6                     bash benchmarks/gpu_eagle.sh suite    # the GPU suite + the tree sync audit (after the training:
 #                                                               # beside it, the training's allocator held 138 of 140 GiB)
 #   7                     bash benchmarks/gpu_eagle.sh compare  # benchmarks/compare_heads.py: new vs committed head
 # STEPS=N trains N steps (the committed head: 5555); else TRAIN_SECONDS (default 420) sets the count.
+# All calls must land on one machine (it is held at most 30 minutes): the training (~13 min at 5555 steps),
+# the suite (~6-8 min) and compare (~3 min) leave little spare; a machine lost midway means training again.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:${PWD}
 FA3=tokenspeed_fa3-3.0.0.post20260810-cp39-abi3-manylinux_2_28_x86_64.whl
-case "$1" in
+case "${1:-}" in
   stash1)
     mkdir -p /tmp/w && cp .w1/* /tmp/w/ && nvidia-smi -L
     python3 -c "import torch, safetensors, tqdm; print(torch.__version__, safetensors.__version__)" ;;
@@ -49,6 +51,7 @@ case "$1" in
     for _ in $(seq 1 110); do [ -f /tmp/head/smollm2-135m-eagle.json ] && break; sleep 5; done
     echo "train wall s: $(( $(date +%s) - $(cat /tmp/train.start) )) (or less: the loop polls)"
     tr '\r' '\n' < /tmp/train.log > "$OUT/train.log"; tail -n 12 "$OUT/train.log"
+    [ -f /tmp/head/smollm2-135m-eagle.json ] || { echo "still training: call wait again"; exit 3; }
     cp /tmp/head/smollm2-135m-eagle.safetensors /tmp/head/smollm2-135m-eagle.json "$OUT/" ;;
   suite)
     timeout 540 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=10 tests/ > "$OUT/gpu-tests.log" 2>&1
@@ -58,4 +61,6 @@ case "$1" in
   compare)
     timeout 560 python3 benchmarks/compare_heads.py /tmp/head/smollm2-135m-eagle.safetensors "$OUT/compare" 2>&1 \
       | grep -v -i warn | tail -n 20 ;;
+  *)
+    echo "usage: $0 stash1|stash2|train|fa3|wait|suite|compare" >&2; exit 2 ;;
 esac
