@@ -48,7 +48,7 @@ import torch
 
 from refspec.core.constants import const_arange  # noqa: F401 (the tree modules import it from here)
 from refspec.core.invariants import require
-from refspec.speculative.tree import accept_kernel
+from refspec.speculative.tree import accept_kernel, build_kernel
 
 
 def _doubling_rounds(n: int) -> int:
@@ -138,8 +138,21 @@ def tree_structure(parent_list, top_scores_index, topk: int):
     ``[B, N]``, from ``parent_list`` / ``top_scores_index`` alone (TR-003, TR-004, TR-005).
 
     Static shapes and no host read: the production draft forward returns it from inside its
-    CUDA graph (:meth:`refspec.speculative.tree.runners.TreeRunners._tree_draft_fn`).
+    CUDA graph (:meth:`refspec.speculative.tree.runners.TreeRunners._tree_draft_fn`).  On CUDA
+    with Triton one fused kernel builds it as upstream's ``build_tree_kernel_efficient`` does
+    (:func:`refspec.speculative.tree.build_kernel.tree_structure_fused`); elsewhere the tensor
+    rule :func:`tree_structure_torch`.
     """
+    if build_kernel.available(top_scores_index.device):
+        return build_kernel.tree_structure_fused(parent_list.long().contiguous(),
+                                                 top_scores_index.long().contiguous(), topk)
+    return tree_structure_torch(parent_list, top_scores_index, topk)
+
+
+def tree_structure_torch(parent_list, top_scores_index, topk: int):
+    """:func:`tree_structure` as tensor code: the parents (:func:`tree_parents_device`), the child
+    lists (:func:`child_lists`), the ancestors by pointer doubling (:func:`ancestor_mask`) and
+    the depths (row sums).  Same arguments and results."""
     parents = tree_parents_device(parent_list, top_scores_index, topk)
     nxt, sib = child_lists(parents)
     anc = ancestor_mask(parents)
