@@ -125,5 +125,6 @@ def tree_structure_fused(parent_list: torch.Tensor, top_scores_index: torch.Tens
     anc = torch.zeros((B, N, N), dtype=torch.uint8, device=dev)
     depth = torch.empty((B, N), dtype=torch.long, device=dev)
     if B:
-        _kernel()[(B,)](links, anc, depth, parent_list, top_scores_index, K=K, S=S, N=N, PL=PL)
+        # one warp: the program is scalar, and the child-list links read back what it stored (as upstream's)
+        _kernel()[(B,)](links, anc, depth, parent_list, top_scores_index, K=K, S=S, N=N, PL=PL, num_warps=1)
     return links[0], links[1], links[2], anc.view(torch.bool), depth
