@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 DEMO_EXTRAS ?= real
 
-.PHONY: venv test demo check mutants mutation conformance sweep docs lab clean
+.PHONY: venv test demo check mutants mutation conformance sweep docs lab clean triton-check
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
@@ -46,6 +46,14 @@ mutants: venv
 mutation:
 	$(MAKE) venv EXTRAS=test,mutation
 	timeout 3600 $(PY) benchmarks/mutation.py
+
+# the fused Triton kernels (merge, tree acceptance, tree structure) compiled for Hopper (sm_90)
+# on this CPU machine: Triton's passes and ptxas need no GPU (tests/test_triton_compile.py; a CPU
+# torch brings no Triton, so a pinned one goes into .triton/, outside the venv).  Not in CI.
+TRITON_PIN ?= triton==3.6.0
+triton-check: venv
+	test -d .triton/triton || $(PY) -m pip install -q --no-deps --target .triton "$(TRITON_PIN)"
+	PYTHONPATH=.triton $(PY) -m pytest -q -p no:cacheprovider tests/test_triton_compile.py
 
 # SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
 # patched copies for the known-bug controls into .conformance-patched/)
