@@ -49,11 +49,12 @@ mutation:
 
 # the fused Triton kernels (merge, tree acceptance, tree structure) compiled for Hopper (sm_90)
 # on this CPU machine: Triton's passes and ptxas need no GPU (tests/test_triton_compile.py; a CPU
-# torch brings no Triton, so a pinned one goes into .triton/, outside the venv).  Not in CI.
+# torch brings no Triton, so a pinned one goes into .triton/, outside the venv; a fresh Triton
+# cache, so every run compiles).  .ci/run calls it after make test.
 TRITON_PIN ?= triton==3.6.0
 triton-check: venv
 	test -d .triton/triton || $(PY) -m pip install -q --no-deps --target .triton "$(TRITON_PIN)"
-	PYTHONPATH=.triton $(PY) -m pytest -q -p no:cacheprovider tests/test_triton_compile.py
+	PYTHONPATH=.triton TRITON_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -p no:cacheprovider tests/test_triton_compile.py
 
 # SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
 # patched copies for the known-bug controls into .conformance-patched/)

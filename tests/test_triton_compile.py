@@ -8,8 +8,9 @@ lowering error in a kernel shows here, at the shapes the engines launch, before 
 What this cannot show is a wrong result: the GPU tests (``tests/test_gpu_tree_*_kernel.py``,
 ``tests/test_gpu_merge*.py``) compare the kernels with their torch rules on CUDA.
 
-Needs Triton, which a CPU build of torch does not bring: ``make triton-check`` installs a pinned
-one into ``.triton/`` and runs this file; elsewhere the file is skipped with that reason.
+Needs Triton, which a CPU build of torch does not bring: ``make triton-check`` (run by ``.ci/run``
+after ``make test``) installs a pinned one into ``.triton/`` and runs this file with a fresh Triton
+cache; under a plain ``make test`` on a CPU torch the file is skipped with that reason.
 """
 
 from __future__ import annotations
