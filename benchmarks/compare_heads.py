@@ -32,15 +32,15 @@ def main(new: str, out: Path) -> int:
     from refspec.cli._bench_profile import _workload, capture_sizes, profile_config
     from refspec.harness.teacher_forced import teacher_forced_accepts
     from refspec.model.fused import FusedLlama
+    from refspec.real import missing_reason
     from refspec.real.eagle_head import HEAD_FILE, head_card, load_eagle_head
     from refspec.speculative.greedy import production_greedy
 
-    from refspec.real import missing_reason
-
     if not torch.cuda.is_available():
         raise SystemExit("compare_heads.py needs a CUDA GPU (FA3 and CUDA graphs)")
-    if missing_reason() is not None:
-        raise SystemExit(f"compare_heads.py needs the real weights: {missing_reason()}")
+    why = missing_reason()
+    if why is not None:
+        raise SystemExit(f"compare_heads.py needs the real weights: {why}")
     out.mkdir(parents=True, exist_ok=True)
     model, prompts, label = _workload(16)
     heads = {"committed": load_eagle_head(model), "new": load_eagle_head(model, new, sha256=None)}
