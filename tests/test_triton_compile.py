@@ -2,7 +2,8 @@
 
 TR-012's merge (:mod:`refspec.fa3.merge_kernel`), TR-016's tree acceptance
 (:mod:`refspec.speculative.tree.accept_kernel`) and the tree's structure, TR-003 / TR-004 /
-TR-005 (:mod:`refspec.speculative.tree.build_kernel`), run only on CUDA.  Triton's front end,
+TR-005 (:mod:`refspec.speculative.tree.build_kernel`) and the tree's KV move, TR-020
+(:mod:`refspec.speculative.tree.move_kernel`), run only on CUDA.  Triton's front end,
 its GPU passes and ``ptxas`` (shipped in the triton wheel) all run on a CPU, so a typing or
 lowering error in a kernel shows here, at the shapes the engines launch, before a GPU is lent.
 What this cannot show is a wrong result: the GPU tests (``tests/test_gpu_tree_*_kernel.py``,
@@ -23,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from refspec.fa3 import merge_kernel  # noqa: E402
-from refspec.speculative.tree import accept_kernel, build_kernel  # noqa: E402
+from refspec.speculative.tree import accept_kernel, build_kernel, move_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -61,6 +62,18 @@ def test_the_structure_kernel_compiles_for_hopper(K, S, N):
     sig = {"links": "*i64", "anc": "*u8", "depth": "*i64", "plist": "*i64", "top": "*i64"}
     sig |= {n: "constexpr" for n in ("K", "S", "N", "PL")}
     compiled(build_kernel._kernel(), sig, {"K": K, "S": S, "N": N, "PL": PL}, num_warps=1)
+
+
+@pytest.mark.spec("TR-020")
+@pytest.mark.parametrize("M,row", [(1, 384), (4, 384), (45, 384), (256, 384), (64, 2048), (128, 16384)])
+def test_the_move_kernel_compiles_for_hopper(M, row):
+    """At SmolLM2's slot (3 KV heads x 64, bf16: 384 bytes) for the path and tail-copy moves, and
+    at wider slots (8 x 128, 64 x 128), with the launch's own tiling."""
+    upper = max(2, 1 << (M - 1).bit_length())
+    tile, warps = move_kernel._tile(row, upper)
+    sig = {"ptrs": "*i64", "tgt": "*i64", "src": "*i64", "n": "i32"}
+    sig |= {n: "constexpr" for n in ("UPPER", "ROW", "TILE")}
+    compiled(move_kernel._kernel(), sig, {"UPPER": upper, "ROW": row, "TILE": tile}, num_warps=warps)
 
 
 def test_a_kernel_that_does_not_type_check_fails_to_compile_here():

@@ -34,6 +34,7 @@ import torch
 
 from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache, KVPool
+from refspec.speculative.tree import move_kernel
 from refspec.speculative.tree.device import const_arange
 
 
@@ -161,9 +162,14 @@ def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Ten
 
 def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
     """``pool[tgt] = pool[src]`` in every layer, K and V together (gather first: overlapping src /
-    tgt are safe).  Per layer one gather of ``[2, len(src), Hkv, D]`` from the layer's stacked
-    K / V buffer (a new tensor) and one scatter: two ops, whatever the slot count."""
+    tgt are safe).  ``tgt``, ``src`` int64 ``[M]`` flat slots.  The rule: per layer one gather of
+    ``[2, M, Hkv, D]`` from the layer's stacked K / V buffer (a new tensor) and one scatter.  On a
+    CUDA device with Triton, moves of at most 256 slots run as one kernel for all layers
+    (:func:`refspec.speculative.tree.move_kernel.move_kv_cache_fused`), as upstream's pool moves them."""
     if tgt.numel() == 0:
+        return
+    if move_kernel.available(tgt.device) and tgt.numel() <= move_kernel.MAX_SLOTS:
+        move_kernel.move_kv_cache_fused(pool, tgt.long().contiguous(), src.long().contiguous())
         return
     for layer_id in range(len(pool.kv_buffer)):
         fk, _ = pool.get_flat_kv(layer_id)
