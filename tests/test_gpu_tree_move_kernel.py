@@ -90,7 +90,8 @@ def test_fused_move_reads_every_source_before_writing_a_target():
 
 @pytest.mark.gpu
 def test_the_tree_move_runs_the_fused_kernel_on_cuda(monkeypatch):
-    pool = _pool(random.Random(1), "cuda")
+    pool = KVPool(num_layers=2, num_pages=8, page_size=64, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16,
+                  device="cuda")  # 512 slots
     calls = []
     real = move_kernel.move_kv_cache_fused
     monkeypatch.setattr(move_kernel, "move_kv_cache_fused", lambda *a: calls.append(1) or real(*a))
@@ -101,7 +102,10 @@ def test_the_tree_move_runs_the_fused_kernel_on_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_fused_move_captured_in_a_cuda_graph_replays_new_slots():
-    pool = _pool(random.Random(2), "cuda", layers=3)
+    pool = KVPool(num_layers=3, num_pages=4, page_size=16, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16,
+                  device="cuda")  # 64 slots
+    for kv in pool.kv_buffer:
+        kv.copy_(torch.randn(kv.shape, device="cuda").to(kv.dtype))
     tgt, src = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([7, 8, 9], device="cuda")
     move_kernel.move_kv_cache_fused(pool, tgt, src)  # jit outside the capture
     g = torch.cuda.CUDAGraph()

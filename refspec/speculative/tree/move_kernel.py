@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from refspec.core.kv_cache import KVPool
+from refspec.core.transfer import h2d
 from refspec.core.triton_kernels import runs_on, triton_kernel
 
 #: the most slots one launch moves (upstream's ``num_locs_upper`` cap): all of them are read before
@@ -69,12 +70,13 @@ _POINTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def buffer_pointers(pool: KVPool) -> tuple[torch.Tensor, int]:
     """The pool's buffer table: int64 ``[2 * num_layers]`` addresses (layer l's K half at ``2l``,
     its V half at ``2l + 1``) on the pool's device, and the bytes of one slot (``Hkv * D`` elements).
-    Built once per pool (its buffers never move), so a captured graph reads a table that stays valid."""
+    Built once per pool (its buffers never move), so a captured graph reads a table that stays valid;
+    copied without a stream sync (:func:`refspec.core.transfer.h2d`), so a round's launch does not wait."""
     got = _POINTERS.get(pool)
     if got is None:
         halves = [h for kv in pool.kv_buffer for h in (kv[0], kv[1])]
         row = halves[0].shape[-1] * halves[0].shape[-2] * halves[0].element_size()
-        got = (torch.tensor([h.data_ptr() for h in halves], dtype=torch.int64, device=halves[0].device), row)
+        got = (h2d([h.data_ptr() for h in halves], halves[0].device, torch.int64), row)  # no stream sync
         _POINTERS[pool] = got
     return got
 
