@@ -1,20 +1,24 @@
 """``ForwardBatch``: what one forward of one model runs on, and the per-mode builders.
 
-Field meanings follow SGLang's ``ForwardBatch`` (MD-003 and docs/modes/ for ``seq_lens`` per mode):
+Field meanings follow SGLang's ``ForwardBatch`` (MD-003 and docs/modes/ for ``seq_lens`` per mode).
+L is the legend's L: the request's committed length before the forward (at the round's start
+in the speculative modes; in plain DECODE the tokens cached before the one being decoded).
+K_b is the keys the forward attends, FA3's ``cache_seqlens`` (:mod:`refspec.fa3.metadata`):
 
-========================  =======================================  ==========================
-mode                      ``seq_lens`` (tokens)                    query rows per request q_b
-========================  =======================================  ==========================
-DECODE                    L, *including* the token being decoded   1
-EXTEND                    prefix + e                               e (``extend_seq_lens``)
-TARGET_VERIFY             L, committed length before verify        N (``num_draft_tokens``)
-DECODE, draft step s      L, committed length                      1
-DRAFT_EXTEND (v1)         L' = L + a (post-accept)                 a (``num_accept_tokens``)
-DRAFT_EXTEND_V2           L + N (post-write)                       N (``extend_seq_lens``)
-========================  =======================================  ==========================
+========================  ========================================  ==============  ==========================
+mode                      ``seq_lens`` (tokens)                     K_b (tokens)    query rows per request q_b
+========================  ========================================  ==============  ==========================
+DECODE                    L + 1, *including* the token decoded      L + 1           1
+EXTEND                    prefix + e                                prefix + e      e (``extend_seq_lens``)
+TARGET_VERIFY             L, committed length before verify         L + N           N (``num_draft_tokens``)
+DECODE, draft step s      L, committed length                       L + s + 1       1
+DRAFT_EXTEND (v1)         L + a (post-accept)                       L + a           a (``num_accept_tokens``)
+DRAFT_EXTEND_V2           L + N (post-write)                        L + N           N (``extend_seq_lens``)
+========================  ========================================  ==============  ==========================
 
 In every mode the q_b query tokens are the *last* q_b keys of the request, written by this
-forward at positions ``K_b - q_b .. K_b - 1`` (MD-005), so the builders set
+forward at positions ``K_b - q_b .. K_b - 1`` (MD-005; read it off the table: verify writes
+L .. L + N - 1, draft step s writes L + s, v1 draft extend L .. L + a - 1), so the builders set
 ``out_cache_loc = req_to_token[r, K_b - q_b + i]`` (INV-TAIL, MD-005) and ``positions`` to those
 KV indices (refspec's position rule, SD-007).
 
@@ -205,7 +209,7 @@ def tail_positions(first: int, q: int) -> range:
 
 
 def decode_batch(kv, req_pool_indices, seq_lens):
-    """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
+    """DECODE: ``seq_lens`` = L + 1 counts the new token, which is written at position L."""
     seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L - 1 for L in seq_lens])
@@ -244,7 +248,7 @@ def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
 
 
 def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_draft_tokens=None):
-    """DRAFT_EXTEND (v1): ``seq_lens`` L' = L + a (post-accept); a packed tokens at L .. L' - 1.
+    """DRAFT_EXTEND (v1): ``seq_lens`` = L + a (post-accept); a packed tokens at L .. L + a - 1.
 
     ``num_draft_tokens`` (N, optional) is informational: v1 metadata never reads it, but when
     given each a_b must lie in ``[1, N]``.
