@@ -52,8 +52,10 @@ class ForwardBatch:
     """One forward's batch, SGLang's ``ForwardBatch`` fields (B requests, T query tokens).
 
     ``req_pool_indices`` int64 [B]: each request's ``req_to_token`` row.  ``seq_lens`` int32 [B]
-    (device) and ``seq_lens_cpu`` int64 [B] (its host mirror): tokens per request *including*
-    this forward's (K_b for DECODE; L for TARGET_VERIFY; prefix + new for EXTEND).
+    (device) and ``seq_lens_cpu`` int64 [B] (its host mirror): tokens per request as the mode
+    defines them (the module table), which is not always K_b: it counts this forward's tokens in
+    DECODE (L + 1), EXTEND (prefix + e) and the two draft extends (L + a, L + N), but not in
+    TARGET_VERIFY and draft decode, where it stays the committed L (K_b = L + N, L + s + 1).
     ``out_cache_loc`` int64 [T]: the KV slot each query token writes.  ``positions`` int64 [T]:
     each token's KV index, which is also its RoPE position (SD-007).  Token order is
     request-major.  The optional fields say how many query rows a request has where the mode
