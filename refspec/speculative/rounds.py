@@ -11,6 +11,26 @@ start.  The overlap loop (:mod:`refspec.speculative.overlap`) runs :func:`round_
 with its batches built from the device lengths and host bounds (``batches=``).
 
 Shapes: B requests, N = Sd + 1; token tensors int64; hidden ``[., E]`` in the model dtype.
+
+**What the round uses of the engine** (``eng``, :class:`~refspec.speculative.engine.Engine`, the
+next module; ``reqs`` are its :class:`~refspec.speculative.request.Request` s):
+
+* ``eng.Sd``, ``eng.N``: draft steps and verified tokens per request (N = Sd + 1);
+* ``eng.kv``: the shared :class:`~refspec.core.kv_cache.KVCache` (``req_to_token``, allocator);
+  ``eng.device``: where the tensors live;
+* ``eng.runners``: the :class:`~refspec.speculative.runners.SpecRunners`, one call per phase
+  (``draft_decode``, ``verify``, ``draft_extend``), each eager or a graph replay;
+* ``eng.future``: the :class:`~refspec.speculative.future.FutureMap`, per ``req_to_token`` row
+  the next round's L, root, d_1 and draft hidden (``gather`` at the start, ``stash`` at the end);
+* ``eng.draft.uses_hidden``: whether the draft model takes the target hidden (an EAGLE head);
+* ``eng.accept_counts(reqs, drafts, predict)``: n ``[B]`` on the device (greedy SD-001, or a
+  scripted acceptance); ``eng.forced_drafts(reqs, rows_dev, L_dev)``: a test drafter's tokens
+  ``[B, Sd]`` or None;
+* ``eng.host(kind, t)``: the one counted device -> host read; ``eng.observe(event, **info)``:
+  the observer hook after each forward.
+
+Of each request it reads ``row`` (its ``req_to_token`` row) and ``seq_len`` (L), and v1 writes
+``alloc_len`` / ``seq_len`` / ``target_kv_len`` (tokens) inside the round.
 """
 
 from __future__ import annotations
