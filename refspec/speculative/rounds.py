@@ -29,8 +29,9 @@ next module; ``reqs`` are its :class:`~refspec.speculative.request.Request` s):
 * ``eng.host(kind, t)``: the one counted device -> host read; ``eng.observe(event, **info)``:
   the observer hook after each forward.
 
-Of each request it reads ``row`` (its ``req_to_token`` row) and ``seq_len`` (L), and v1 writes
-``alloc_len`` / ``seq_len`` / ``target_kv_len`` (tokens) inside the round.
+Of each request it reads ``row`` (its ``req_to_token`` row) and ``seq_len`` (L); v1 writes
+``alloc_len`` / ``seq_len`` / ``target_kv_len`` (tokens) inside the round, :func:`prepare_v2`
+writes ``alloc_len`` before a v2 round.
 """
 
 from __future__ import annotations
