@@ -298,8 +298,9 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     """All Sd - 1 draft-decode steps of one round in one batch (the draft-decode graph's input).
 
     ``out_cache_loc`` / ``positions`` are int64 ``[B * (Sd - 1)]``, request-major: entry
-    ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (case B20: the layout is
-    request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
+    ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (sglang #7239, FA3's draft
+    cache locations: the layout is request-major; a step-major reshape mixes requests, SD-009).
+    :func:`draft_step_view` cuts step s.
     """
     count("num_steps", num_steps, 1)
     req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
@@ -332,6 +333,6 @@ def draft_step_cut(x: torch.Tensor, B: int, S1: int, step: int) -> torch.Tensor:
     symbolic   x = [b0s0, b0s1, ..., b1s0, b1s1, ...]   (entry b * (Sd - 1) + s)
                step s -> x.view(B, Sd - 1)[:, s] = [b0s, b1s, ...]
     example    B = 2, Sd - 1 = 2, x = [10, 11, 20, 21]:  step 0 -> [10, 20], step 1 -> [11, 21]
-    Used for ``out_cache_loc`` (case B20, sglang #7239: the draft cache locations are request-major).
+    Used for ``out_cache_loc`` (sglang #7239: the draft cache locations are request-major; SD-009).
     """
     return x.view(B, S1)[:, step]

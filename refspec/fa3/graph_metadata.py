@@ -27,8 +27,9 @@ in-graph writes there too, so that its checks see the values the kernel will rea
 
 m = ceil(max K / P) from the CPU mirror; columns >= m keep stale values, which is harmless
 because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width M is
-``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
-and replay raises CG-008 when m > M instead of letting the kernel run past it.
+``ceil(req_to_token.shape[1] / P)`` (CG-008; sizing it from the context length left no room
+for L + N at the context wall: sglang #35985, #29665) and replay raises CG-008 when m > M
+instead of letting the kernel run past it.
 Capture for DRAFT_EXTEND and DRAFT_EXTEND_V2 is shared (``is_draft_extend(include_v2=True)``,
 ``160a06cab``, #15207); only replay differs (CG-003, CG-004).
 """
@@ -197,7 +198,7 @@ def graph_table_width(req_to_token: torch.Tensor, page_size: int) -> int:
 
     ``req_to_token``'s width already includes the speculative headroom, so verify / draft
     extend near the context wall (K = L + N) still fit.  Sizing from the model's context length
-    instead is case B07's bug (sglang #35985, #29665).
+    instead is the context-wall bug of sglang #35985 / #29665 (the table too narrow for L + N).
     """
     return -(-req_to_token.shape[1] // page_size)
 
@@ -226,7 +227,8 @@ def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:
 
     DECODE (and draft decode): 1, one row per step whatever the runner's token layout.
     TARGET_VERIFY: N.  DRAFT_EXTEND / DRAFT_EXTEND_V2: W = ``num_tokens // bs`` = Sd + 1, the
-    bound on live rows, never a (smaller) dummy batch's query length (case B08).
+    bound on live rows, never a (smaller) dummy batch's query length (transformers #45323: a
+    frozen ``max_seqlen_q`` below the live rows, CG-006).
     Raises: ValueError for a mode that is not graphed.
     """
     m = fb.forward_mode
@@ -245,7 +247,8 @@ def write_cache_seqlens(md: FlashAttentionMetadata, seq_lens: torch.Tensor, delt
 
     ``seq_lens`` int32 ``[bs]`` (tokens), ``delta`` the mode's offset (:func:`mode_delta`).  The
     captured graph reads these buffers' addresses, so assigning new tensors would leave it
-    reading the capture-time lengths (case B11).
+    reading the capture-time lengths (CG-001: the rebinding of sglang #4855 ``6ffb6bd47``, seen
+    again in the review of #26019).
     """
     torch.add(seq_lens, delta, out=md.cache_seqlens_int32)
     torch.cumsum(md.cache_seqlens_int32, 0, dtype=torch.int32, out=md.cu_seqlens_k[1:])

@@ -276,7 +276,8 @@ def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardM
     copy writes there, rewritten on *every* replay (CG-005): ``(buf[start:stop], fills)``, the
     fills ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the reserved row and the
     dummy page 0), ``seq_lens`` :func:`seq_lens_fill`, ``num_accept_tokens`` /
-    ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``)."""
+    ``extend_seq_lens`` W (sglang #15207 ``160a06cab``: the draft-extend runner fills
+    ``num_tokens_per_bs``)."""
     fill = {"seq_lens": seq_lens_fill(mode, W), "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
     return buf[start:stop], fill_source(buf, fill)[start:stop]
 
