@@ -93,7 +93,7 @@ class KVPool:
         when ``k`` and ``v`` are the halves of one ``[2, T, Hkv, D]`` tensor (class doc), else
         one each.
 
-        Raises: InvariantError PA-009 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
+        Raises: InvariantError PA-011 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
         would broadcast a single row or head over all of them).  Shapes only: no host sync.
         """
         fk, fv = self.get_flat_kv(layer_id)
@@ -101,7 +101,7 @@ class KVPool:
         tensor("set_kv_buffer: k", k)
         tensor("set_kv_buffer: v", v)
         want = (loc.shape[0], *fk.shape[1:]) if loc.dim() == 1 else None
-        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
+        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-011",
                 lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"the pool wants [T, Hkv, D] = {want}")
         kv = stacked_halves(k, v)
