@@ -3,10 +3,10 @@
 What each graphed mode keeps static and what replay rewrites *in place* (never rebinding, CG-001):
 
 ===================  ==========================  ====================================================
-mode                 static (frozen at capture)  rewritten at every replay (bs_g rows, padded)
+mode                 static (frozen at capture)  rewritten at every replay (Bg rows, padded)
 ===================  ==========================  ====================================================
 DECODE               cu_seqlens_q = arange,      cache_seqlens <- seq_lens; cu_seqlens_k;
-                     max_seqlen_q = 1, width M   page_table[:, :m] <- R[r, strided[:m]] // P
+                     max_seqlen_q = 1, width M   page_table[:, :m] <- req_to_token[r, :m*P:P] // P
 draft decode step s  same (own buffers per s)    cache_seqlens <- seq_lens + s + 1; cu_k; page_table
 TARGET_VERIFY        cu_seqlens_q = arange(0,    cache_seqlens <- seq_lens + N; cu_k; page_table
                      bs*N+1, N), max_q = N

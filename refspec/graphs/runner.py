@@ -1,7 +1,7 @@
 """The graph runner: one graph per captured batch size, padded replay (SGLang ``CudaGraphRunner``).
 
 CG-007: ``capture_bs`` is sorted ascending and captured largest first; a live batch of B
-requests replays the graph of ``bs_g = min{c in capture_bs : c >= B}`` (CG-007) and a batch
+requests replays the graph of ``Bg = min{c in capture_bs : c >= B}`` (CG-007) and a batch
 larger than every captured size runs eagerly (the caller asks :meth:`GraphRunner.can_run`).
 
 Padding fills, rewritten on *every* replay so no padded row keeps an earlier batch's values

@@ -90,7 +90,7 @@ def round_v1(eng, reqs) -> list[RoundRow]:
     kv, N, Sd = eng.kv, eng.N, eng.Sd
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
     rows_dev, forced, d1, roots, dhid, _ = _start(eng, reqs)
-    # 1. draft: slots L..L+Sd-1 allocated, written into R, then the allocator is restored
+    # 1. draft: slots L..L+Sd-1 allocated, written into req_to_token, then the allocator is restored
     if Sd > 1:
         state = kv.allocator.backup_state()
         kv.alloc_extend(rows, L, [l + Sd for l in L])
