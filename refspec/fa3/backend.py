@@ -1,5 +1,9 @@
 """SGLang's FA3 attention backend, top-k = 1: store-then-attend over the paged pool.
 
+Mirrors ``FlashAttentionBackend``
+(https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L132;
+the v0.5.5 code the MD- rules quote: ``forward_extend`` line 672, ``forward_decode`` line 989).
+
 ``forward`` first writes this forward's K/V at ``out_cache_loc`` (PA-009), then calls the FA3
 kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens
 (docs/fa3-contract.md).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph

@@ -12,6 +12,17 @@ with its batches built from the device lengths and host bounds (``batches=``).
 
 Shapes: B requests, N = Sd + 1; token tensors int64; hidden ``[., E]`` in the model dtype.
 
+Upstream (SGLang's two workers; each one's ``forward_batch_generation`` is one round):
+
+* :func:`round_v1` is ``EAGLEWorker`` at v0.5.12.post1 (the last release with v1), its
+  ``forward_batch_generation`` (line 445) calling ``draft`` (758), ``verify`` (935) and
+  ``forward_draft_extend_after_decode`` (1154):
+  https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L445
+* :func:`round_v2` is ``EAGLEWorkerV2`` at v0.5.23, its ``forward_batch_generation`` (line 1416)
+  calling ``EagleDraftWorker.draft`` (660), ``verify`` (1979) and
+  ``EagleDraftWorker._draft_extend_for_decode`` (1110):
+  https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py#L1416
+
 **What the round uses of the engine** (``eng``, :class:`~refspec.speculative.engine.Engine`, the
 next module; ``reqs`` are its :class:`~refspec.speculative.request.Request` s):
 
