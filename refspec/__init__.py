@@ -8,7 +8,7 @@ proven equal by the test suite.  Every rule has an ID in ``refspec.core.invarian
 Read in this order (the chain reference; then ``speculative/overlap.py`` and the top-k > 1
 siblings ``oracle/tree*.py``, ``fa3/tree_*.py``, ``speculative/tree/``)::
 
-     1. refspec/core/modes.py           ForwardMode: the forward modes and what each one attends
+     1. refspec/core/modes.py           ForwardMode: the forward modes, the query rows of each, and what v1 / v2 mean
      2. refspec/core/kv_cache.py        req_to_token, the page allocator and the paged KV pool
      3. refspec/core/batch.py           ForwardBatch and its builders, one per mode (SGLang's field names)
      4. refspec/oracle/attention.py     the rule itself: attention over the slots each query may see

@@ -184,7 +184,7 @@ class GraphMetadataMixin:
 
     def _write_page_table(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
         """The page table over the CPU bound ``max K = max(seq_lens_cpu) + delta`` (MD-006), after
-        the CG-008 width check (:func:`replay_page_table`)."""
+        the CG-008 width check (:func:`check_table_width`), written by :func:`replay_page_table`."""
         gs, P = self.graph_state, self.page_size
         max_k = max(fb.seq_lens_cpu[:bs].tolist()) + mode_delta(fb, self.speculative_step_id)
         check_table_width(max_k, P, gs.width)

@@ -73,11 +73,16 @@ class GraphRunner:
         mode: the ForwardMode of every batch this runner takes (DECODE for draft decode).
         backends: FA3 backends whose metadata the graph reads (one, or the Sd - 1 draft steps).
         forward_fn: ``(fb, inputs) -> Tensor | tuple`` reading only ``fb`` / ``inputs`` tensors.
+        kv: the :class:`~refspec.core.kv_cache.KVCache` whose ``req_to_token`` the batches index
+            (its device is where the static buffers live).
         split: ``fb -> [fb for backend i]`` (default: the same batch for every backend).
         capture_bs: batch sizes to capture.  tokens_per_req: W, token rows per request.
         inputs: ``name -> (trailing shape, dtype)`` of per-token input buffers.
         num_draft_tokens: N (TARGET_VERIFY, DRAFT_EXTEND_V2).
         rows: slice outputs by ``"tokens"`` (T real tokens) or ``"requests"`` (B).
+        draft_step: ``ForwardBatch.draft_step`` of the static batch: not None marks a draft-decode
+            graph (DECODE run by the draft, :mod:`refspec.core.batch`); the draft-decode runner
+            passes 0 and its ``split`` hands each step's backend step s's view.  None otherwise.
     """
 
     def __init__(self, mode: ForwardMode, backends, forward_fn, *, kv, capture_bs, tokens_per_req,
