@@ -8,34 +8,38 @@ proven equal by the test suite.  Every rule has an ID in ``refspec.core.invarian
 Read in this order (the chain reference; then ``speculative/overlap.py`` and the top-k > 1
 siblings ``oracle/tree*.py``, ``fa3/tree_*.py``, ``speculative/tree/``)::
 
-     1. refspec/core/modes.py           ForwardMode: the forward modes and what each one attends
+     1. refspec/core/modes.py           ForwardMode: the forward modes, the query rows of each, and what v1 / v2 mean
      2. refspec/core/kv_cache.py        req_to_token, the page allocator and the paged KV pool
      3. refspec/core/batch.py           ForwardBatch and its builders, one per mode (SGLang's field names)
      4. refspec/oracle/attention.py     the rule itself: attention over the slots each query may see
-     5. refspec/oracle/backend.py       the paged oracle backend: store, then attend by slot gather
-     6. refspec/model/llama.py          a small HF-named Llama whose attention backend is passed in
-     7. refspec/model/drafts.py         the draft models (EAGLE head, early exit, small LM) behind one interface
-     8. refspec/oracle/dense.py         the oracle loop's cache: one request's dense KV, causal by position
-     9. refspec/oracle/loop.py          one request's speculative loop in numbered steps: draft, verify, accept
-    10. refspec/fa3/metadata.py         FA3 metadata per mode: cache_seqlens, cu_seqlens_q, page_table
-    11. refspec/fa3/emulator.py         the FA3 kernel contract (flash_attn_with_kvcache) in pure PyTorch
-    12. refspec/fa3/backend.py          SGLang's FA3 backend: the same store-then-attend on FA3 metadata; read with
-                                        fa3/kernel.py, the one call it makes (the real FA3 on Hopper, else 11)
-    13. refspec/graphs/capture.py       what a CUDA graph freezes, and the emulated graph that freezes it on CPU
-    14. refspec/fa3/graph_metadata.py   capture and in-place replay of the metadata, one rule per function
-    15. refspec/graphs/runner.py        batch-size buckets, padded rows, one copy per replay
-    16. refspec/speculative/accept.py   greedy acceptance on the device (SD-001)
-    17. refspec/speculative/runners.py  each phase's backend (12, or 5 eager) and graph runner (15)
-    18. refspec/speculative/future.py   the future map: the next round's inputs, kept on the device by row
-    19. refspec/speculative/rounds.py   one batched round, v1 and v2: the production twin of the oracle loop; read
+     5. refspec/core/backend.py         the backend contract (Protocols) both wings implement: store, then attend,
+                                        and the graph hooks
+     6. refspec/oracle/backend.py       the paged oracle backend: store, then attend by slot gather
+     7. refspec/model/llama.py          a small HF-named Llama whose attention backend is passed in
+     8. refspec/model/drafts.py         the draft models (EAGLE head, early exit, small LM) behind one interface
+     9. refspec/oracle/dense.py         the oracle loop's cache: one request's dense KV, causal by position
+    10. refspec/oracle/loop.py          one request's speculative loop in numbered steps: draft, verify, accept
+    11. refspec/fa3/metadata.py         FA3 metadata per mode: cache_seqlens, cu_seqlens_q, page_table
+    12. refspec/fa3/emulator.py         the FA3 kernel contract (flash_attn_with_kvcache) in pure PyTorch
+    13. refspec/fa3/backend.py          SGLang's FA3 backend: the same store-then-attend on FA3 metadata; read with
+                                        fa3/kernel.py, the one call it makes (the real FA3 on Hopper, else 12)
+    14. refspec/graphs/capture.py       what a CUDA graph freezes, and the emulated graph that freezes it on CPU
+    15. refspec/fa3/graph_metadata.py   capture and in-place replay of the metadata, one rule per function
+    16. refspec/graphs/runner.py        batch-size buckets, padded rows, one copy per replay
+    17. refspec/speculative/accept.py   greedy acceptance on the device (SD-001)
+    18. refspec/speculative/runners.py  each phase's backend (13, or 6 eager) and graph runner (16)
+    19. refspec/speculative/future.py   the future map: the next round's inputs, kept on the device by row
+    20. refspec/speculative/rounds.py   one batched round, v1 and v2: the production twin of the oracle loop; read
                                         with speculative/round_row.py, the result row it returns per request
-    20. refspec/speculative/engine.py   the continuous-batching engine: admit, prefill, rounds, commit
+    21. refspec/speculative/engine.py   the continuous-batching engine: admit, prefill, rounds, commit
 
 Small helpers met on the way, read when first imported: ``core/args.py`` (argument checks),
 ``core/invariants.py`` (``require`` and the rule catalogue), ``core/layer.py`` (``AttentionLayer``),
-``core/transfer.py`` (host-to-device copies that do not stall), ``fa3/validate.py`` (the checks before each
-kernel call), and the engine's ``speculative/request.py``, ``speculative/drafters.py`` (scripted test drafts)
-and ``speculative/metrics.py`` (the round trace).
+``core/transfer.py`` (host-to-device copies that do not stall), ``core/constants.py`` (index constants
+built once per shape), ``core/future_batch.py`` (the overlap loop's batch builders: lengths on the device,
+bounds on the host), ``core/tolerance.py`` (the T0 / T1 / T2 tiers the tests compare the wings by),
+``fa3/validate.py`` (the checks before each kernel call), and the engine's ``speculative/request.py``,
+``speculative/drafters.py`` (scripted test drafts) and ``speculative/metrics.py`` (the round trace).
 
 The other folders (``cli``, ``conformance``, ``mutants``, ``harness``, ``traces``, ``audits``,
 ``real``) are instruments around the reference: a learner can skip them, and the reference never

@@ -109,6 +109,30 @@ def test_alloc_extend_refuses_a_row_whose_last_slot_is_misplaced():
         kv.alloc_extend([r], [3], [4])
 
 
+@pytest.mark.spec("KV-001")
+def test_alloc_extend_checks_every_row_before_it_takes_a_page():
+    """All-or-nothing: a misplaced last slot in the *second* row is refused before the first row
+    got pages.  P = 4, pages 1..9 free.  Row a holds 3 tokens (page 1: slots 4 5 6), row b 2
+    (page 2: slots 8 9); b's last slot is then moved to 10 in the host mirror ((10 + 1) % 4 = 3,
+    but prefix 2 % 4 = 2).  Growing both to 9 tokens (2 pages each) raises KV-001 and leaves the
+    pool as it was: 7 free pages, page 3 not in use, both rows (host and device) unchanged.
+    """
+    kv = KVCache(max_reqs=3, max_context=16, num_pages=10, page_size=4)
+    a, b = kv.alloc_req(), kv.alloc_req()
+    kv.alloc_extend([a], [0], [3])
+    kv.alloc_extend([b], [0], [2])
+    kv.req_to_token_cpu[b, 1] = 10
+    assert kv.allocator.num_free_pages == 7
+    with raises("KV-001"):
+        kv.alloc_extend([a, b], [3, 2], [9, 9])
+    assert kv.allocator.num_free_pages == 7
+    assert not kv.allocator.is_in_use(3)
+    assert kv.req_to_token_cpu[a, :9].tolist() == [4, 5, 6, 0, 0, 0, 0, 0, 0]
+    assert row(kv, a, 9) == [4, 5, 6, 0, 0, 0, 0, 0, 0]
+    assert kv.req_to_token_cpu[b, :3].tolist() == [8, 10, 0]
+    assert row(kv, b, 3) == [8, 9, 0]
+
+
 # ---------------------------------------------------------------- KV-002 page-granular free
 @pytest.mark.spec("KV-002")
 def test_free_is_page_granular_and_the_count_is_exact():

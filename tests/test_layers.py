@@ -158,7 +158,7 @@ def test_the_reading_order_is_the_same_in_the_package_and_the_readme():
     import refspec
 
     order = _reading_order(refspec.__doc__)
-    assert 12 <= len(order) <= 20, order
+    assert 12 <= len(order) <= 21, order  # one sitting: core/backend.py made it 21
     assert order == _reading_order((ROOT.parent / "README.md").read_text())
     for f in order:
         assert (ROOT.parent / f).is_file(), f

@@ -182,14 +182,14 @@ def test_pool_layer_out_of_range_is_refused():
         pool.get_kv_buffer(3)
 
 
-@pytest.mark.spec("PA-009")
+@pytest.mark.spec("PA-011")
 @pytest.mark.parametrize("shape", [(1, 2, 8), (3, 1, 8), (3, 2, 4)], ids=["one-row", "one-head", "head-dim"])
 def test_store_with_the_wrong_kv_shape_is_refused(shape):
     """k / v of shape ``shape`` stored at 3 slots of a ``[Hkv = 2, D = 8]`` pool.  Before: the
     one-row and one-head cases broadcast silently (every slot / head got the same K)."""
     pool = KVPool(1, 4, 4, 2, 8)
     kv = torch.ones(shape)
-    with raises("PA-009"):
+    with raises("PA-011"):
         pool.set_kv_buffer(0, torch.tensor([4, 5, 6]), kv, kv)
     assert int(pool.get_flat_kv(0)[0].abs().sum()) == 0
 
@@ -349,9 +349,9 @@ def test_forward_with_mismatched_shapes_is_refused(wing, what):
     be.init_forward_metadata(b.fb)
     q, k, v, layer = b.q, b.k, b.v, b.layer
     if what == "k-one-row":
-        k, v, ctx = k[:1], v[:1], raises("PA-009")
+        k, v, ctx = k[:1], v[:1], raises("PA-011")
     elif what == "k-one-head":
-        k, v, ctx = k[:, :1], v[:, :1], raises("PA-009")
+        k, v, ctx = k[:, :1], v[:, :1], raises("PA-011")
     elif what == "q-heads":
         q, ctx = q[:, :6], raises("PA-011")
     else:

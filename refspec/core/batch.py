@@ -1,20 +1,24 @@
 """``ForwardBatch``: what one forward of one model runs on, and the per-mode builders.
 
-Field meanings follow SGLang's ``ForwardBatch`` (MD-003 and docs/modes/ for ``seq_lens`` per mode):
+Field meanings follow SGLang's ``ForwardBatch`` (MD-003 and docs/modes/ for ``seq_lens`` per mode).
+L is the legend's L: the request's committed length before the forward (at the round's start
+in the speculative modes; in plain DECODE the tokens cached before the one being decoded).
+K_b is the keys the forward attends, FA3's ``cache_seqlens`` (:mod:`refspec.fa3.metadata`):
 
-========================  =======================================  ==========================
-mode                      ``seq_lens`` (tokens)                    query rows per request q_b
-========================  =======================================  ==========================
-DECODE                    L, *including* the token being decoded   1
-EXTEND                    prefix + e                               e (``extend_seq_lens``)
-TARGET_VERIFY             L, committed length before verify        N (``num_draft_tokens``)
-DECODE, draft step s      L, committed length                      1
-DRAFT_EXTEND (v1)         L' = L + a (post-accept)                 a (``num_accept_tokens``)
-DRAFT_EXTEND_V2           L + N (post-write)                       N (``extend_seq_lens``)
-========================  =======================================  ==========================
+========================  ========================================  ==============  ==========================
+mode                      ``seq_lens`` (tokens)                     K_b (tokens)    query rows per request q_b
+========================  ========================================  ==============  ==========================
+DECODE                    L + 1, *including* the token decoded      L + 1           1
+EXTEND                    prefix + e                                prefix + e      e (``extend_seq_lens``)
+TARGET_VERIFY             L, committed length before verify         L + N           N (``num_draft_tokens``)
+DECODE, draft step s      L, committed length                       L + s + 1       1
+DRAFT_EXTEND (v1)         L + a (post-accept)                       L + a           a (``num_accept_tokens``)
+DRAFT_EXTEND_V2           L + N (post-write)                        L + N           N (``extend_seq_lens``)
+========================  ========================================  ==============  ==========================
 
 In every mode the q_b query tokens are the *last* q_b keys of the request, written by this
-forward at positions ``K_b - q_b .. K_b - 1`` (MD-005), so the builders set
+forward at positions ``K_b - q_b .. K_b - 1`` (MD-005; read it off the table: verify writes
+L .. L + N - 1, draft step s writes L + s, v1 draft extend L .. L + a - 1), so the builders set
 ``out_cache_loc = req_to_token[r, K_b - q_b + i]`` (INV-TAIL, MD-005) and ``positions`` to those
 KV indices (refspec's position rule, SD-007).
 
@@ -48,8 +52,10 @@ class ForwardBatch:
     """One forward's batch, SGLang's ``ForwardBatch`` fields (B requests, T query tokens).
 
     ``req_pool_indices`` int64 [B]: each request's ``req_to_token`` row.  ``seq_lens`` int32 [B]
-    (device) and ``seq_lens_cpu`` int64 [B] (its host mirror): tokens per request *including*
-    this forward's (K_b for DECODE; L for TARGET_VERIFY; prefix + new for EXTEND).
+    (device) and ``seq_lens_cpu`` int64 [B] (its host mirror): tokens per request as the mode
+    defines them (the module table), which is not always K_b: it counts this forward's tokens in
+    DECODE (L + 1), EXTEND (prefix + e) and the two draft extends (L + a, L + N), but not in
+    TARGET_VERIFY and draft decode, where it stays the committed L (K_b = L + N, L + s + 1).
     ``out_cache_loc`` int64 [T]: the KV slot each query token writes.  ``positions`` int64 [T]:
     each token's KV index, which is also its RoPE position (SD-007).  Token order is
     request-major.  The optional fields say how many query rows a request has where the mode
@@ -205,7 +211,7 @@ def tail_positions(first: int, q: int) -> range:
 
 
 def decode_batch(kv, req_pool_indices, seq_lens):
-    """DECODE: ``seq_lens`` L includes the new token, written at position L - 1."""
+    """DECODE: ``seq_lens`` = L + 1 counts the new token, which is written at position L."""
     seq_lens = int_list("seq_lens", seq_lens)
     return _build(ForwardMode.DECODE, kv, req_pool_indices, seq_lens, [1] * len(seq_lens),
                   [L - 1 for L in seq_lens])
@@ -244,7 +250,7 @@ def verify_batch(kv, req_pool_indices, seq_lens, num_draft_tokens):
 
 
 def draft_extend_batch(kv, req_pool_indices, seq_lens, num_accept_tokens, num_draft_tokens=None):
-    """DRAFT_EXTEND (v1): ``seq_lens`` L' = L + a (post-accept); a packed tokens at L .. L' - 1.
+    """DRAFT_EXTEND (v1): ``seq_lens`` = L + a (post-accept); a packed tokens at L .. L + a - 1.
 
     ``num_draft_tokens`` (N, optional) is informational: v1 metadata never reads it, but when
     given each a_b must lie in ``[1, N]``.
@@ -292,8 +298,9 @@ def draft_decode_steps_batch(kv, req_pool_indices, seq_lens, num_steps):
     """All Sd - 1 draft-decode steps of one round in one batch (the draft-decode graph's input).
 
     ``out_cache_loc`` / ``positions`` are int64 ``[B * (Sd - 1)]``, request-major: entry
-    ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (case B20: the layout is
-    request-major; a step-major reshape mixes requests).  :func:`draft_step_view` cuts step s.
+    ``b * (Sd - 1) + s`` is step s of request b, KV index ``L_b + s`` (sglang #7239, FA3's draft
+    cache locations: the layout is request-major; a step-major reshape mixes requests, SD-009).
+    :func:`draft_step_view` cuts step s.
     """
     count("num_steps", num_steps, 1)
     req_pool_indices, seq_lens = int_list("req_pool_indices", req_pool_indices), int_list("seq_lens", seq_lens)
@@ -326,6 +333,6 @@ def draft_step_cut(x: torch.Tensor, B: int, S1: int, step: int) -> torch.Tensor:
     symbolic   x = [b0s0, b0s1, ..., b1s0, b1s1, ...]   (entry b * (Sd - 1) + s)
                step s -> x.view(B, Sd - 1)[:, s] = [b0s, b1s, ...]
     example    B = 2, Sd - 1 = 2, x = [10, 11, 20, 21]:  step 0 -> [10, 20], step 1 -> [11, 21]
-    Used for ``out_cache_loc`` (case B20, sglang #7239: the draft cache locations are request-major).
+    Used for ``out_cache_loc`` (sglang #7239: the draft cache locations are request-major; SD-009).
     """
     return x.view(B, S1)[:, step]

@@ -93,7 +93,7 @@ class KVPool:
         when ``k`` and ``v`` are the halves of one ``[2, T, Hkv, D]`` tensor (class doc), else
         one each.
 
-        Raises: InvariantError PA-009 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
+        Raises: InvariantError PA-011 if ``k`` / ``v`` are not ``[len(loc), Hkv, D]`` (torch
         would broadcast a single row or head over all of them).  Shapes only: no host sync.
         """
         fk, fv = self.get_flat_kv(layer_id)
@@ -101,7 +101,7 @@ class KVPool:
         tensor("set_kv_buffer: k", k)
         tensor("set_kv_buffer: v", v)
         want = (loc.shape[0], *fk.shape[1:]) if loc.dim() == 1 else None
-        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-009",
+        require(want is not None and tuple(k.shape) == want and tuple(v.shape) == want, "PA-011",
                 lambda: f"store at out_cache_loc {tuple(loc.shape)}: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                 f"the pool wants [T, Hkv, D] = {want}")
         kv = stacked_halves(k, v)
@@ -280,7 +280,8 @@ class KVCache:
 
         A request's next token goes into the next slot of its last partial page; a new page is
         taken only at a page boundary (KV-001; SGLang asserts ``(last_loc + 1) % P ==
-        prefix_len % P``).  All-or-nothing: on exhaustion nothing is allocated (KV-003).
+        prefix_len % P``).  All-or-nothing: on any error (a misplaced last slot, exhaustion) nothing is
+        allocated and no row is written (KV-001, KV-003).
 
         Args (Python int lists, length B): ``req_pool_indices``, ``prefix_lens`` (tokens already
         holding slots), ``seq_lens`` (tokens after the call).
@@ -305,19 +306,21 @@ class KVCache:
             if not 0 <= p <= s:
                 raise ValueError(f"alloc_extend row {r}: need 0 <= prefix_len <= seq_len, got {p}, {s}")
             require(s <= W, "KV-003", f"row {r}: seq_len {s} past the req_to_token width {W}")
+        mirror = self.req_to_token_cpu.numpy()  # the host mirror's memory (no copy): cheap per-entry reads/writes
+        for r, p, s in zip(req_pool_indices, prefix_lens, seq_lens):
+            if s > p and p % P:  # the row continues a partial page: its last slot must sit at offset p % P - 1
+                last_loc = int(mirror[r, p - 1])  # host mirror: no sync
+                require((last_loc + 1) % P == p % P, "KV-001",
+                        f"row {r}: last_loc {last_loc} at prefix {p} with P={P}")
         need = [-(-s // P) - -(-p // P) for p, s in zip(prefix_lens, seq_lens)]
         require(sum(need) <= self.allocator.num_free_pages, "KV-003",
                 lambda: f"need {sum(need)} pages, {self.allocator.num_free_pages} free")
-        rows_w, cols_w, slots_w = [], [], []
-        mirror = self.req_to_token_cpu.numpy()  # the host mirror's memory (no copy): cheap per-entry reads/writes
+        rows_w, cols_w, slots_w = [], [], []  # every check passed: from here on pages are taken
         for r, p, s, n in zip(req_pool_indices, prefix_lens, seq_lens, need):
             if s <= p:
                 continue
             new_pages = self.allocator.alloc_pages(n) if n else []
-            if p % P:
-                last_loc = int(mirror[r, p - 1])  # host mirror: no sync
-                require((last_loc + 1) % P == p % P, "KV-001",
-                        f"row {r}: last_loc {last_loc} at prefix {p} with P={P}")
+            last_loc = int(mirror[r, p - 1]) if p % P else -1  # checked above; unused when p % P == 0
             # position t < ceil(p/P)*P continues the partial page; later ones go to new page k
             first_new = -(-p // P) * P
             slots = [last_loc + 1 + (t - p) if t < first_new else new_pages[(t - first_new) // P] * P + t % P

@@ -5,6 +5,21 @@ Draft decode is not a mode of its own: it is ``DECODE`` run by the draft model w
 index ``s`` (``ForwardBatch.draft_step``), exactly as SGLang tells them apart by
 ``forward_batch.spec_info is not None``.
 
+**v1 and v2** (used from here on, in the code and the docs) name SGLang's two EAGLE loops, and
+differ in what a round may read on the host and in their draft extend:
+
+* **v1** = SGLang's ``EAGLEWorker`` (non-overlap scheduler; removed in v0.5.14): verify reads the
+  accept counts on the host inside the round (``num_correct_drafts.cpu()`` in
+  ``EagleVerifyInput.verify``), frees the rejected slots, then runs ``DRAFT_EXTEND`` over the
+  a = n + 1 accepted tokens per request, packed (``forward_draft_extend_after_decode``);
+  https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L91
+* **v2** = SGLang's ``EAGLEWorkerV2`` (overlap scheduler, the default since 2026-04): no host
+  read inside the round; ``DRAFT_EXTEND_V2`` runs over all N verify rows per request (uniform)
+  and keeps row ``b * N + a_b - 1`` on the device (``_draft_extend_for_decode``);
+  https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py#L1297
+
+docs/modes/draft-extend-v1.md and docs/modes/draft-extend-v2.md give both modes' metadata.
+
 Mirrors ``model_executor/forward_batch_info.py`` (the ``include_v2`` helpers of #11398
 ``20a6c0a63``, simplified in #11874 ``0bfe1d145``).  Only the modes EAGLE uses (chains and trees)
 are here, with the predicates refspec calls; MIXED / SPLIT_PREFILL are out of scope.

@@ -1,8 +1,12 @@
 """SGLang's FA3 attention backend, top-k = 1: store-then-attend over the paged pool.
 
+Mirrors ``FlashAttentionBackend``
+(https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L132;
+the v0.5.5 code the MD- rules quote: ``forward_extend`` line 672, ``forward_decode`` line 989).
+
 ``forward`` first writes this forward's K/V at ``out_cache_loc`` (PA-009), then calls the FA3
-kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens (spec
-docs/fa3-contract.md, PA-009).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
+kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens
+(docs/fa3-contract.md).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
 capture/replay hooks from :mod:`refspec.fa3.graph_metadata`.  Validation
 (:mod:`refspec.fa3.validate`) runs after every metadata build unless ``validate=False``.
 """
@@ -81,8 +85,8 @@ class FlashAttentionBackend(GraphMetadataMixin):
         """Store-then-attend.  ``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store)
         -> ``[T, H, D]``.  Graph-safe: no host syncs here (validation ran at metadata time).
 
-        Raises: RuntimeError if no metadata was built yet; InvariantError PA-009 (k / v do not
-        match ``out_cache_loc`` and the pool), PA-011 (the kernel's argument checks).
+        Raises: RuntimeError if no metadata was built yet; InvariantError PA-011 (k / v do not
+        match ``out_cache_loc`` and the pool, or the kernel's argument checks fail).
         """
         if self.forward_metadata is None:
             raise RuntimeError("FlashAttentionBackend.forward before init_forward_metadata(fb) "

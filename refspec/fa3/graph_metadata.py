@@ -3,10 +3,10 @@
 What each graphed mode keeps static and what replay rewrites *in place* (never rebinding, CG-001):
 
 ===================  ==========================  ====================================================
-mode                 static (frozen at capture)  rewritten at every replay (bs_g rows, padded)
+mode                 static (frozen at capture)  rewritten at every replay (Bg rows, padded)
 ===================  ==========================  ====================================================
 DECODE               cu_seqlens_q = arange,      cache_seqlens <- seq_lens; cu_seqlens_k;
-                     max_seqlen_q = 1, width M   page_table[:, :m] <- R[r, strided[:m]] // P
+                     max_seqlen_q = 1, width M   page_table[:, :m] <- req_to_token[r, :m*P:P] // P
 draft decode step s  same (own buffers per s)    cache_seqlens <- seq_lens + s + 1; cu_k; page_table
 TARGET_VERIFY        cu_seqlens_q = arange(0,    cache_seqlens <- seq_lens + N; cu_k; page_table
                      bs*N+1, N), max_q = N
@@ -27,8 +27,9 @@ in-graph writes there too, so that its checks see the values the kernel will rea
 
 m = ceil(max K / P) from the CPU mirror; columns >= m keep stale values, which is harmless
 because the kernel never reads page ``>= ceil(K_b / P)`` (PA-007).  The table width M is
-``ceil(req_to_token.shape[1] / P)`` (CG-008; upstream sized it from the context length, case B07)
-and replay raises CG-008 when m > M instead of letting the kernel run past it.
+``ceil(req_to_token.shape[1] / P)`` (CG-008; sizing it from the context length left no room
+for L + N at the context wall: sglang #35985, #29665) and replay raises CG-008 when m > M
+instead of letting the kernel run past it.
 Capture for DRAFT_EXTEND and DRAFT_EXTEND_V2 is shared (``is_draft_extend(include_v2=True)``,
 ``160a06cab``, #15207); only replay differs (CG-003, CG-004).
 """
@@ -183,7 +184,7 @@ class GraphMetadataMixin:
 
     def _write_page_table(self, md: FlashAttentionMetadata, fb: ForwardBatch, bs: int) -> None:
         """The page table over the CPU bound ``max K = max(seq_lens_cpu) + delta`` (MD-006), after
-        the CG-008 width check (:func:`replay_page_table`)."""
+        the CG-008 width check (:func:`check_table_width`), written by :func:`replay_page_table`."""
         gs, P = self.graph_state, self.page_size
         max_k = max(fb.seq_lens_cpu[:bs].tolist()) + mode_delta(fb, self.speculative_step_id)
         check_table_width(max_k, P, gs.width)
@@ -197,7 +198,7 @@ def graph_table_width(req_to_token: torch.Tensor, page_size: int) -> int:
 
     ``req_to_token``'s width already includes the speculative headroom, so verify / draft
     extend near the context wall (K = L + N) still fit.  Sizing from the model's context length
-    instead is case B07's bug (sglang #35985, #29665).
+    instead is the context-wall bug of sglang #35985 / #29665 (the table too narrow for L + N).
     """
     return -(-req_to_token.shape[1] // page_size)
 
@@ -226,7 +227,8 @@ def capture_query_rows(fb: ForwardBatch, bs: int, num_tokens: int) -> int:
 
     DECODE (and draft decode): 1, one row per step whatever the runner's token layout.
     TARGET_VERIFY: N.  DRAFT_EXTEND / DRAFT_EXTEND_V2: W = ``num_tokens // bs`` = Sd + 1, the
-    bound on live rows, never a (smaller) dummy batch's query length (case B08).
+    bound on live rows, never a (smaller) dummy batch's query length (transformers #45323: a
+    frozen ``max_seqlen_q`` below the live rows, CG-006).
     Raises: ValueError for a mode that is not graphed.
     """
     m = fb.forward_mode
@@ -245,7 +247,8 @@ def write_cache_seqlens(md: FlashAttentionMetadata, seq_lens: torch.Tensor, delt
 
     ``seq_lens`` int32 ``[bs]`` (tokens), ``delta`` the mode's offset (:func:`mode_delta`).  The
     captured graph reads these buffers' addresses, so assigning new tensors would leave it
-    reading the capture-time lengths (case B11).
+    reading the capture-time lengths (CG-001: the rebinding of sglang #4855 ``6ffb6bd47``, seen
+    again in the review of #26019).
     """
     torch.add(seq_lens, delta, out=md.cache_seqlens_int32)
     torch.cumsum(md.cache_seqlens_int32, 0, dtype=torch.int32, out=md.cu_seqlens_k[1:])

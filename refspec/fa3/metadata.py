@@ -1,21 +1,22 @@
 """Eager FA3 attention metadata per forward mode (SGLang ``init_forward_metadata``, top-k = 1).
 
 Mirrors ``flashattention_backend.py`` ``init_forward_metadata``
-at ``0bfe1d145`` (#11874; the same code in v0.5.5, line 365), MD-003.  For request
-b with ``seq_lens`` L_b (its meaning per mode is in :mod:`refspec.core.batch`):
+at ``0bfe1d145`` (#11874; the same code in v0.5.5, line 365), MD-003.  For request b, with L
+its committed length before the forward (the legend's L; ``seq_lens`` per mode is the table of
+:mod:`refspec.core.batch`):
 
-==================  =====  =====================  ==============================  =============
-mode                q_b    ``cache_seqlens`` K_b  ``cu_seqlens_q``                ``max_seq_len_q``
-==================  =====  =====================  ==============================  =============
-DECODE              1      L                      arange(0..B)                    1
-draft decode s      1      L + s + 1              arange(0..B)                    1
-EXTEND, no prefix   e      L (= e)                = cu_seqlens_k                  max_seq_len_k
-EXTEND, prefix      e      L                      [0, cumsum e]                   max e
-TARGET_VERIFY       N      L + N                  arange(0, B*N + 1, N)           N
-DRAFT_EXTEND (v1)   a      L (= L_old + a)        [0, cumsum a] (packed)          max a
-DRAFT_EXTEND_V2     N      L (= L_old + N)        [0, cumsum extend] (uniform N)  max extend
-IDLE                -      []                     [0]                             1
-==================  =====  =====================  ==============================  =============
+==================  =====  ============  =====================  ==============================  =============
+mode                q_b    ``seq_lens``  ``cache_seqlens`` K_b  ``cu_seqlens_q``                ``max_seq_len_q``
+==================  =====  ============  =====================  ==============================  =============
+DECODE              1      L + 1         seq_lens = L + 1       arange(0..B)                    1
+draft decode s      1      L             L + s + 1              arange(0..B)                    1
+EXTEND, no prefix   e      e             seq_lens = e           = cu_seqlens_k                  max_seq_len_k
+EXTEND, prefix      e      prefix + e    seq_lens               [0, cumsum e]                   max e
+TARGET_VERIFY       N      L             L + N                  arange(0, B*N + 1, N)           N
+DRAFT_EXTEND (v1)   a      L + a         seq_lens = L + a       [0, cumsum a] (packed)          max a
+DRAFT_EXTEND_V2     N      L + N         seq_lens = L + N       [0, cumsum extend] (uniform N)  max extend
+IDLE                -      []            []                     [0]                             1
+==================  =====  ============  =====================  ==============================  =============
 
 Every mode: ``cu_seqlens_k = [0, cumsum K]`` (bookkeeping: SGLang passes it as
 ``cu_seqlens_k_new``, which FA3 ignores without new k/v, docs/fa3-contract.md),
@@ -94,8 +95,8 @@ def eager_cache_seqlens(fb: ForwardBatch, delta: int) -> tuple[torch.Tensor, int
     """``cache_seqlens = seq_lens + delta`` (int32 ``[B]``, tokens) and ``max_seq_len_k`` from
     the CPU mirror, ``max(seq_lens_cpu) + delta`` (no device sync, MD-006).
 
-    The same formula in every mode; v1 draft extend's ``seq_lens`` is already L' = L + a, so
-    its keys stop at the last accepted token (MD-003).
+    The same formula in every mode; v1 draft extend's ``seq_lens`` is already L + a, so its
+    keys stop at the last accepted token (MD-003).
     """
     return (fb.seq_lens + delta).to(torch.int32), int(fb.seq_lens_cpu.max()) + delta
 

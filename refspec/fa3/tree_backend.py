@@ -123,7 +123,7 @@ class FlashAttentionTreeBackend:
     def forward(self, q, k, v, layer, fb):
         """Store-then-attend: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]`` (graph-safe).
 
-        Raises: RuntimeError before any metadata; InvariantError PA-009 / PA-011 (shapes).
+        Raises: RuntimeError before any metadata; InvariantError PA-011 (shapes).
         """
         if self.forward_metadata is None:
             raise RuntimeError("FlashAttentionTreeBackend.forward before init_forward_metadata")

@@ -10,7 +10,8 @@ Each failure raises :class:`~refspec.core.invariants.InvariantError` naming the 
   ``cu_seqlens_q`` shows here;
 * MD-006: ``cu_seqlens_k = [0, cumsum K]``;
 * PA-008 (checked before PA-001 / PA-002): no real request uses row 0 or has a key in the
-  reserved page 0 (an unreserved position, case B01: its ``req_to_token`` entry is still 0;
+  reserved page 0 (an unreserved position, as vLLM #16370's draft tokens written past the pages
+  reserved for the request: its ``req_to_token`` entry is still 0;
   the checks below would only see its symptom, e.g. a broken page-contiguity, PA-001);
 * PA-001 / PA-002: the page table reproduces ``req_to_token`` for every visible position
   (which also catches a non-page-contiguous row, and a table in the wrong unit);
@@ -104,7 +105,7 @@ def validate_metadata(md: FlashAttentionMetadata, fb: ForwardBatch, req_to_token
         # Checked before PA-001 / PA-002, which would only see its symptom (a broken page-contiguity).
         require(r != 0 and not bool((row < P).any()), "PA-008", lambda: f"request {b} (row {r}, K={Kb}): "
                 f"position(s) {(row < P).nonzero().flatten().tolist()} map to the reserved page 0: no slot was "
-                f"reserved for them (alloc_extend them first; case B01)")
+                f"reserved for them (alloc_extend them first)")
         p = torch.arange(Kb, device=row.device)
         via_table = pt[b, p // P].long() * P + p % P
         if not torch.equal(via_table, row):

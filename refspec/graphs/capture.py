@@ -16,7 +16,11 @@ recorded *by value*; ``live`` tensors are activations computed inside the graph 
 from the current run (a real graph recomputes them into the same internal buffers).  Hence, on
 CPU exactly as on a GPU: rebinding a buffer instead of writing into it silently replays the stale
 buffer, and the emulator kernel raises if a live query outgrows the frozen ``max_seqlen_q``.
-On CUDA, :func:`launch` is a plain call and ``torch.cuda.CUDAGraph`` does the freezing.
+The emulated graph freezes only :func:`launch` arguments: the host Python between two launches
+(index arithmetic, ``.tolist()``, a branch on a value) runs again at every replay, where a real
+graph would replay only the kernels it recorded, so host code inside a captured forward can pass
+here and still be wrong under CUDA.  On CUDA, :func:`launch` is a plain call and
+``torch.cuda.CUDAGraph`` does the freezing.
 Kernel entry points are wrapped once, where they are defined (:func:`recordable`), so that a
 forward reads as plain calls.
 """

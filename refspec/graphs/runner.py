@@ -1,7 +1,7 @@
 """The graph runner: one graph per captured batch size, padded replay (SGLang ``CudaGraphRunner``).
 
 CG-007: ``capture_bs`` is sorted ascending and captured largest first; a live batch of B
-requests replays the graph of ``bs_g = min{c in capture_bs : c >= B}`` (CG-007) and a batch
+requests replays the graph of ``Bg = min{c in capture_bs : c >= B}`` (CG-007) and a batch
 larger than every captured size runs eagerly (the caller asks :meth:`GraphRunner.can_run`).
 
 Padding fills, rewritten on *every* replay so no padded row keeps an earlier batch's values
@@ -73,11 +73,16 @@ class GraphRunner:
         mode: the ForwardMode of every batch this runner takes (DECODE for draft decode).
         backends: FA3 backends whose metadata the graph reads (one, or the Sd - 1 draft steps).
         forward_fn: ``(fb, inputs) -> Tensor | tuple`` reading only ``fb`` / ``inputs`` tensors.
+        kv: the :class:`~refspec.core.kv_cache.KVCache` whose ``req_to_token`` the batches index
+            (its device is where the static buffers live).
         split: ``fb -> [fb for backend i]`` (default: the same batch for every backend).
         capture_bs: batch sizes to capture.  tokens_per_req: W, token rows per request.
         inputs: ``name -> (trailing shape, dtype)`` of per-token input buffers.
         num_draft_tokens: N (TARGET_VERIFY, DRAFT_EXTEND_V2).
         rows: slice outputs by ``"tokens"`` (T real tokens) or ``"requests"`` (B).
+        draft_step: ``ForwardBatch.draft_step`` of the static batch: not None marks a draft-decode
+            graph (DECODE run by the draft, :mod:`refspec.core.batch`); the draft-decode runner
+            passes 0 and its ``split`` hands each step's backend step s's view.  None otherwise.
     """
 
     def __init__(self, mode: ForwardMode, backends, forward_fn, *, kv, capture_bs, tokens_per_req,
@@ -276,7 +281,8 @@ def pad_rows(buf: torch.Tensor, name: str, start: int, stop: int, mode: ForwardM
     copy writes there, rewritten on *every* replay (CG-005): ``(buf[start:stop], fills)``, the
     fills ``req_pool_indices`` / ``out_cache_loc`` / ``positions`` 0 (the reserved row and the
     dummy page 0), ``seq_lens`` :func:`seq_lens_fill`, ``num_accept_tokens`` /
-    ``extend_seq_lens`` W (A4 #15207's ``num_tokens_per_bs``)."""
+    ``extend_seq_lens`` W (sglang #15207 ``160a06cab``: the draft-extend runner fills
+    ``num_tokens_per_bs``)."""
     fill = {"seq_lens": seq_lens_fill(mode, W), "num_accept_tokens": W, "extend_seq_lens": W}.get(name, 0)
     return buf[start:stop], fill_source(buf, fill)[start:stop]
 

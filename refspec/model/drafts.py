@@ -9,9 +9,15 @@ EAGLE position rule (SD-007, :mod:`refspec.speculative.engine`) applies to all o
 p consumes token t_(p+1) (and, for EAGLE, the target hidden h_p).
 
 * :class:`EagleDraft`: one Llama decoder layer over ``fc([embed(token); hidden])``, sharing the
-  target's embedding and LM head (EAGLE-1 / SGLang ``LlamaForCausalLMEagle``).  In draft extend
-  ``hidden`` is the target's hidden at the same row; in draft decode step s it is the draft's own
-  ``hidden_out`` of the previous step (or of the kept draft-extend row for step 0).
+  target's embedding and LM head: EAGLE-1-*shaped*, not SGLang's ``LlamaForCausalLMEagle``
+  (https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/llama_eagle.py).
+  Upstream deletes layer 0's ``input_layernorm``, gives ``fc`` a bias and has no final norm (the
+  layer's output goes straight to the LM head, its own when the embeddings are not tied); here
+  layer 0 keeps its ``input_layernorm``, ``fc`` has no bias and a final ``norm`` precedes the
+  target's head.  The model stays as it is (the trained head refspec ships has these weights), so
+  an upstream EAGLE checkpoint does not load into it as is.  In draft extend ``hidden`` is the target's
+  hidden at the same row; in draft decode step s it is the draft's own ``hidden_out`` of the
+  previous step (or of the kept draft-extend row for step 0).
 * :class:`EarlyExitDraft`: the first k target layers + the target's final norm and head
   (LayerSkip-style self-speculation); ignores ``hidden``.  Its KV pool has k layers.
 * :class:`LMDraft`: any :class:`~refspec.model.llama.LlamaModel` with the target's vocabulary.
@@ -26,7 +32,8 @@ from refspec.model.llama import LlamaConfig, LlamaDecoderLayer, LlamaModel, RMSN
 
 
 class EagleDraft(nn.Module):
-    """EAGLE-style draft head (random init unless trained weights are loaded).
+    """EAGLE-1-shaped draft head (random init unless trained weights are loaded; module doc: how it
+    differs from SGLang's ``LlamaForCausalLMEagle``).
 
     Shapes: ``input_ids [T]`` int64, ``hidden [T, E]`` (E = target hidden size) ->
     ``logits [T, V]``, ``hidden_out [T, E]`` (pre-norm output of its decoder layer).

@@ -13,9 +13,11 @@ loads with ``load_state_dict(strict=True)``.
 Attention never touches a KV cache itself: every layer computes ``q [T, H, D]``,
 ``k, v [T, Hkv, D]`` (RoPE applied at ``fb.positions``) and calls
 ``backend.forward(q, k, v, AttentionLayer, fb)``, which stores k/v and attends (store-then-attend,
-docs/fa3-contract.md).  ``fb`` is a :class:`~refspec.core.batch.ForwardBatch` (paged wings) or any object with
-``positions`` (the dense oracle).  Positions are KV indices in every forward (SD-007; see
-:mod:`refspec.speculative.engine`).  Graph-safe: no host syncs in ``forward``.
+docs/fa3-contract.md): an :class:`~refspec.core.backend.AttentionBackend` (either paged wing) or the
+dense oracle's :class:`~refspec.oracle.dense.DenseBackend`.  ``fb`` is a
+:class:`~refspec.core.batch.ForwardBatch` (paged wings) or any object with ``positions`` (the dense
+oracle).  Positions are KV indices in every forward (SD-007; see :mod:`refspec.speculative.engine`).
+Graph-safe: no host syncs in ``forward``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Reference paged attention: gather each request's keys *by slot* through ``req_to_token``.
 
-The oracle never reads a page table (so PA-002 is checked independently): key ``p`` of request ``b`` is the
-flat slot ``req_to_token[r_b, p]``, so the FA3 wing's page table is checked independently.
+The oracle never reads a page table: key ``p`` of request ``b`` is the flat slot
+``req_to_token[r_b, p]``, so the FA3 wing's page table (PA-002) is checked independently of it.
 
 Two entry points, one rule:
 
@@ -10,7 +10,10 @@ Two entry points, one rule:
   (and ``p >= t - w`` with a left window w);
 * :func:`attention_by_slot`, the kernel-shaped form (FA docstring "aligned bottom-right"): with
   K_b keys, row i sees key p iff ``p <= i + K_b - q_b`` (PA-004), i.e. row i sits at position
-  ``K_b - q_b + i``, and, with a left window w, ``p >= i + K_b - q_b - w``;
+  ``K_b - q_b + i``, and, with a left window w, ``p >= i + K_b - q_b - w``.
+
+Both then apply the same three rules:
+
 * a row that sees no key outputs exactly 0 (PA-005);
 * query head h reads KV head ``h // (H / Hkv)`` (PA-006);
 * scores ``s = scale * q.k``, softcap ``c * tanh(s / c)`` when ``c > 0``, softmax, weighted V.

@@ -156,7 +156,7 @@ class OracleBackend:
     def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
         """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (or None: nothing new to store) -> ``[T, H, D]``.
 
-        Raises: RuntimeError if no metadata was built yet; InvariantError PA-009 / PA-011 (shapes).
+        Raises: RuntimeError if no metadata was built yet; InvariantError PA-011 (shapes).
         """
         if self.forward_metadata is None:
             raise RuntimeError("OracleBackend.forward before init_forward_metadata(fb): there is no metadata")

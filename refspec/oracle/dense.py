@@ -9,7 +9,8 @@ paged wing.
 Why there are no stale reads: the rows of one forward are consecutive KV indices
 ``L..L+q-1`` and every index below ``L`` was written earlier, so every key a row can see
 (``0..t``) holds the K/V of the token currently at that index.  Rejected drafts' K/V beyond
-the committed length stay in the tensor until the next forward overwrites them (SD-008).
+the committed length stay in the tensor until the next forward overwrites them, before any row
+reads them (store-then-attend, PA-009; causal by position, PA-004).
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ One round at committed length L (t_0..t_(L-1) have target KV; the root t_L is kn
    verify rows 0..a-1 and keeps its last row (SD-004); v2 runs all N rows at L..L+N-1 on
    ``d_1..d_n, p_n..p_(N-1)`` with every verify row's hidden and keeps row a-1 (SD-005).
    The kept row's argmax is the next round's d_1.
+
+Upstream, the same four steps are SGLang's ``EAGLEWorker.forward_batch_generation`` (v1:
+``draft``, ``verify``, ``forward_draft_extend_after_decode``) and ``EAGLEWorkerV2``'s (v2), batched
+and paged; their refspec twin is :mod:`refspec.speculative.rounds`:
+https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L445
+https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py#L1416
 """
 
 from __future__ import annotations

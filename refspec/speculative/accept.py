@@ -4,7 +4,10 @@ For a request with drafts ``d_1..d_Sd`` and target predictions ``p_0..p_Sd`` (ar
 verify rows ``[t_L, d_1..d_Sd]``):
 
 * ``num_correct_drafts`` n = the longest prefix with ``d_i == p_(i-1)`` (0..Sd), the chain case
-  of SGLang's ``VerifyTreeGreedy``;
+  of SGLang's ``VerifyTreeGreedy`` CUDA kernel
+  (https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/jit/include/sgl_kernel/speculative/eagle.cuh#L215,
+  called through ``verify_tree_greedy_func``,
+  https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/ops/speculative/spec_tree.py#L480);
 * ``num_accept_tokens`` a = n + 1 (the bonus ``p_n`` included; MD-009 for the history of the
   names);
 * the committed tokens of the round are ``t_(L+1)..t_(L+a) = d_1..d_n, p_n``, which equal

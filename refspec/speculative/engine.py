@@ -1,5 +1,15 @@
 """The production speculative-decoding loop: EAGLE top-k = 1, v1 and v2, over the paged pool.
 
+Upstream: SGLang's scheduler runs one speculative worker's ``forward_batch_generation`` per
+step of its loop, over the running batch (admission and prefill are the scheduler's):
+v1 = ``EAGLEWorker`` under ``Scheduler.event_loop_normal``
+(https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L91,
+https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/managers/scheduler.py#L1537),
+v2 = ``EAGLEWorkerV2`` under ``Scheduler.event_loop_overlap``
+(https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py#L1297,
+https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/managers/scheduler.py#L2061).
+:class:`Engine` is a small scheduler of that kind; one round is :mod:`refspec.speculative.rounds`.
+
 **Positions (SD-007), one rule everywhere.**  ``ForwardBatch.positions`` are KV indices in
 every forward, and RoPE uses exactly those.  The target's KV index j holds token t_j.  The draft
 uses the EAGLE shift: draft KV index p consumes token t_(p+1) (and, for an EAGLE head, the

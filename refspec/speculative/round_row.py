@@ -1,7 +1,8 @@
 """One request's result of a round: the row the engine commits (:meth:`Engine.commit`).
 
     symbolic   [a, c_0 .. c_(N-1), d_1 .. d_Sd, draft_len]           (v2 appends L)
-    example    N = 3, Sd = 2, a = 2:  [2, 17, 5, -1, 17, 9, 66]      (+ [64] in v2)
+    example    N = 3, Sd = 2, a = 2:  [2, 17, 5, 23, 17, 9, 66]      (+ [64] in v2)
+               (L = 64; d_1 = 17 accepted, d_2 = 9 rejected by p_1 = 5; c = [d_1, p_1, p_2])
 
 ``a`` (1..N) tokens are committed: the accepted drafts and the bonus; ``c`` are the committed
 candidates (:func:`~refspec.speculative.accept.committed_candidates`), ``c[:a]`` the emitted

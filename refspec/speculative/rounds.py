@@ -11,6 +11,38 @@ start.  The overlap loop (:mod:`refspec.speculative.overlap`) runs :func:`round_
 with its batches built from the device lengths and host bounds (``batches=``).
 
 Shapes: B requests, N = Sd + 1; token tensors int64; hidden ``[., E]`` in the model dtype.
+
+Upstream (SGLang's two workers; each one's ``forward_batch_generation`` is one round):
+
+* :func:`round_v1` is ``EAGLEWorker`` at v0.5.12.post1 (the last release with v1), its
+  ``forward_batch_generation`` (line 445) calling ``draft`` (758), ``verify`` (935) and
+  ``forward_draft_extend_after_decode`` (1154):
+  https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/eagle_worker.py#L445
+* :func:`round_v2` is ``EAGLEWorkerV2`` at v0.5.23, its ``forward_batch_generation`` (line 1416)
+  calling ``EagleDraftWorker.draft`` (660), ``verify`` (1979) and
+  ``EagleDraftWorker._draft_extend_for_decode`` (1110):
+  https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/speculative/eagle_worker_v2.py#L1416
+
+**What the round uses of the engine** (``eng``, :class:`~refspec.speculative.engine.Engine`, the
+next module; ``reqs`` are its :class:`~refspec.speculative.request.Request` s):
+
+* ``eng.Sd``, ``eng.N``: draft steps and verified tokens per request (N = Sd + 1);
+* ``eng.kv``: the shared :class:`~refspec.core.kv_cache.KVCache` (``req_to_token``, allocator);
+  ``eng.device``: where the tensors live;
+* ``eng.runners``: the :class:`~refspec.speculative.runners.SpecRunners`, one call per phase
+  (``draft_decode``, ``verify``, ``draft_extend``), each eager or a graph replay;
+* ``eng.future``: the :class:`~refspec.speculative.future.FutureMap`, per ``req_to_token`` row
+  the next round's L, root, d_1 and draft hidden (``gather`` at the start, ``stash`` at the end);
+* ``eng.draft.uses_hidden``: whether the draft model takes the target hidden (an EAGLE head);
+* ``eng.accept_counts(reqs, drafts, predict)``: n ``[B]`` on the device (greedy SD-001, or a
+  scripted acceptance); ``eng.forced_drafts(reqs, rows_dev, L_dev)``: a test drafter's tokens
+  ``[B, Sd]`` or None;
+* ``eng.host(kind, t)``: the one counted device -> host read; ``eng.observe(event, **info)``:
+  the observer hook after each forward.
+
+Of each request it reads ``row`` (its ``req_to_token`` row) and ``seq_len`` (L); v1 writes
+``alloc_len`` / ``seq_len`` / ``target_kv_len`` (tokens) inside the round, :func:`prepare_v2`
+writes ``alloc_len`` before a v2 round.
 """
 
 from __future__ import annotations
@@ -69,7 +101,7 @@ def round_v1(eng, reqs) -> list[RoundRow]:
     kv, N, Sd = eng.kv, eng.N, eng.Sd
     rows, L = [r.row for r in reqs], [r.seq_len for r in reqs]
     rows_dev, forced, d1, roots, dhid, _ = _start(eng, reqs)
-    # 1. draft: slots L..L+Sd-1 allocated, written into R, then the allocator is restored
+    # 1. draft: slots L..L+Sd-1 allocated, written into req_to_token, then the allocator is restored
     if Sd > 1:
         state = kv.allocator.backup_state()
         kv.alloc_extend(rows, L, [l + Sd for l in L])
@@ -131,7 +163,12 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     hidden, n, cand = _verify(eng, reqs, verify, roots, drafts)
     a_dev = n + 1
     # draft extend over all N rows at L..L+N-1 (seq_lens = L + N), SD-005
-    fb.num_accept_tokens = a_dev.to(torch.int32)  # device only; used to select the kept row
+    # a on the batch, as SGLang's v2 sets spec_info.num_accept_tokens = accept_lens for this forward
+    # (eagle_worker_v2.py _draft_extend_for_decode); the graph runner copies it into its static
+    # buffer as upstream's does.  No v2 rule reads it (rows and K come from N, MD-008 / CG-004) and
+    # the kept row comes from n below; it is what v1's packed rule misapplied to v2 would read
+    # (bug de-v2-packed-cu-q, CG-004)
+    fb.num_accept_tokens = a_dev.to(torch.int32)
     d_next, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
     eng.observe("draft_extend", reqs=reqs, fb=fb)
     keep = const_arange(len(reqs), n.device, step=N) + n  # row b*N + a_b - 1 (= b*N + n_b)

@@ -20,7 +20,7 @@ path run the *same* forward function; only where the metadata comes from differs
 ``init_forward_metadata`` vs the runner's in-place replay), so graph vs eager is a T0 check.
 
 The draft-decode graph (SGLang ``EAGLEDraftCudaGraphRunner``, CG-005) takes per-token inputs
-laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (case B20): ``ids`` (column 0 =
+laid out request-major ``[B * (Sd-1)]`` like its ``out_cache_loc`` (sglang #7239, SD-009): ``ids`` (column 0 =
 d_1; the other columns are never read), with a drafter that overrides drafts (a test or replay
 drafter, :mod:`refspec.speculative.drafters`) ``forced`` (column s = its d_(s+2), or -1 for the
 draft's own argmax) and, for an EAGLE draft, ``hidden`` (column 0 = the kept draft-extend

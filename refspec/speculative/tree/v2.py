@@ -193,7 +193,7 @@ def round_tree_v2(eng, reqs, seq_lens_hi: list[int] | None = None) -> torch.Tens
     # 5. draft extend v2 over the whole window: N rows at L..L+N-1 (seq_lens = L + N); keep b*N + a_b - 1
     de = draft_extend_v2_batch_future(kv, [r.row for r in reqs], rows_dev, L, hi, N, window)
     de.seq_lens_cpu_is_bound = bound
-    de.num_accept_tokens = a.to(torch.int32)  # device only: selects the kept row
+    de.num_accept_tokens = a.to(torch.int32)  # SGLang's spec_info.num_accept_tokens; no rule reads it (chain round_v2)
     dl, dh = eng.runners.draft_extend(de, predict, hidden)
     eng.observe("draft_extend", reqs=reqs, fb=de)
     keep = const_arange(B, a.device, step=N) + n  # select_index = b*N + a - 1 (a - 1 = n)
