@@ -146,16 +146,25 @@ def check_tree_flags(ns) -> None:
 def device_name(text: str, auto: bool = False) -> str:
     """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here), and
     ``auto`` where the command picks one (``functools.partial(device_name, auto=True)``)."""
+    problem = device_problem(text, auto)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def device_problem(text, auto: bool = False) -> str | None:
+    """Why ``text`` is not a device refspec runs on here (None when it is): the one wording of
+    ``--device`` and of :class:`~refspec.harness.scenario.Scenario` ``device=``."""
     if auto and text == "auto":
-        return text
+        return None
     if text not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda")
+        return f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda"
     if text == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"no CUDA device here (torch {torch.__version__}); use cpu")
-    return text
+            return f"no CUDA device here (torch {torch.__version__}); use cpu"
+    return None
 
 
 def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str) -> int:
