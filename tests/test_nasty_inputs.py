@@ -540,6 +540,15 @@ def test_scenario_idle_is_the_empty_batch():
         b.run_fa3_graph()
 
 
+@pytest.mark.spec("PA-011")
+def test_emulator_gqa_refusal_states_the_rule():
+    """Before: ``[PA-011] ... q (3, 3, 8) vs k_cache (4, 4, 2, 8)`` without saying which rule."""
+    with raises("PA-011") as e:
+        run_kernel(q=torch.randn(3, 3, 8))
+    assert "num_heads must be a multiple of num_kv_heads (H = 3, Hkv = 2; GQA)" in str(e.value)
+    assert "head_dim must match (D = 8, 8)" in str(e.value)
+
+
 # ================================================================ generate / the engine
 @functools.lru_cache(maxsize=None)
 def tiny() -> LlamaModel:
