@@ -242,3 +242,14 @@ def test_record_keeps_only_graphs_a_round_can_use():
                max_batch=2, capture_bs=(1, 2, 4))
     assert t["config"]["capture_bs"] == [1, 2]
     check_trace(t)
+
+
+def test_replay_no_progress_drops_the_progress_lines(tmp_path, capsys):
+    """``replay --no-progress`` (as ``record --no-progress``): no ``replaying ...`` lines on stderr."""
+    path = save_trace(recorded(), tmp_path / "t.json")
+    assert replay_main([str(path), "--out", str(tmp_path / "a.md")]) == 0
+    assert [x for x in capsys.readouterr().err.splitlines() if x.startswith("replaying")] == ["replaying v1 P=2 ..."]
+    assert replay_main([str(path), "--no-progress", "--out", str(tmp_path / "b.md")]) == 0
+    err = capsys.readouterr().err
+    assert "replaying" not in err and err.startswith("replay took ")
+    assert (tmp_path / "a.md").read_text().count("**PASS**") == (tmp_path / "b.md").read_text().count("**PASS**") == 1

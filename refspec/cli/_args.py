@@ -17,6 +17,7 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -40,8 +41,16 @@ class ArgumentParser(argparse.ArgumentParser):
                           help="on an error, show the full Python traceback instead of one line")
 
     def error(self, message):  # argparse prints the usage and exits; one line is enough
-        if message.startswith("unrecognized arguments"):
-            message += "; list options take one comma-separated value (e.g. --page-sizes 1,4,16)"
+        if message.startswith("unrecognized arguments: "):
+            extra = message.split(": ", 1)[1].split()
+            flags = [x for x in extra if x.startswith("-")]
+            # a stray value, as `--page-sizes 1 4 16` leaves `4 16` (not the value of an unknown flag)
+            if any(not x.startswith("-") and (i == 0 or not extra[i - 1].startswith("-")) for i, x in enumerate(extra)):
+                message += "; list options take one comma-separated value (e.g. --page-sizes 1,4,16)"
+            for flag in flags:  # an unknown option: the nearest known one, if any is near
+                near = difflib.get_close_matches(flag.split("=")[0], list(self._option_string_actions), n=1)
+                if near:
+                    message += f"; did you mean {near[0]}?"
         raise CLIError(f"{message} (see --help)")
 
 
