@@ -253,3 +253,21 @@ def test_replay_no_progress_drops_the_progress_lines(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "replaying" not in err and err.startswith("replay took ")
     assert (tmp_path / "a.md").read_text().count("**PASS**") == (tmp_path / "b.md").read_text().count("**PASS**") == 1
+
+
+@pytest.mark.parametrize("fn,message", [
+    # before: "round 0: unknown rid 0 or a = 9 outside [1, 4]", though rid 0 exists
+    (lambda t: t["rounds"][0]["num_accept_tokens"].__setitem__(0, 9),
+     "trace: round 0: rid 0 accepts a = 9, outside [1, N = num_steps + 1 = 4]"),
+    (lambda t: t["rounds"][0]["rids"].__setitem__(1, 99),
+     "trace: round 0: unknown rid 99 (the requests are rids 0..5)"),
+    # before: only seen indirectly (request 1's rounds no longer match its accepts)
+    (lambda t: t["rounds"][0]["rids"].__setitem__(1, 0),
+     "trace: duplicate rid 0 in round 0: rids [0, 0, 2, 3] (a request runs at most once a round)"),
+], ids=["a-outside", "unknown-rid", "duplicate-rid"])
+def test_check_trace_names_the_round_problem_exactly(fn, message):
+    t = load_trace(COMMITTED)  # 6 requests, Sd = 3; round 0 runs rids [0, 1, 2, 3]
+    fn(t)
+    with pytest.raises(ValueError) as e:
+        check_trace(t)
+    assert str(e.value) == message
