@@ -271,3 +271,43 @@ def test_check_trace_names_the_round_problem_exactly(fn, message):
     with pytest.raises(ValueError) as e:
         check_trace(t)
     assert str(e.value) == message
+
+
+def _tiny_workload(monkeypatch):
+    """``record``'s command line on the tiny model of this file (no real assets needed)."""
+    import refspec.cli.record as record_mod
+
+    monkeypatch.setattr(record_mod, "real_workload",
+                        lambda ns: (None, BUDGETS, model(), 0.0, [list(p) for p in PROMPTS]))
+    return record_mod
+
+
+def test_record_check_prints_its_verdict(tmp_path, monkeypatch, capsys):
+    """Before: ``record --check`` printed no sign that the greedy check ran."""
+    record_mod = _tiny_workload(monkeypatch)
+    argv = ["--out", str(tmp_path / "t.json"), "--check", "--no-eos", "--no-progress", "--draft", "early-exit:1",
+            "--page-size", "2"]
+    assert record_mod.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"wrote {tmp_path / 't.json'} (") and len(out) == 2
+    assert out[1] == "checked against greedy: equal (all 3 requests give plain greedy decoding's tokens, SD-002)"
+    assert record_mod.main(argv[:2] + argv[3:]) == 0  # without --check: no verdict line
+    assert "checked against greedy" not in capsys.readouterr().out
+
+
+def test_record_check_failure_says_what_differs(tmp_path, monkeypatch, capsys):
+    record_mod = _tiny_workload(monkeypatch)
+    real = record_mod.greedy
+
+    def off_by_one(m, prompt, max_new, eos=None):  # request 1's greedy text changed: the check must fail
+        res = real(m, prompt, max_new, eos)
+        if prompt == PROMPTS[1]:
+            res.tokens[0] ^= 1
+        return res
+    monkeypatch.setattr(record_mod, "greedy", off_by_one)
+    rc = record_mod.main(["--out", str(tmp_path / "t.json"), "--check", "--no-eos", "--no-progress",
+                          "--draft", "early-exit:1", "--page-size", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "" and not (tmp_path / "t.json").exists()
+    assert err == ("python -m refspec record: check failed: requests [1]: speculative output differs from greedy "
+                   "(SD-002); no trace written\n")
