@@ -33,10 +33,14 @@ lint: venv
 demo: $(VENV)/.stamp-$(DEMO_EXTRAS)
 	$(PY) -m refspec demo
 
-check: venv
+# check / mutants need no extra: they reuse whichever set-up `make demo` or `make test` made (a
+# pip run only when pyproject.toml changed since), and make the demo's where neither ran
+SETUP := $(firstword $(wildcard $(VENV)/.stamp-*) $(VENV)/.stamp-$(DEMO_EXTRAS))
+
+check: $(SETUP)
 	$(PY) -m refspec check
 
-mutants: venv
+mutants: $(SETUP)
 	$(PY) -m refspec mutants
 
 # mutation testing of the checkers (validators, trace checks, the conformance comparison):

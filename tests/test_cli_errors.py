@@ -105,6 +105,7 @@ CASES = [
     (["replay", TRACE, "--seed", "x"], ["--seed", "'x'"]),
     (["replay", TRACE, "--num-layers", "0"], ["--num-layers", ">= 1"]),
     (["replay", TRACE, "--out", "{folder}"], ["--out", "is a folder"]),
+    (["replay", TRACE, "--no-progess"], ["unrecognized arguments: --no-progess", "did you mean --no-progress?"]),
     # mutants
     (["mutants", "--only", "nope"], ["'nope'", "seed-page-table"]),
     (["mutants", "--only", "seed-page-table", "verify-as-decode"], ["unrecognized arguments", "comma-separated"]),
@@ -282,3 +283,17 @@ def test_a_reader_closing_the_pipe_is_not_an_error(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # the handler points stdout at devnull; restored after
     assert run(body, [], "refspec cite") == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv,line", [
+    # an unknown option: no hint about list values (before: "; list options take one comma-separated value ...")
+    (["info", "--bogus"], "python -m refspec info: error: unrecognized arguments: --bogus (see --help)"),
+    (["check", "--pagesizes", "4"], "python -m refspec check: error: unrecognized arguments: --pagesizes 4; "
+     "did you mean --page-sizes? (see --help)"),
+    # a stray value (as `--page-sizes 1 4` leaves `4`): the list hint
+    (["check", "--page-sizes", "1", "4"], "python -m refspec check: error: unrecognized arguments: 4; list options "
+     "take one comma-separated value (e.g. --page-sizes 1,4,16) (see --help)"),
+], ids=["unknown-flag", "near-flag-and-value", "stray-value"])
+def test_unrecognized_arguments_hint_fits_the_argument(argv, line, capsys):
+    assert main(argv) == 2
+    assert capsys.readouterr().err == line + "\n"

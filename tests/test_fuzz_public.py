@@ -239,7 +239,16 @@ def test_graph_runner_replay(data):
 
 # ============================================================================ Scenario, generate
 SCENARIO = dict(mode=M.TARGET_VERIFY, page_size=4, lens=[5, 9], num_draft_tokens=4, num_accept_tokens=None,
-                extend_lens=None, draft_step=None, num_heads=4, num_kv_heads=2, head_dim=16)
+                extend_lens=None, draft_step=None, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32,
+                seed=0, shuffle_pages=True, poison=True, window_left=-1, softcap=0.0, device="cpu", extra_pages=3)
+
+
+def _scenario_ok(built):
+    """A built scenario the junk did not break: both eager wings agree on ``[T, H, D]``."""
+    ref, out = built.run_oracle(), built.run_fa3()
+    sc = built.sc
+    assert ref.shape == out.shape == (built.fb.num_tokens, sc.num_heads, sc.head_dim)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=1e-4)
 
 
 @FAST
@@ -248,8 +257,9 @@ def test_scenario(data):
     names = [n for n in SCENARIO if n != "mode"]
     mode = data.draw(st.sampled_from(list(M)))
     bad, replaced = mutate(data.draw, {**SCENARIO, "mode": mode}, names)
-    # a mode that needs a per-request list may be refused naming that list
-    named_or_correct(lambda: Scenario(**bad).build(), replaced + ["mode", "extend_lens", "num_accept_tokens"])
+    # a mode that needs a per-request list (or none: IDLE) may be refused naming that list
+    named_or_correct(lambda: Scenario(**bad).build(), replaced + ["mode", "lens", "extend_lens", "num_accept_tokens"],
+                     _scenario_ok)
 
 
 @functools.lru_cache(maxsize=None)

@@ -475,6 +475,80 @@ def test_scenario_bad_arguments(kw, word):
         Scenario(**kw)
 
 
+SCENARIO_REFUSALS = {  # id -> (Scenario kwargs past mode TARGET_VERIFY / P = 4 / lens [5, 9], the whole message)
+    # before: RuntimeError "max(): Expected reduction dim" on the empty [0, H, D] output
+    "no-requests": (dict(lens=[]), "lens must list at least one request for mode TARGET_VERIFY, got [] "
+                    "(an empty batch is mode=ForwardMode.IDLE)"),
+    "idle-with-requests": (dict(mode=M.IDLE), "mode IDLE is the empty batch: lens must be [], got [5, 9]"),
+    # before: torch's "Expected one of cpu, cuda, ipu, ..." from torch.device
+    "device-gpu": (dict(device="gpu"), "device 'gpu': choose cpu or cuda"),
+    "device-none": (dict(device=None), "device=None: choose cpu or cuda"),
+    # before: einsum RuntimeError (oracle) / PA-011 without the rule (FA3)
+    "gqa": (dict(num_heads=3, num_kv_heads=2), "num_heads = 3 must be a multiple of num_kv_heads = 2 "
+            "(GQA: each KV head serves num_heads / num_kv_heads query heads)"),
+    "verify-N-1": (dict(num_draft_tokens=1), "num_draft_tokens N = 1: TARGET_VERIFY needs N = Sd + 1 >= 2 "
+                   "(the root and at least one draft token per request, SD-010)"),
+    # before: a silently ignored field
+    "draft-step-on-verify": (dict(draft_step=1), "draft_step is not used by mode TARGET_VERIFY (only by DECODE "
+                             "(draft decode step s)), got 1; leave it None"),
+    "extend-lens-on-verify": (dict(extend_lens=[2, 2]), "extend_lens is not used by mode TARGET_VERIFY (only by "
+                              "EXTEND), got [2, 2]; leave it None"),
+    "v2-accept-past-N": (dict(mode=M.DRAFT_EXTEND_V2, num_accept_tokens=[2, 9]),
+                         "num_accept_tokens [2, 9]: each a = n + 1 must lie in [1, N = 4] (num_draft_tokens)"),
+    "decode-len-0": (dict(mode=M.DECODE, lens=[0, 3]), "DECODE lens include the new token, so every entry must be "
+                     ">= 1, got [0, 3]"),
+    # before: TypeError from torch.full
+    "dtype-string": (dict(dtype="bfloat16"), "dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                     "got 'bfloat16' (a string: pass torch.bfloat16)"),
+    "dtype-int": (dict(dtype=torch.int32), "dtype must be one of torch.float32, torch.float16, torch.bfloat16, "
+                  "got torch.int32"),
+    "seed-string": (dict(seed="a"), "seed must be an int in [0, 2**63), got 'a'"),  # before: RuntimeError
+    "window-below-minus-1": (dict(window_left=-3), "window_left (-1: no window) must be an int >= -1, got -3"),
+    "softcap-negative": (dict(softcap=-1.0), "softcap must be a finite number >= 0 (0 disables it), got -1.0"),
+    "extra-pages-negative": (dict(extra_pages=-5), "extra_pages must be an int >= 0, got -5"),
+    "poison-none": (dict(poison=None), "poison must be True or False, got None"),
+}
+
+
+@pytest.mark.parametrize("kw,message", list(SCENARIO_REFUSALS.values()), ids=list(SCENARIO_REFUSALS))
+def test_scenario_refuses_at_construction(kw, message):
+    with pytest.raises(ValueError) as e:
+        Scenario(**{"mode": M.TARGET_VERIFY, "page_size": 4, "lens": [5, 9], **kw})
+    assert str(e.value) == message
+    assert not isinstance(e.value, InvariantError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a CPU-only torch")
+def test_scenario_cuda_without_cuda_says_what_the_cli_says():
+    """Before: "Cannot get CUDA generator without ATen_cuda library" from build(); now the CLI's words."""
+    from refspec.cli._args import device_problem
+
+    cli = f"no CUDA device here (torch {torch.__version__}); use cpu"
+    assert device_problem("cuda") == cli
+    with pytest.raises(ValueError) as e:
+        Scenario(M.TARGET_VERIFY, page_size=4, lens=[5], device="cuda")
+    assert str(e.value) == f"device='cuda': {cli}"
+
+
+def test_scenario_idle_is_the_empty_batch():
+    """IDLE (SGLang's data-parallel filler) builds with lens=[]: both eager wings give [0, H, D];
+    graphs refuse it by name."""
+    b = Scenario(M.IDLE, page_size=4, lens=[]).build()
+    assert b.fb.batch_size == 0 and b.K == [] and b.q_lens == []
+    assert tuple(b.run_oracle().shape) == (0, 8, 64) and tuple(b.run_fa3().shape) == (0, 8, 64)
+    with value_error("mode IDLE .* is not captured in a graph"):
+        b.run_fa3_graph()
+
+
+@pytest.mark.spec("PA-011")
+def test_emulator_gqa_refusal_states_the_rule():
+    """Before: ``[PA-011] ... q (3, 3, 8) vs k_cache (4, 4, 2, 8)`` without saying which rule."""
+    with raises("PA-011") as e:
+        run_kernel(q=torch.randn(3, 3, 8))
+    assert "num_heads must be a multiple of num_kv_heads (H = 3, Hkv = 2; GQA)" in str(e.value)
+    assert "head_dim must match (D = 8, 8)" in str(e.value)
+
+
 # ================================================================ generate / the engine
 @functools.lru_cache(maxsize=None)
 def tiny() -> LlamaModel:

@@ -242,3 +242,72 @@ def test_record_keeps_only_graphs_a_round_can_use():
                max_batch=2, capture_bs=(1, 2, 4))
     assert t["config"]["capture_bs"] == [1, 2]
     check_trace(t)
+
+
+def test_replay_no_progress_drops_the_progress_lines(tmp_path, capsys):
+    """``replay --no-progress`` (as ``record --no-progress``): no ``replaying ...`` lines on stderr."""
+    path = save_trace(recorded(), tmp_path / "t.json")
+    assert replay_main([str(path), "--out", str(tmp_path / "a.md")]) == 0
+    assert [x for x in capsys.readouterr().err.splitlines() if x.startswith("replaying")] == ["replaying v1 P=2 ..."]
+    assert replay_main([str(path), "--no-progress", "--out", str(tmp_path / "b.md")]) == 0
+    err = capsys.readouterr().err
+    assert "replaying" not in err and err.startswith("replay took ")
+    assert (tmp_path / "a.md").read_text().count("**PASS**") == (tmp_path / "b.md").read_text().count("**PASS**") == 1
+
+
+@pytest.mark.parametrize("fn,message", [
+    # before: "round 0: unknown rid 0 or a = 9 outside [1, 4]", though rid 0 exists
+    (lambda t: t["rounds"][0]["num_accept_tokens"].__setitem__(0, 9),
+     "trace: round 0: rid 0 accepts a = 9, outside [1, N = num_steps + 1 = 4]"),
+    (lambda t: t["rounds"][0]["rids"].__setitem__(1, 99),
+     "trace: round 0: unknown rid 99 (the requests are rids 0..5)"),
+    # before: only seen indirectly (request 1's rounds no longer match its accepts)
+    (lambda t: t["rounds"][0]["rids"].__setitem__(1, 0),
+     "trace: duplicate rid 0 in round 0: rids [0, 0, 2, 3] (a request runs at most once a round)"),
+], ids=["a-outside", "unknown-rid", "duplicate-rid"])
+def test_check_trace_names_the_round_problem_exactly(fn, message):
+    t = load_trace(COMMITTED)  # 6 requests, Sd = 3; round 0 runs rids [0, 1, 2, 3]
+    fn(t)
+    with pytest.raises(ValueError) as e:
+        check_trace(t)
+    assert str(e.value) == message
+
+
+def _tiny_workload(monkeypatch):
+    """``record``'s command line on the tiny model of this file (no real assets needed)."""
+    import refspec.cli.record as record_mod
+
+    monkeypatch.setattr(record_mod, "real_workload",
+                        lambda ns: (None, BUDGETS, model(), 0.0, [list(p) for p in PROMPTS]))
+    return record_mod
+
+
+def test_record_check_prints_its_verdict(tmp_path, monkeypatch, capsys):
+    """Before: ``record --check`` printed no sign that the greedy check ran."""
+    record_mod = _tiny_workload(monkeypatch)
+    argv = ["--out", str(tmp_path / "t.json"), "--check", "--no-eos", "--no-progress", "--draft", "early-exit:1",
+            "--page-size", "2"]
+    assert record_mod.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"wrote {tmp_path / 't.json'} (") and len(out) == 2
+    assert out[1] == "checked against greedy: equal (all 3 requests give plain greedy decoding's tokens, SD-002)"
+    assert record_mod.main(argv[:2] + argv[3:]) == 0  # without --check: no verdict line
+    assert "checked against greedy" not in capsys.readouterr().out
+
+
+def test_record_check_failure_says_what_differs(tmp_path, monkeypatch, capsys):
+    record_mod = _tiny_workload(monkeypatch)
+    real = record_mod.greedy
+
+    def off_by_one(m, prompt, max_new, eos=None):  # request 1's greedy text changed: the check must fail
+        res = real(m, prompt, max_new, eos)
+        if prompt == PROMPTS[1]:
+            res.tokens[0] ^= 1
+        return res
+    monkeypatch.setattr(record_mod, "greedy", off_by_one)
+    rc = record_mod.main(["--out", str(tmp_path / "t.json"), "--check", "--no-eos", "--no-progress",
+                          "--draft", "early-exit:1", "--page-size", "2"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out == "" and not (tmp_path / "t.json").exists()
+    assert err == ("python -m refspec record: check failed: requests [1]: speculative output differs from greedy "
+                   "(SD-002); no trace written\n")

@@ -17,6 +17,7 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -40,8 +41,16 @@ class ArgumentParser(argparse.ArgumentParser):
                           help="on an error, show the full Python traceback instead of one line")
 
     def error(self, message):  # argparse prints the usage and exits; one line is enough
-        if message.startswith("unrecognized arguments"):
-            message += "; list options take one comma-separated value (e.g. --page-sizes 1,4,16)"
+        if message.startswith("unrecognized arguments: "):
+            extra = message.split(": ", 1)[1].split()
+            flags = [x for x in extra if x.startswith("-")]
+            # a stray value, as `--page-sizes 1 4 16` leaves `4 16` (not the value of an unknown flag)
+            if any(not x.startswith("-") and (i == 0 or not extra[i - 1].startswith("-")) for i, x in enumerate(extra)):
+                message += "; list options take one comma-separated value (e.g. --page-sizes 1,4,16)"
+            for flag in flags:  # an unknown option: the nearest known one, if any is near
+                near = difflib.get_close_matches(flag.split("=")[0], list(self._option_string_actions), n=1)
+                if near:
+                    message += f"; did you mean {near[0]}?"
         raise CLIError(f"{message} (see --help)")
 
 
@@ -146,16 +155,25 @@ def check_tree_flags(ns) -> None:
 def device_name(text: str, auto: bool = False) -> str:
     """An argparse ``type`` for ``--device``: ``cpu`` or ``cuda`` (which must exist here), and
     ``auto`` where the command picks one (``functools.partial(device_name, auto=True)``)."""
+    problem = device_problem(text, auto)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def device_problem(text, auto: bool = False) -> str | None:
+    """Why ``text`` is not a device refspec runs on here (None when it is): the one wording of
+    ``--device`` and of :class:`~refspec.harness.scenario.Scenario` ``device=``."""
     if auto and text == "auto":
-        return text
+        return None
     if text not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda")
+        return f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda"
     if text == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise argparse.ArgumentTypeError(f"no CUDA device here (torch {torch.__version__}); use cpu")
-    return text
+            return f"no CUDA device here (torch {torch.__version__}); use cpu"
+    return None
 
 
 def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str) -> int:

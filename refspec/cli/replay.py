@@ -50,6 +50,8 @@ def _main(argv) -> int:
                          "continuation, so the output stays greedy) or model (the draft's argmax; float32 only)")
     ap.add_argument("--out", type=Path, help="also write the summary as Markdown to this file")
     ap.add_argument("--threads", type=positive_int(), metavar="N", help="torch CPU threads (default 1)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no 'replaying ...' progress lines on stderr (e.g. in logs)")
     ns = ap.parse_args(argv)
     dtype = DTYPES[ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32")]
     if ns.drafter == "model" and dtype != torch.float32:
@@ -81,13 +83,18 @@ def _main(argv) -> int:
     return 0 if report.ok else 1
 
 
+def _progress(ns):
+    """The ``progress(label)`` callback: one ``replaying ...`` line on stderr, none with ``--no-progress``."""
+    return None if ns.no_progress else (lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
+
+
 def _replay_chain(trace, ns, dtype):
     overrides = {**(TINY if ns.tiny else {}), **({"num_hidden_layers": ns.num_layers} if ns.num_layers else {})}
     draft = ns.draft or ("early-exit:1" if overrides else None)
     return replay_trace(trace, device=ns.device, dtype=dtype, versions=ns.versions,
                         page_sizes=ns.page_sizes, seed=ns.seed, overrides=overrides or None,
                         draft=draft, drafter=ns.drafter, trace_path=str(ns.trace),
-                        progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
+                        progress=_progress(ns))
 
 
 def _replay_tree(trace: dict, ns, dtype):
@@ -101,4 +108,4 @@ def _replay_tree(trace: dict, ns, dtype):
     from refspec.traces.replay_tree import replay_tree_trace
 
     return replay_tree_trace(trace, device=ns.device, dtype=dtype, seed=ns.seed, trace_path=str(ns.trace),
-                             progress=lambda s: print(f"replaying {s} ...", file=sys.stderr, flush=True))
+                             progress=_progress(ns))

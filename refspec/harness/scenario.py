@@ -12,7 +12,8 @@ fill a prefix, run mode X through the oracle and the FA3 path" is one obvious ca
 ``lens`` means per mode (tokens): DECODE, L including the new token; draft decode, committed L
 (``draft_step`` s writes L + s); EXTEND, the prefix (``extend_lens`` new tokens); TARGET_VERIFY,
 committed L; DRAFT_EXTEND, committed L before accept (``num_accept_tokens`` a); DRAFT_EXTEND_V2,
-committed L before the round.  Every request gets slots for all its K_b keys; the keys before
+committed L before the round; IDLE, ``lens=[]`` (the empty batch: eager only, outputs
+``[0, H, D]``).  Every request gets slots for all its K_b keys; the keys before
 this forward's tokens hold random K/V, this forward's q/k/v are random too.
 
 Poisoning (``poison=True``): page 0 and every page outside all tables hold NaN; slots in a
@@ -23,12 +24,14 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from refspec.core import batch as B
-from refspec.core.args import count, int_list
+from refspec.cli._args import device_problem
+from refspec.core.args import count, int_list, is_int
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.graphs.runner import GraphRunner
 from refspec.core.kv_cache import KVCache, KVPool
@@ -37,6 +40,9 @@ from refspec.core.modes import ForwardMode
 from refspec.oracle.backend import OracleBackend
 
 SENTINEL = 1e4
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  #: the dtypes of the tolerance policy (T1_FLOOR)
+_USED_BY = {"extend_lens": "EXTEND", "draft_step": "DECODE (draft decode step s)",
+            "num_accept_tokens": "DRAFT_EXTEND and DRAFT_EXTEND_V2"}
 
 
 @dataclass
@@ -61,24 +67,76 @@ class Scenario:
     extra_pages: int = 3
 
     def __post_init__(self):
-        """Argument checks: ValueError naming the missing or inconsistent field."""
+        """Argument checks: ValueError naming the missing or inconsistent field (or the rule)."""
         if not isinstance(self.mode, ForwardMode):
             raise ValueError(f"mode must be a ForwardMode, got {self.mode!r}")
         for name in ("page_size", "num_draft_tokens", "num_heads", "num_kv_heads", "head_dim"):
             n = getattr(self, name)  # bools are ints to Python, not sizes
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads = {self.num_heads} must be a multiple of num_kv_heads = {self.num_kv_heads} "
+                             f"(GQA: each KV head serves num_heads / num_kv_heads query heads)")
+        self._check_other_fields()
+        self._check_per_mode()
+
+    def _check_other_fields(self):
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
+        problem = device_problem(self.device) if isinstance(self.device, str) else "choose cpu or cuda"
+        if problem:
+            raise ValueError(f"device {problem}" if problem.startswith("'") else f"device={self.device!r}: {problem}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in DTYPES:
+            hint = f" (a string: pass torch.{self.dtype})" if isinstance(self.dtype, str) else ""
+            raise ValueError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {self.dtype!r}{hint}")
+        count("extra_pages", self.extra_pages)
+        if not is_int(self.seed) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        count("window_left (-1: no window)", self.window_left, -1)
+        if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) \
+                or not 0 <= self.softcap < math.inf:
+            raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {self.softcap!r}")
+        for name in ("shuffle_pages", "poison"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_per_mode(self):
+        m, N = self.mode, self.num_draft_tokens
         self.lens = int_list("lens", self.lens, least=0)
+        if m.is_idle() and self.lens:
+            raise ValueError(f"mode IDLE is the empty batch: lens must be [], got {self.lens}")
+        if not m.is_idle() and not self.lens:
+            raise ValueError(f"lens must list at least one request for mode {m.name}, got [] "
+                             f"(an empty batch is mode=ForwardMode.IDLE)")
+        if m.is_decode() and self.draft_step is None and min(self.lens) < 1:
+            raise ValueError(f"DECODE lens include the new token, so every entry must be >= 1, got {self.lens}")
+        uses = {"extend_lens": m == ForwardMode.EXTEND, "draft_step": m.is_decode(),
+                "num_accept_tokens": m.is_draft_extend(include_v2=True)}
+        for name, used in uses.items():
+            if getattr(self, name) is not None and not used:
+                raise ValueError(f"{name} is not used by mode {m.name} (only by "
+                                 f"{_USED_BY[name]}), got {getattr(self, name)!r}; leave it None")
         for name in ("extend_lens", "num_accept_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, int_list(name, getattr(self, name)))
         if self.draft_step is not None:
             count("draft_step", self.draft_step)
         per_req = {ForwardMode.EXTEND: "extend_lens", ForwardMode.DRAFT_EXTEND: "num_accept_tokens"}
-        name = per_req.get(self.mode)
+        name = per_req.get(m)
         if name and (getattr(self, name) is None or len(getattr(self, name)) != len(self.lens)):
-            raise ValueError(f"{self.mode.name} needs {name} with one entry per request of lens {self.lens}, "
+            raise ValueError(f"{m.name} needs {name} with one entry per request of lens {self.lens}, "
                              f"got {getattr(self, name)}")
+        if m.is_target_verify() or m.is_draft_extend(include_v2=True):
+            if N < 2:
+                raise ValueError(f"num_draft_tokens N = {N}: {m.name} needs N = Sd + 1 >= 2 (the root and at "
+                                 f"least one draft token per request, SD-010)")
+        a = self.num_accept_tokens
+        if m.is_draft_extend_v2() and a is not None:
+            if len(a) != len(self.lens):
+                raise ValueError(f"num_accept_tokens has {len(a)} entries, lens {len(self.lens)}")
+            if not all(1 <= x <= N for x in a):
+                raise ValueError(f"num_accept_tokens {a}: each a = n + 1 must lie in [1, N = {N}] "
+                                 f"(num_draft_tokens)")
 
     def kv_and_q_lens(self) -> tuple[list[int], list[int]]:
         """(K_b, q_b) per request, from the mode's meaning of ``lens``."""
@@ -179,6 +237,9 @@ class Built:
 
     def graph_runner(self, capture_bs=(1, 2, 4, 8), provider=None, validate=True) -> GraphRunner:
         """A runner capturing this scenario's mode (draft decode: the one step ``draft_step``)."""
+        if self.fb.forward_mode.is_idle():
+            raise ValueError("mode IDLE (the empty batch) is not captured in a graph; run_oracle / run_fa3 "
+                             "run it eagerly ([0, H, D])")
         be = self.fa3_backend(provider, validate)
         sc = self.sc
         W = 1 if self.fb.forward_mode.is_decode() else sc.num_draft_tokens

@@ -169,9 +169,14 @@ def check_trace(trace: dict) -> None:
             bad(f"round {k}: needs aligned rids / seq_lens / num_accept_tokens")
         if len(rd["rids"]) > cfg["max_batch"]:
             bad(f"round {k}: {len(rd['rids'])} requests > max_batch {cfg['max_batch']}")
+        dup = next((rid for i, rid in enumerate(rd["rids"]) if rid in rd["rids"][:i]), None)
+        if dup is not None:
+            bad(f"duplicate rid {dup} in round {k}: rids {rd['rids']} (a request runs at most once a round)")
         for rid, L, a in zip(rd["rids"], rd["seq_lens"], rd["num_accept_tokens"]):
-            if rid not in seen or not 1 <= a <= N:
-                bad(f"round {k}: unknown rid {rid} or a = {a} outside [1, {N}]")
+            if rid not in seen:
+                bad(f"round {k}: unknown rid {rid} (the requests are rids 0..{len(reqs) - 1})")
+            if not 1 <= a <= N:
+                bad(f"round {k}: rid {rid} accepts a = {a}, outside [1, N = num_steps + 1 = {N}]")
             seen[rid].append((k, L, a))
         if not set(rd["finished"]) <= set(rd["rids"]):
             bad(f"round {k}: finished {rd['finished']} not all in the batch {rd['rids']}")
