@@ -45,7 +45,9 @@ class Finding:
     url: str | None  #: permalink at the release tag, or the local file:line
     note: str = ""  #: for an upstream exception: whether it is the page-table bound or the mode's rule
     how: str = STATIC  #: how ``where`` was found: :data:`RAN`, :data:`TRACEBACK` or :data:`STATIC`
-    via: tuple[str, int] | None = None  #: :data:`RAN` in a helper / kernel file: the backend's line that ran it
+    #: a helper / kernel line (:data:`RAN`), or an exception's line (:data:`TRACEBACK`) outside the backend's
+    #: metadata hook: the backend's line that ran it
+    via: tuple[str, int] | None = None
     via_url: str | None = None
 
     @property
@@ -87,6 +89,8 @@ class Row:
 #: ``Finding.ours`` when upstream raised or returned nothing: refspec's side of that result
 BUILT = "the metadata built"
 _AT = re.compile(r" at ((?:\S*/)?sglang/\S+?\.py):(\d+)")
+#: the backend hook's line an upstream exception's text names (``worker.describe``)
+_RUN_FROM = re.compile(r"^[^:]* at \S+?\.py:\d+ \(run from (\S+?\.py):(\d+)\)")
 
 
 def find(row: Row, target=None, executed=None) -> None:
@@ -104,7 +108,7 @@ def find(row: Row, target=None, executed=None) -> None:
             return None, STATIC, None
         w = rules.ran(target.site, executed, fld)
         if w is not None:
-            return (w[0], w[1]), RAN, (None if w[2] is None or w[0] == rules.FA else (rules.FA, w[2]))
+            return (w[0], w[1]), RAN, (None if w[2] is None else (rules.FA, w[2]))
         return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld), STATIC, None
 
     def url(w):
@@ -120,7 +124,10 @@ def find(row: Row, target=None, executed=None) -> None:
             else where(None)
         stmt = rules.statement(os.path.join(target.site, w[0]), w[1]) if m and target is not None else ""
         rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt)
-        row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how))
+        r = _RUN_FROM.search(row.error) if m else None
+        via = (rules.FA, int(r.group(2))) if r and rules.FA.endswith("/" + r.group(1).rsplit("/", 1)[-1]) else None
+        row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
+                                    via_url=url(via)))
     for d in row.undocumented:
         rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
         w, how, via = where(d.field)
