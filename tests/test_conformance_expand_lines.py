@@ -159,6 +159,42 @@ def test_a_keyword_argument_of_a_call_assigned_to_a_result_is_not_a_write(tmp_pa
     assert rules._is_write(str(path), 4, src.splitlines()[3], pat)  # the control: a real assignment is one
 
 
+def _md(K, table_rows):
+    cu = [0]
+    for k in K:
+        cu.append(cu[-1] + k)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return {"cache_seqlens_int32": i32(K), "cu_seqlens_q": i32(list(range(len(K) + 1))), "cu_seqlens_k": i32(cu),
+            "max_seq_len_q": 1, "max_seq_len_k": 0, "page_table": i32(table_rows)}
+
+
+@pytest.mark.spec("TR-014", "TR-018", "PA-003")
+@pytest.mark.parametrize("pin", ["0.5.12.post1", "0.5.23"])
+def test_a_tree_expand_width_fails_only_below_the_kernel_bound(pin):
+    """P = 2, expand K = [2, 3] (lp + s + 1): rows read ceil(2/2) = 1 and ceil(3/2) = 2 pages, the kernel
+    bound is 2 columns.  refspec's s + 2 = 3 wide buffer vs upstream's 2 (``decode_length + 1`` at s = 1):
+    a width difference at the bound, documented in every phase; upstream's 1 column drops row 1's second
+    page: PA-003 eager / CG-008 in a graph phase, never documented; a dead column that differs still fails."""
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import rows_for
+
+    prefix = _md([4, 4], [[1, 2], [3, 4]])
+    ours = {"prefix": prefix, "expand": _md([2, 3], [[7, 0, 0], [9, 10, 0]])}
+    at_bound = {"prefix": prefix, "expand": _md([2, 3], [[7, 0], [9, 10]])}
+    below = {"prefix": prefix, "expand": _md([2, 3], [[7], [9]])}
+    content = {"prefix": prefix, "expand": _md([2, 3], [[7, 5], [9, 10]])}  # row 0's dead column 1 differs
+    for phase in ("eager", "capture", "replay"):
+        job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {(phase, 1): ours})
+        (row,) = rows_for(pin, [job], {job.id: {(phase, 1): at_bound}})
+        assert row.ok and [d.documented for d in row.diffs] == ["tree-expand-table-width"], (phase, row.diffs)
+        (row,) = rows_for(pin, [job], {job.id: {(phase, 1): below}})
+        assert not row.ok and {f.rule for f in row.findings} == {"PA-003" if phase == "eager" else "CG-008"}
+        (row,) = rows_for(pin, [job], {job.id: {(phase, 1): content}})
+        assert not row.ok and [d.field for d in row.undocumented] == ["expand:page_table[dead]"]
+        # negative control: the prefix part's width entry does not reach the expand table
+        assert all(d.documented != "tree-prefix-table-width" for d in row.diffs)
+
+
 def test_an_exception_in_a_helper_also_cites_the_backend_hook_that_ran_it(tmp_path, monkeypatch):
     """worker.describe: the innermost upstream frame (the helper's scatter_) and the innermost backend hook's
     line (``init_forward_metadata*``) that was running it; the finding carries that line as ``via``."""

@@ -159,6 +159,17 @@ KNOWN: tuple[Known, ...] = (
           "upstream's *_topk_normal page_table buffers are max_context_len columns wide (a page count "
           "only for P = 1) and replay copies the pages of max_context_len; columns at or past "
           "ceil(K_b / P) are never read (PA-007)"),
+    Known("tree-expand-table-width", ("expand:page_table[dead]",), ("tree_draft_decode",),
+          ("eager", "capture", "replay"), BOTH,
+          (("0.5.23", FA, 1350), ("0.5.23", FA, 2531), ("0.5.12.post1", FA, 592), ("0.5.12.post1", FA, 1452)),
+          "a draft expand table of S columns eager (TR-014) and s + 2 in the graph buffer (TR-018), the unique pages "
+          "of the row's lp + s + 1 keys in its first columns",
+          "upstream's expand table has its own width (S columns eager, decode_length + 1 in the graph buffer at "
+          "these releases; ceil(decode_length / P) eager and decode_length in the buffer before sglang#15469); the "
+          "kernel reads ceil(K_b / P) pages of a row, so while upstream's table has at least the kernel bound "
+          "ceil(max_b K_b / P) columns every live page is in both and the rest are never read (PA-007); below the "
+          "bound it is PA-003 / CG-008, never this entry",
+          at_bound=True),
     Known("tree-capture-contents", ("prefix:cache_seqlens_int32", "prefix:cu_seqlens_k", "expand:cache_seqlens_int32",
                                     "expand:cu_seqlens_k"), _TREE, ("capture",), BOTH,
           (("0.5.23", FA, 669), ("0.5.23", FA, 678), ("0.5.23", FA, 2761), ("0.5.23", FA, 2845),
