@@ -225,3 +225,34 @@ def test_an_exception_in_a_helper_also_cites_the_backend_hook_that_ran_it(tmp_pa
     with pytest.raises(AttributeError) as e2:
         be.init_forward_metadata_replay_cuda_graph(fb, cache_loc, None)
     assert "run from" not in worker.describe(e2.value)
+
+
+@pytest.mark.spec("TR-018")
+def test_a_failure_like_a_known_bug_on_other_code_says_so_and_still_fails():
+    """draft-expand-unsliced-scatter (known.BUGS) is recognised only at its pins; on other code (a PR tree) a
+    row with its error, or its dead-column field in the draft-decode replay, carries the hint naming the PR
+    that introduced it and the one that fixed it (sglang#15469, sglang#27360) and stays a failure."""
+    from refspec.conformance import known, report
+    from refspec.conformance.cases import Job
+    from refspec.conformance.run import rows_for
+
+    b = known.by_key("draft-expand-unsliced-scatter")
+    assert (b.introduced, b.fixed_by) == (15469, 27360)
+    prefix = _md([4, 4], [[1, 2], [3, 4]])
+    ours = {"prefix": prefix, "expand": _md([2, 3], [[7, 0, 0], [9, 10, 0]])}
+    theirs = {"prefix": prefix, "expand": _md([2, 3], [[7, 8, 0], [9, 10, 11]])}  # extra pages in dead columns
+    err = ("RuntimeError at sglang/srt/layers/attention/flashattention_backend.py:2501 (run from "
+           "flashattention_backend.py:1852): index 2 is out of bounds for dimension 1 with size 2")
+    for phase, got, hinted in (("replay", theirs, True), ("replay", err, True), ("eager", theirs, False)):
+        job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {(phase, 0): ours})
+        (row,) = rows_for("@ /src/pr", [job], {job.id: {(phase, 0): got}})
+        assert not row.ok and row.bug is None
+        assert (row.like == b.key) == hinted, (phase, row.like)
+        line = report.finding_line(row, row.findings[0])
+        want = "matches known upstream bug draft-expand-unsliced-scatter (introduced by sglang#15469, fixed by " \
+               "sglang#27360); still a failure here"
+        assert (want in line) == hinted, line
+    # at its pin the bug itself is named (and suppresses), not the hint
+    job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {("replay", 0): ours})
+    (row,) = rows_for("0.5.12.post1", [job], {job.id: {("replay", 0): err}})
+    assert row.bug == b.key and row.like is None

@@ -71,6 +71,9 @@ class Row:
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
     findings: list[Finding] = field(default_factory=list)  #: one per undocumented diff / the error (:func:`find`)
     bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
+    #: a known upstream bug (``known.BUGS`` key) this failing row resembles on code it is not recognised on
+    #: (:func:`known.resembles`): said on the row, the row still fails
+    like: str | None = None
 
     @property
     def label(self) -> str:
@@ -138,7 +141,9 @@ def find(row: Row, target=None, executed=None) -> None:
 def _cell(rows: list[Row]) -> str:
     ids = rules.by_cause({f.rule for r in rows for f in r.findings})
     bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
-    tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}]" if ids else ""
+    likes = sorted({r.like for r in rows if not r.ok and r.like and not r.bug})
+    tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}" \
+          f"{''.join(', matches known upstream bug ' + b for b in likes)}]" if ids else ""
     if any(r.error for r in rows):
         return "ERROR" + tag
     bad = sorted({d.field for r in rows for d in r.undocumented})
@@ -156,7 +161,8 @@ def finding_line(r: Row, f: Finding) -> str:
     at = f" (upstream {f.where[0]}:{f.where[1]}{via}{', ' + HOW[f.how] if HOW[f.how] else ''})" if f.where else ""
     if f.rule == ADAPTER:
         return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
-    bug = f" [{by_key(r.bug).marker}]" if r.bug else ""
+    bug = f" [{by_key(r.bug).marker}]" if r.bug else (f" [{by_key(r.like).hint}; still a failure here]"
+                                                       if r.like else "")
     if f.field is None:
         return f"  ERROR {where}: {f.rule} ({f.level}): {f.note or 'upstream exception'}: {f.theirs}{at}{bug}"
     return f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}{at}{bug}"
@@ -303,7 +309,8 @@ def _rules_md(mine: list[Row], base: str) -> list[str]:
         at = _at(f.where, f.url) if f.where or f.url else "unknown"
         at += f", run from {_at(f.via, f.via_url)}" if f.via else ""
         at += f" ({HOW[f.how]})" if f.where and HOW[f.how] else ""
-        bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
+        bug = f" [{_bug_link(r.bug)}]" if r.bug else (f" [{_hint_link(r.like)}; still a failure here]" if r.like
+                                                       else "")
         like = f" ({len(items)} findings like it)" if len(items) > 1 else ""
         step = "" if r.step is None else f" step {r.step}"
         if f.field is None:
@@ -334,6 +341,14 @@ def _at(where: tuple[str, int] | None, url: str | None) -> str:
     if where and url and url.startswith("http"):
         return f"[`{where[0]}:{where[1]}`]({url})"
     return f"`{url}`" if url else "unknown"
+
+
+def _hint_link(key: str) -> str:
+    """``matches known upstream bug `X` (introduced by [sglang#15469](...), fixed by [sglang#27360](...))``."""
+    b = by_key(key)
+    hist = ", ".join(f"{w} by [sglang#{n}](https://github.com/sgl-project/sglang/pull/{n})"
+                     for w, n in (("introduced", b.introduced), ("fixed", b.fixed_by)) if n)
+    return f"matches known upstream bug `{b.key}`" + (f" ({hist})" if hist else "")
 
 
 def _bug_link(key: str) -> str:
