@@ -256,3 +256,37 @@ def test_a_failure_like_a_known_bug_on_other_code_says_so_and_still_fails():
     job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {("replay", 0): ours})
     (row,) = rows_for("0.5.12.post1", [job], {job.id: {("replay", 0): err}})
     assert row.bug == b.key and row.like is None
+
+
+def test_a_review_collapses_fixed_rows_by_rule_mode_and_phase_and_keeps_new_failures_on_top():
+    """report.review_markdown: 2 P x 2 k x 2 steps fixed rows of one rule become one table row listing
+    P, the cases and the steps; every group is still listed inside a <details> block; the new failure is
+    in the first table, before anything collapsed."""
+    from refspec.conformance import report
+    from refspec.conformance.compare import Diff
+
+    def row(pin, P, k, step, phase="capture", diffs=()):
+        r = report.Row(pin, f"tree_draft_decode/k{k}/P{P}", "tree_draft_decode", P, f"k{k}", phase, step, list(diffs))
+        report.find(r)
+        return r
+
+    bad = Diff("expand:page_table[dead]", "width 2, rows differing [0]", "width 2")
+    base, test = [], []
+    for P in (1, 4):
+        for k in (2, 4):
+            for s in (0, 1):
+                base.append(row("b", P, k, s, diffs=[bad]))
+                test.append(row("t", P, k, s))
+    base.append(row("b", 2, 2, 0, "replay"))
+    test.append(row("t", 2, 2, 0, "replay", [bad]))
+    chs = report.changes(base, test)
+    assert sum(c.status == report.FIXED for c in chs) == 8
+    rev = NS(changes=chs, test=NS(targets={"t": None}, rows=test, unreachable=[]),
+             baseline=NS(targets={"b": None}, rows=base, unreachable=[]), not_on_baseline=None)
+    md = report.review_markdown(rev)
+    head, rest = md.split("Other changes", 1)
+    assert "| new failure | tree_draft_decode k2 s=0 | 2 | replay | 1 |" in head and "| fixed |" not in head
+    collapsed = [x for x in rest.split("<details>")[0].splitlines() if x.startswith("| fixed |")]
+    assert collapsed == ["| fixed | tree_draft_decode | capture | TR-018 (baseline) | 1, 4 | k2, k4 | 0, 1 | 8 |"]
+    full = rest.split("<details><summary>Every other changed group")[1].split("</details>")[0]
+    assert sum(x.startswith("| fixed |") for x in full.splitlines()) == 8  # every group, collapsed away

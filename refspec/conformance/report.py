@@ -571,6 +571,31 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12, las
     return "\n".join(lines)
 
 
+def _steps(rows: list[Row]) -> str:
+    steps = sorted({r.step for r in rows if r.step is not None})
+    return ", ".join(map(str, steps)) if steps else "-"
+
+
+def collapsed_changes(groups: dict[tuple, list[Change]]) -> list[str]:
+    """The changed groups that are not new failures (fixed, new and agreeing, only on the baseline),
+    one table row per (change, mode, phase, rules): the page sizes, cases (the tree's k, S) and draft
+    steps it covers listed in one cell each, so a PR that fixes a hundred rows reads as a few lines
+    (``review_markdown`` lists every group after it, collapsed)."""
+    merged: dict[tuple, list[Change]] = defaultdict(list)
+    for (status, _label, _P, phase), cs in groups.items():
+        rows = [c.base if status in (FIXED, GONE) else c.row for c in cs]
+        ids = ",".join(rules.by_cause({f.rule for r in rows for f in r.findings})) or "-"
+        merged[(status, cs[0].row.mode, phase, ids)].extend(cs)
+    out = ["| change | mode | phase | rules | P | cases | steps | results |", "|---|---|---|---|---|---|---|---|"]
+    for (status, mode, phase, ids), cs in merged.items():
+        rows = [c.row for c in cs]
+        ps = ", ".join(map(str, sorted({r.page_size for r in rows})))
+        shapes = ", ".join(sorted({r.shape for r in rows}))
+        where = " (baseline)" if status in (FIXED, GONE) and ids != "-" else ""
+        out.append(f"| {status} | {mode} | {phase} | {ids}{where} | {ps} | {shapes} | {_steps(rows)} | {len(cs)} |")
+    return out
+
+
 def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     """The review comment of a ``--baseline`` run (``rev``: :class:`refspec.conformance.run.Review`):
     first what this PR changes (the counts, the changed groups, the rules and findings of the new
@@ -586,9 +611,11 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     last = getattr(rev, "not_on_baseline", None)
     lines += [x + "." for x in absent_lines(last)] + ([""] if last else [])
     groups = _change_groups(chs, last=last)
-    if groups:
+    top = {k: cs for k, cs in groups.items() if k[0] in (NEW_FAILURE, NEW_DIFFERS)}
+    rest = {k: cs for k, cs in groups.items() if k not in top}
+    if top:
         lines += ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
-        for (status, label, P, phase), cs in groups.items():
+        for (status, label, P, phase), cs in top.items():
             lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
         lines.append("")
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
@@ -597,6 +624,14 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     pre = pre_existing_line(chs)
     if pre:
         lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]
+    if rest:
+        lines += ["Other changes (each row one change, mode, phase and rule set; every group in the block "
+                  "below):", ""] + collapsed_changes(rest) + [""]
+        lines += [f"<details><summary>Every other changed group ({len(rest)})</summary>", "",
+                  "| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
+        for (status, label, P, phase), cs in rest.items():
+            lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
+        lines += ["", "</details>", ""]
     lines += unreachable_md(rev.test)
     lines += ["<details><summary>Both full comparisons</summary>", ""]
     for out in (rev.test, rev.baseline):
