@@ -290,3 +290,30 @@ def test_a_review_collapses_fixed_rows_by_rule_mode_and_phase_and_keeps_new_fail
     assert collapsed == ["| fixed | tree_draft_decode | capture | TR-018 (baseline) | 1, 4 | k2, k4 | 0, 1 | 8 |"]
     full = rest.split("<details><summary>Every other changed group")[1].split("</details>")[0]
     assert sum(x.startswith("| fixed |") for x in full.splitlines()) == 8  # every group, collapsed away
+
+
+@pytest.mark.spec("PA-011")
+def test_a_live_page_id_outside_the_pool_is_pa_011_before_the_modes_rule():
+    """PA-011: the page ids of the rows the kernel reads lie in [0, num_pages).  0.5.6.post2's tree
+    draft-decode replay hands padded rows page id -1: PA-011 (kernel contract), not TR-018; a wrong id
+    inside the pool (the negative control) stays the mode's rule."""
+    from refspec.conformance import report
+    from refspec.conformance.cases import Job
+    from refspec.conformance.compare import compare
+    from refspec.conformance.run import rows_for
+
+    ours = _md([1, 1], [[7], [0]])  # row 1: a padded row, slot 0
+    (d,) = compare(ours, _md([1, 1], [[7], [-1]]), page_size=2)
+    assert (d.field, d.out_of_pool, d.theirs) == ("page_table[live]", True, "row 1: [-1]")
+    (d,) = compare(ours, _md([1, 1], [[7], [5]]), page_size=2)
+    assert not d.out_of_pool
+    (d,) = compare(ours, _md([1, 1], [[7], [5]]), page_size=2, num_pages=5)  # 5 is past a 5-page pool
+    assert d.out_of_pool
+    prefix = _md([4, 4], [[1, 2], [3, 4]])
+    for theirs, rule in ((-1, "PA-011"), (5, "TR-018")):
+        job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {},
+                  {("replay", 0): {"prefix": prefix, "expand": ours}})
+        got = {"prefix": prefix, "expand": _md([1, 1], [[7], [theirs]])}
+        (row,) = rows_for("@ x", [job], {job.id: {("replay", 0): got}})
+        assert [f.rule for f in row.findings] == [rule]
+    assert report.rules.by_cause({"TR-018", "PA-011"}) == ["PA-011", "TR-018"]

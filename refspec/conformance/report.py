@@ -132,7 +132,7 @@ def find(row: Row, target=None, executed=None) -> None:
         row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
                                     via_url=url(via)))
     for d in row.undocumented:
-        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
+        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool)
         w, how, via = where(d.field)
         row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w), how=how, via=via,
                                     via_url=url(via)))

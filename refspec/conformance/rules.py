@@ -33,14 +33,18 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
 
 
-def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False) -> str:
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
     defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID), for
     ``page_table[live]`` and for the ``page_table[dead]`` width below the kernel bound alike (the
-    same table, so the same rule on any code, whether or not a known bug names the row)."""
+    same table, so the same rule on any code, whether or not a known bug names the row).
+    ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
+    (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if out_of_pool and base_field(field or "") == "page_table[live]":
+        return "PA-011"
     if mode.startswith("tree_"):
         part, _, f = (field or "").rpartition(":")
         if part == "tree":
@@ -463,7 +467,7 @@ def link(target, rel: str, line: int) -> str:
 #: field (the tree rules, CG-002), by ID; last the kernel's page-table bound (PA-003 / CG-008: a
 #: table too narrow for the K_b it is read with)
 CAUSE_ORDER = (("MD-003", "MD-008", "MD-010", "MD-011"), ("MD-002", "MD-009", "CG-003", "CG-004"), ("MD-006",),
-               ("CG-006", "PA-010"), ("PA-002",), ("MD-007",), None, ("PA-003", "CG-008"))
+               ("CG-006", "PA-010"), ("PA-011", "PA-002"), ("MD-007",), None, ("PA-003", "CG-008"))
 
 
 def cause_rank(rule: str) -> tuple[int, str]:
