@@ -126,7 +126,8 @@ def test_a_difference_on_both_is_pre_existing_and_does_not_fail(trees, tmp_path,
     assert "Pre-existing: 1 result fails on the baseline too [MD-006]; they do not fail this run (not this change)." \
            in md.split("<details>")[0]
     # both sides' full comparison still shows it, in the collapsed block
-    assert md.split("<details>")[1].count("- **MD-006** (upstream behaviour), verify P = 16 replay") == 2
+    full = md.split("<details><summary>Both full comparisons")[1]
+    assert full.count("- **MD-006** (upstream behaviour), verify P = 16 replay") == 2
 
 
 def test_failing_on_both_by_one_more_rule_is_a_new_failure(trees, tmp_path, capsys):

@@ -54,6 +54,9 @@ class Diff:
     short_table: bool = False  #: upstream's page table has fewer than ceil(K_b / P) columns (PA-003)
     width_only: bool = False  #: page_table[dead]: the tables differ in width only (shared dead columns agree)
     truncated: bool = False  #: page_table[live]: each differing row lacks only pages past upstream's width
+    #: page_table[live]: a page id upstream hands the kernel in a row it reads is outside the pool ([0, num_pages):
+    #: negative, e.g. a padded row's -1, or at / past ``num_pages`` when it is known): PA-011
+    out_of_pool: bool = False
 
 
 def _show(x) -> str:
@@ -76,8 +79,12 @@ def live_pages(k: int, page_size: int) -> int:
 MISSING = "missing"  #: the printed value of a field one side did not return
 
 
-def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
+def compare(ours: dict, theirs: dict, page_size: int, num_pages: int | None = None) -> list[Diff]:
     """The raw differences (``documented`` unset) between two field dicts.
+
+    ``num_pages``: the pool's page count, where known; a live page id of upstream's outside
+    ``[0, num_pages)`` (below 0 alone when it is None) sets ``out_of_pool`` on the
+    ``page_table[live]`` diff (PA-011: the kernel dereferences it).
 
     Rows: the batch size is refspec's ``cache_seqlens`` length; upstream tensors may be longer
     (graph buffers) and are cut to it, never padded.  A field that one side does not return (no
@@ -118,8 +125,18 @@ def compare(ours: dict, theirs: dict, page_size: int) -> list[Diff]:
             return b.shape[0] > x and n < live_pages(ours["cache_seqlens_int32"][x], page_size) and \
                 _vec(a[x, :n], n) == _vec(b[x, :n], n)
 
+        def outside(x):  # a page id of row x the kernel reads that is not a page of the pool
+            n = min(live_pages(ours["cache_seqlens_int32"][x], page_size), b.shape[1])
+            ids = _vec(b[x, :n], n) if b.shape[0] > x else []
+            return any(v < 0 or (num_pages is not None and v >= num_pages) for v in ids)
+
+        bad_ids = [x for x in live_bad if outside(x)]
+        if bad_ids:  # show a row with an id outside the pool first
+            r = bad_ids[0]
+            m = live_pages(ours["cache_seqlens_int32"][r], page_size)
+            theirs_row = _show(b[r, :m]) + (f" ({b.shape[1]} columns < {m} live pages)" if b.shape[1] < m else "")
         diffs.append(Diff("page_table[live]", f"row {r}: {_show(a[r, :m])}", f"row {r}: {theirs_row}",
-                          short_table=short, truncated=all(cut(x) for x in live_bad)))
+                          short_table=short, truncated=all(cut(x) for x in live_bad), out_of_pool=bool(bad_ids)))
     if dead_bad or a.shape[1] != b.shape[1]:
         diffs.append(Diff("page_table[dead]", f"width {a.shape[1]}, rows differing {dead_bad}",
                           f"width {b.shape[1]}" + (f" (< {bound} pages, the kernel bound)" if b.shape[1] < bound

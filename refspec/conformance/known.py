@@ -159,6 +159,17 @@ KNOWN: tuple[Known, ...] = (
           "upstream's *_topk_normal page_table buffers are max_context_len columns wide (a page count "
           "only for P = 1) and replay copies the pages of max_context_len; columns at or past "
           "ceil(K_b / P) are never read (PA-007)"),
+    Known("tree-expand-table-width", ("expand:page_table[dead]",), ("tree_draft_decode",),
+          ("eager", "capture", "replay"), BOTH,
+          (("0.5.23", FA, 1350), ("0.5.23", FA, 2531), ("0.5.12.post1", FA, 592), ("0.5.12.post1", FA, 1452)),
+          "a draft expand table of S columns eager (TR-014) and s + 2 in the graph buffer (TR-018), the unique pages "
+          "of the row's lp + s + 1 keys in its first columns",
+          "upstream's expand table has its own width (S columns eager, decode_length + 1 in the graph buffer at "
+          "these releases; ceil(decode_length / P) eager and decode_length in the buffer before sglang#15469); the "
+          "kernel reads ceil(K_b / P) pages of a row, so while upstream's table has at least the kernel bound "
+          "ceil(max_b K_b / P) columns every live page is in both and the rest are never read (PA-007); below the "
+          "bound it is PA-003 / CG-008, never this entry",
+          at_bound=True),
     Known("tree-capture-contents", ("prefix:cache_seqlens_int32", "prefix:cu_seqlens_k", "expand:cache_seqlens_int32",
                                     "expand:cu_seqlens_k"), _TREE, ("capture",), BOTH,
           (("0.5.23", FA, 669), ("0.5.23", FA, 678), ("0.5.23", FA, 2761), ("0.5.23", FA, 2845),
@@ -228,6 +239,8 @@ class Bug:
     #: (mode, phase) pairs recognised besides ``modes`` x ``phases`` (the wall's eager draft extend v2
     #: without CPU mirrors: :func:`refspec.conformance.cases.without_mirrors`)
     also_at: tuple[tuple[str, str], ...] = ()
+    introduced: int | None = None  #: the sglang PR that introduced it, where known (sglang/pull/N)
+    fixed_by: int | None = None  #: the sglang PR that fixed it, where merged
 
     @property
     def signature(self) -> bool:
@@ -248,6 +261,18 @@ class Bug:
     def marker(self) -> str:
         """``known upstream bug context-wall-page-table (sglang#35985)``: what a report prints on its rows."""
         return f"known upstream bug {self.key}" + (f" ({self.ref})" if self.issue else "")
+
+    @property
+    def history(self) -> str:
+        """``introduced by sglang#15469, fixed by sglang#27360`` ('' when neither is known)."""
+        return ", ".join(f"{w} by sglang#{n}" for w, n in (("introduced", self.introduced), ("fixed", self.fixed_by))
+                         if n)
+
+    @property
+    def hint(self) -> str:
+        """What a failing row that only *looks like* this bug says (code other than ``pins``, no signature):
+        ``matches known upstream bug X (introduced by sglang#15469, fixed by sglang#27360)``."""
+        return f"matches known upstream bug {self.key}" + (f" ({self.history})" if self.history else "")
 
     def matches(self, code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
                 short: bool = False) -> bool:
@@ -296,7 +321,9 @@ BUGS: tuple[Bug, ...] = (
         "the top-k > 1 draft-decode replay feeds the whole num_steps-wide cache_loc row to the unique-pages "
         "scatter into the decode_length + 1 wide expand table: with few distinct pages (S = 3) the extra pages "
         "land in dead columns; once a branch spans more pages than that (num_steps = 6, P = 2) the scatter "
-        "raises 'index 2 is out of bounds' (the #25077 family)", issue=27360),
+        "raises 'index 2 is out of bounds' (the #25077 family); #15469 (v0.5.7) introduced it: its new helper "
+        "draft_decode_set_expand_metadata takes the whole cache_loc row where the code before it sliced "
+        "cache_loc[:, :decode_length]", issue=27360, introduced=15469, fixed_by=27360),
     Bug("draft-extend-v2-double-count", "MD-008", ("MD-003",), (DE_V2_DOUBLE_COUNT,), ("draft_extend_v2",),
         ("eager", "replay"), ("cache_seqlens_int32", "cu_seqlens_k", "max_seq_len_k", "page_table[dead]"), "",
         (),
@@ -313,6 +340,17 @@ def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | 
     ``short``: a differing page table is below the kernel bound, lacking only live pages
     (:meth:`Bug.matches`, :func:`below_bound`)."""
     return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error, short)), None)
+
+
+def resembles(code: str, mode: str, phase: str, undocumented: list[str], error: str | None,
+              short: bool = False) -> Bug | None:
+    """A known upstream bug without a signature that a failing row of ``code`` (not one of the bug's
+    ``pins``) shows the fields or error of: a hint for the reviewer (:attr:`Bug.hint`), which never
+    suppresses the failure; None when :func:`bug` already names one, or none matches."""
+    if bug(code, mode, phase, undocumented, error, short) is not None:
+        return None
+    return next((b for b in BUGS if not b.signature and code not in b.pins and
+                 b.matches(b.pins[0], mode, phase, undocumented, error, short)), None)
 
 
 def below_bound(diffs) -> bool:

@@ -21,7 +21,8 @@ import os
 import sys
 
 #: the key under which a result's fields dict carries its executed lines: ``((file, line, via), ...)``,
-#: ``via`` the backend file's line (:data:`FA`) running at the time, for a line of another file
+#: ``via`` the backend file's line (:data:`FA`) running at the time, for a line of another file or of a
+#: module-level helper function of the backend file (``draft_decode_set_expand_metadata``)
 EXECUTED = "executed_lines"
 FA = "sglang/srt/layers/attention/flashattention_backend.py"
 _active: Tracer | None = None
@@ -51,7 +52,9 @@ class Tracer:
         if rel is None:
             return None
         via = None
-        if rel != FA:  # a helper or kernel: the backend's line that (through calls) ran it
+        # a helper or kernel (another file, or a module-level function of the backend's own file):
+        # the backend's line that (through calls) ran it
+        if rel != FA or "." not in getattr(frame.f_code, "co_qualname", "."):
             f = frame.f_back
             while f is not None and self._file(f.f_code.co_filename) != FA:
                 f = f.f_back

@@ -45,7 +45,9 @@ class Finding:
     url: str | None  #: permalink at the release tag, or the local file:line
     note: str = ""  #: for an upstream exception: whether it is the page-table bound or the mode's rule
     how: str = STATIC  #: how ``where`` was found: :data:`RAN`, :data:`TRACEBACK` or :data:`STATIC`
-    via: tuple[str, int] | None = None  #: :data:`RAN` in a helper / kernel file: the backend's line that ran it
+    #: a helper / kernel line (:data:`RAN`), or an exception's line (:data:`TRACEBACK`) outside the backend's
+    #: metadata hook: the backend's line that ran it
+    via: tuple[str, int] | None = None
     via_url: str | None = None
 
     @property
@@ -69,6 +71,9 @@ class Row:
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
     findings: list[Finding] = field(default_factory=list)  #: one per undocumented diff / the error (:func:`find`)
     bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
+    #: a known upstream bug (``known.BUGS`` key) this failing row resembles on code it is not recognised on
+    #: (:func:`known.resembles`): said on the row, the row still fails
+    like: str | None = None
 
     @property
     def label(self) -> str:
@@ -87,6 +92,8 @@ class Row:
 #: ``Finding.ours`` when upstream raised or returned nothing: refspec's side of that result
 BUILT = "the metadata built"
 _AT = re.compile(r" at ((?:\S*/)?sglang/\S+?\.py):(\d+)")
+#: the backend hook's line an upstream exception's text names (``worker.describe``)
+_RUN_FROM = re.compile(r"^[^:]* at \S+?\.py:\d+ \(run from (\S+?\.py):(\d+)\)")
 
 
 def find(row: Row, target=None, executed=None) -> None:
@@ -104,7 +111,7 @@ def find(row: Row, target=None, executed=None) -> None:
             return None, STATIC, None
         w = rules.ran(target.site, executed, fld)
         if w is not None:
-            return (w[0], w[1]), RAN, (None if w[2] is None or w[0] == rules.FA else (rules.FA, w[2]))
+            return (w[0], w[1]), RAN, (None if w[2] is None else (rules.FA, w[2]))
         return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld), STATIC, None
 
     def url(w):
@@ -120,9 +127,12 @@ def find(row: Row, target=None, executed=None) -> None:
             else where(None)
         stmt = rules.statement(os.path.join(target.site, w[0]), w[1]) if m and target is not None else ""
         rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt)
-        row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how))
+        r = _RUN_FROM.search(row.error) if m else None
+        via = (rules.FA, int(r.group(2))) if r and rules.FA.endswith("/" + r.group(1).rsplit("/", 1)[-1]) else None
+        row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
+                                    via_url=url(via)))
     for d in row.undocumented:
-        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table)
+        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool)
         w, how, via = where(d.field)
         row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w), how=how, via=via,
                                     via_url=url(via)))
@@ -131,7 +141,9 @@ def find(row: Row, target=None, executed=None) -> None:
 def _cell(rows: list[Row]) -> str:
     ids = rules.by_cause({f.rule for r in rows for f in r.findings})
     bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
-    tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}]" if ids else ""
+    likes = sorted({r.like for r in rows if not r.ok and r.like and not r.bug})
+    tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}" \
+          f"{''.join(', matches known upstream bug ' + b for b in likes)}]" if ids else ""
     if any(r.error for r in rows):
         return "ERROR" + tag
     bad = sorted({d.field for r in rows for d in r.undocumented})
@@ -149,7 +161,8 @@ def finding_line(r: Row, f: Finding) -> str:
     at = f" (upstream {f.where[0]}:{f.where[1]}{via}{', ' + HOW[f.how] if HOW[f.how] else ''})" if f.where else ""
     if f.rule == ADAPTER:
         return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
-    bug = f" [{by_key(r.bug).marker}]" if r.bug else ""
+    bug = f" [{by_key(r.bug).marker}]" if r.bug else (f" [{by_key(r.like).hint}; still a failure here]"
+                                                       if r.like else "")
     if f.field is None:
         return f"  ERROR {where}: {f.rule} ({f.level}): {f.note or 'upstream exception'}: {f.theirs}{at}{bug}"
     return f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}{at}{bug}"
@@ -296,7 +309,8 @@ def _rules_md(mine: list[Row], base: str) -> list[str]:
         at = _at(f.where, f.url) if f.where or f.url else "unknown"
         at += f", run from {_at(f.via, f.via_url)}" if f.via else ""
         at += f" ({HOW[f.how]})" if f.where and HOW[f.how] else ""
-        bug = f" [{_bug_link(r.bug)}]" if r.bug else ""
+        bug = f" [{_bug_link(r.bug)}]" if r.bug else (f" [{_hint_link(r.like)}; still a failure here]" if r.like
+                                                       else "")
         like = f" ({len(items)} findings like it)" if len(items) > 1 else ""
         step = "" if r.step is None else f" step {r.step}"
         if f.field is None:
@@ -327,6 +341,14 @@ def _at(where: tuple[str, int] | None, url: str | None) -> str:
     if where and url and url.startswith("http"):
         return f"[`{where[0]}:{where[1]}`]({url})"
     return f"`{url}`" if url else "unknown"
+
+
+def _hint_link(key: str) -> str:
+    """``matches known upstream bug `X` (introduced by [sglang#15469](...), fixed by [sglang#27360](...))``."""
+    b = by_key(key)
+    hist = ", ".join(f"{w} by [sglang#{n}](https://github.com/sgl-project/sglang/pull/{n})"
+                     for w, n in (("introduced", b.introduced), ("fixed", b.fixed_by)) if n)
+    return f"matches known upstream bug `{b.key}`" + (f" ({hist})" if hist else "")
 
 
 def _bug_link(key: str) -> str:
@@ -549,6 +571,31 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12, las
     return "\n".join(lines)
 
 
+def _steps(rows: list[Row]) -> str:
+    steps = sorted({r.step for r in rows if r.step is not None})
+    return ", ".join(map(str, steps)) if steps else "-"
+
+
+def collapsed_changes(groups: dict[tuple, list[Change]]) -> list[str]:
+    """The changed groups that are not new failures (fixed, new and agreeing, only on the baseline),
+    one table row per (change, mode, phase, rules): the page sizes, cases (the tree's k, S) and draft
+    steps it covers listed in one cell each, so a PR that fixes a hundred rows reads as a few lines
+    (``review_markdown`` lists every group after it, collapsed)."""
+    merged: dict[tuple, list[Change]] = defaultdict(list)
+    for (status, _label, _P, phase), cs in groups.items():
+        rows = [c.base if status in (FIXED, GONE) else c.row for c in cs]
+        ids = ",".join(rules.by_cause({f.rule for r in rows for f in r.findings})) or "-"
+        merged[(status, cs[0].row.mode, phase, ids)].extend(cs)
+    out = ["| change | mode | phase | rules | P | cases | steps | results |", "|---|---|---|---|---|---|---|---|"]
+    for (status, mode, phase, ids), cs in merged.items():
+        rows = [c.row for c in cs]
+        ps = ", ".join(map(str, sorted({r.page_size for r in rows})))
+        shapes = ", ".join(sorted({r.shape for r in rows}))
+        where = " (baseline)" if status in (FIXED, GONE) and ids != "-" else ""
+        out.append(f"| {status} | {mode} | {phase} | {ids}{where} | {ps} | {shapes} | {_steps(rows)} | {len(cs)} |")
+    return out
+
+
 def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     """The review comment of a ``--baseline`` run (``rev``: :class:`refspec.conformance.run.Review`):
     first what this PR changes (the counts, the changed groups, the rules and findings of the new
@@ -564,9 +611,11 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     last = getattr(rev, "not_on_baseline", None)
     lines += [x + "." for x in absent_lines(last)] + ([""] if last else [])
     groups = _change_groups(chs, last=last)
-    if groups:
+    top = {k: cs for k, cs in groups.items() if k[0] in (NEW_FAILURE, NEW_DIFFERS)}
+    rest = {k: cs for k, cs in groups.items() if k not in top}
+    if top:
         lines += ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
-        for (status, label, P, phase), cs in groups.items():
+        for (status, label, P, phase), cs in top.items():
             lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
         lines.append("")
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
@@ -575,6 +624,14 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     pre = pre_existing_line(chs)
     if pre:
         lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]
+    if rest:
+        lines += ["Other changes (each row one change, mode, phase and rule set; every group in the block "
+                  "below):", ""] + collapsed_changes(rest) + [""]
+        lines += [f"<details><summary>Every other changed group ({len(rest)})</summary>", "",
+                  "| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
+        for (status, label, P, phase), cs in rest.items():
+            lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
+        lines += ["", "</details>", ""]
     lines += unreachable_md(rev.test)
     lines += ["<details><summary>Both full comparisons</summary>", ""]
     for out in (rev.test, rev.baseline):

@@ -33,14 +33,18 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
 
 
-def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False) -> str:
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
     defect, one level; the known upstream bug ``context-wall-page-table`` names the same ID), for
     ``page_table[live]`` and for the ``page_table[dead]`` width below the kernel bound alike (the
-    same table, so the same rule on any code, whether or not a known bug names the row)."""
+    same table, so the same rule on any code, whether or not a known bug names the row).
+    ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
+    (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if out_of_pool and base_field(field or "") == "page_table[live]":
+        return "PA-011"
     if mode.startswith("tree_"):
         part, _, f = (field or "").rpartition(":")
         if part == "tree":
@@ -175,37 +179,175 @@ def _lines(path: str) -> tuple[str, ...]:
         return tuple(f.read().splitlines())
 
 
-def _writes(name: str, expand: bool) -> re.Pattern:
-    """A line that writes ``name`` (``name`` and a suffix such as ``_int32`` / ``_ptr``, not a
-    ``..._stride_0`` local): an assignment, ``.copy_(`` / ``.fill_(``, ``+=`` / ``-=``, or a
-    Triton ``tl.store(name ...``; ``expand``: only ``metadata_expand.name``, else never it."""
-    obj = r"metadata_expand\." if expand else r"(?<!metadata_expand\.)"
-    return re.compile(rf"{obj}\b{name}(?!\w*stride)\w*\b(\[[^\]]*\])?\s*(=(?!=)|\.copy_\(|\.fill_\(|\+=|-=)"
-                      rf"|tl\.store\(\s*{name}(?!\w*stride)")
+#: the in-place tensor methods that write their receiver (``x[...].scatter_(...)`` writes x)
+INPLACE = ("copy_", "fill_", "scatter_", "scatter_add_", "index_copy_", "index_fill_", "index_put_", "masked_fill_",
+           "masked_scatter_", "zero_")
+#: one index ``[...]``, brackets nested one deep (``[: cache_loc.shape[0]]``)
+_IDX = r"(?:\[(?:[^\[\]]|\[[^\[\]]*\])*\])"
 
 
-def _field_pattern(field: str | None) -> re.Pattern | None:
+class _Writes:
+    """Where a line writes ``name`` (``name`` and a suffix such as ``_int32`` / ``_ptr``, not a
+    ``..._stride_0`` local): an assignment (``=``, ``+=``, ``-=``), an in-place method of it
+    (:data:`INPLACE`, after any index: ``x[: a.shape[0]].copy_(``), or a Triton ``tl.store(name``.
+    Each match carries its *owner*, the attribute or name right before ``.name`` (None for a bare
+    name: a local, or a helper's parameter); an owner whose name holds ``expand``
+    (``metadata_expand``, ``self.forward_metadata_spec_decode_expand``,
+    ``self.draft_decode_metadata_topk_expand[bs]``) writes the top-k > 1 expand part, any other
+    owner the prefix / flat metadata.  A bare name is resolved by :func:`_bare_expand`."""
+
+    def __init__(self, name: str, expand: bool):
+        self.name, self.expand = name, expand
+        self.rx = re.compile(rf"(?:\b(?P<owner>\w+){_IDX}?\.|(?<![\w.])){name}(?!\w*stride)\w*\b{_IDX}*"
+                             rf"\s*(?P<op>=(?!=)|\.(?:{'|'.join(INPLACE)})\(|\+=|-=)"
+                             rf"|(?P<store>tl\.store\(\s*{name}(?!\w*stride))")
+
+    def matches(self, text: str):
+        """``(match, owner)`` of each candidate write in ``text`` (``owner`` '' for a bare name)."""
+        for m in self.rx.finditer(text):
+            if m.group("store"):
+                yield m, None if self.expand else "kernel"
+            else:
+                yield m, m.group("owner") or ""
+
+    # (the old single-pattern interface: the first candidate whose owner fits, bare names as prefix writes)
+    def search(self, text: str):
+        for m, owner in self.matches(text):
+            if owner is None:
+                continue
+            if owner == "" or ("expand" in owner) == self.expand:
+                if owner == "" and self.expand:
+                    continue
+                return m
+        return None
+
+
+def _writes(name: str, expand: bool) -> _Writes:
+    """The writes of ``name`` (:class:`_Writes`); ``expand``: only those of the expand part."""
+    return _Writes(name, expand)
+
+
+def _field_pattern(field: str | None) -> _Writes | None:
     part, _, f = (field or "").rpartition(":")
     name = FIELD_NAMES.get(f)
     return _writes(name, part == "expand") if name else None
 
 
-def _is_write(path: str, line: int, text: str, pat: re.Pattern) -> bool:
+def _is_write(path: str, line: int, text: str, pat: _Writes, site: str | None = None,
+              via: int | None = None) -> bool:
     """Whether ``text`` (line ``line`` of ``path``) writes the field ``pat`` names: an in-place
-    write (``.copy_(``, ``.fill_(``, ``tl.store(``), or an ``=`` / ``+=`` / ``-=`` of an
-    assignment statement; a keyword argument (``page_table=metadata.page_table`` in a call) is not
-    a write of it."""
-    m = pat.search(text)
-    if m is None:
-        return False
-    if "(" in m.group(0) and "=" not in m.group(0).replace("==", ""):
-        return True
-    code = statement(path, line)
+    write (:data:`INPLACE`, ``tl.store(``), or an ``=`` / ``+=`` / ``-=`` of an assignment
+    statement; a keyword argument (``page_table=metadata.page_table`` in a call) is not a write of
+    it.  The owner must be of the field's part (``expand`` or not); a bare name that is a
+    parameter of a module-level helper is the argument its call passes (``site`` / ``via``: the
+    backend file's calling line, :func:`_bare_expand`), a bare name that is not one writes the
+    prefix / flat field (a local the backend copies from)."""
+    for m, owner in pat.matches(text):
+        if owner is None:
+            continue
+        if owner == "":
+            side = _bare_expand(path, line, pat.name, site, via)
+            if side is None:
+                side = False  # a local: counted as the prefix / flat field's, never the expand part's
+            if side != pat.expand:
+                continue
+        elif owner != "kernel" and ("expand" in owner) != pat.expand:
+            continue
+        if m.group("store") or "(" in m.group("op"):
+            return True
+        code = statement(path, line)
+        try:
+            node = ast.parse(code).body[0] if code else None
+        except SyntaxError:
+            return True  # (a line the parser cannot place: the textual test alone)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(re.search(rf"(?<![\w]){pat.name}", ast.get_source_segment(code, t) or "") for t in targets):
+                return True  # (``o = f(page_table=...)`` is an assignment of o, not of page_table)
+    return False
+
+
+def _helper(path: str, line: int) -> ast.FunctionDef | None:
+    """The module-level function (not a method) of ``path`` holding ``line``, or None."""
     try:
-        node = ast.parse(code).body[0] if code else None
-    except SyntaxError:
-        return True  # (a line the parser cannot place: the textual test alone)
-    return isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        tree, _ = _tree(path)
+    except (OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= node.end_lineno:
+            return node
+    return None
+
+
+def _owner_expand(expr: ast.AST) -> bool | None:
+    """Whether ``expr`` (an argument: ``metadata_expand.page_table``, ``x.page_table[:n]``) is a
+    field of an expand owner; None when it is not an attribute."""
+    while isinstance(expr, ast.Subscript):
+        expr = expr.value
+    if not isinstance(expr, ast.Attribute):
+        return None
+    owner = expr.value
+    while isinstance(owner, ast.Subscript):
+        owner = owner.value
+    name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+    return "expand" in name
+
+
+def _call(site: str, fn: ast.FunctionDef, via: int) -> ast.Call | None:
+    """The call of helper ``fn`` in the backend file holding its line ``via`` (innermost), or None."""
+    try:
+        tree, _ = _tree(os.path.join(site, FA))
+    except (OSError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno <= via <= n.end_lineno and
+             (getattr(n.func, "id", None) or getattr(n.func, "attr", None)) == fn.name]
+    return max(calls, key=lambda n: n.lineno) if calls else None
+
+
+def _call_line(site: str, path: str, line: int, via: int | None) -> int | None:
+    """``via`` (the backend's running line) moved to the first line of the helper's call statement
+    it lies in (a multi-line call records the line of an argument); ``via`` itself otherwise."""
+    fn = _helper(path, line) if via is not None else None
+    call = _call(site, fn, via) if fn is not None else None
+    return call.lineno if call is not None else via
+
+
+def _bare_expand(path: str, line: int, name: str, site: str | None, via: int | None) -> bool | None:
+    """For a bare ``name...`` written at ``line`` of ``path``: when it is a parameter of the
+    module-level helper holding the line and ``via`` (the backend's line that was running the
+    call) holds that helper's call in the backend file, whether the argument passed is an expand
+    field (``page_table=metadata_expand.page_table``), or a local the calling function then
+    stores in one (``page_table=expand_page_table`` ... ``self.forward_metadata_spec_decode_expand
+    .page_table = expand_page_table``).  None when it cannot be resolved."""
+    fn = _helper(path, line)
+    if fn is None or via is None or site is None:
+        return None
+    params = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    param = next((p for p in params + [a.arg for a in fn.args.kwonlyargs] if re.fullmatch(rf"{name}\w*", p)), None)
+    if param is None:
+        return None
+    call = _call(site, fn, via)
+    if call is None:
+        return None
+    tree, _ = _tree(os.path.join(site, FA))
+    arg = next((k.value for k in call.keywords if k.arg == param), None)
+    if arg is None and param in params and params.index(param) < len(call.args):
+        arg = call.args[params.index(param)]
+    if arg is None:
+        return None
+    side = _owner_expand(arg)
+    if side is not None or not isinstance(arg, ast.Name):
+        return side
+    caller = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and
+                   n.lineno <= call.lineno <= n.end_lineno and
+                   not any(isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef)) and c is not n and
+                           c.lineno <= call.lineno <= c.end_lineno for c in ast.walk(n))), None)
+    for n in ast.walk(caller) if caller is not None else ():
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id == arg.id:
+            for t in n.targets:
+                if isinstance(t, ast.Attribute) and re.fullmatch(rf"{name}\w*", t.attr):
+                    return _owner_expand(t)
+    return None
 
 
 def _binding(path: str, line: int) -> bool:
@@ -237,21 +379,54 @@ def ran(site: str, executed, field: str | None) -> tuple[str, int, int | None] |
     for rel, n, via in executed:
         path = os.path.join(site, rel)
         lines = _lines(path)
-        if 0 < n <= len(lines) and _is_write(path, n, lines[n - 1], pat):
-            hits.append((rel, n, via))
+        if 0 < n <= len(lines) and _is_write(path, n, lines[n - 1], pat, site, via):
+            hits.append((rel, n, _call_line(site, path, n, via)))
     values = [h for h in hits if not _binding(os.path.join(site, h[0]), h[1])]
     return (values or hits or [None])[-1]
+
+
+def _outside(path: str, span: tuple[int, int], mode: str) -> set[int]:
+    """The lines of the function ``span`` of ``path`` inside another mode's branch: the body of an
+    ``if`` whose test is another mode's (:data:`MODE_BRANCH`) and the ``else`` of ``mode``'s own
+    ``if`` (the other modes' chain), but never a line of ``mode``'s own branch; for a tree mode
+    also the ``if self.topk <= 1`` body (the chain draft path), for a flat mode its ``else``."""
+    try:
+        tree, text = _tree(path)
+    except (OSError, SyntaxError):
+        return set()
+    ours = re.compile(MODE_BRANCH.get(mode, r"$^"))
+    others = re.compile("|".join(f"(?:{v})" for v in set(MODE_BRANCH.values())))
+    chain = re.compile(r"\btopk\s*<=\s*1\b")
+
+    def lines_of(stmts):
+        return {n for st in stmts for n in range(st.lineno, st.end_lineno + 1)}
+
+    mine, other, path_other = set(), set(), set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If) or not span[0] <= node.lineno <= span[1]:
+            continue
+        test = ast.get_source_segment(text, node.test) or ""
+        if ours.search(test):
+            mine |= lines_of(node.body)
+            other |= lines_of(node.orelse)
+        elif others.search(test):
+            other |= lines_of(node.body)
+        elif chain.search(test):
+            path_other |= lines_of(node.body if mode.startswith("tree_") else node.orelse)
+    return (other - mine) | path_other
 
 
 def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
            ) -> tuple[str, int] | None:
     """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
     ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
-    order they run), or the def line of the phase's first function; None if none is found.  Read
+    order they run, never a line in another mode's branch: :func:`_outside`), or the def line of
+    the phase's first function when they write it nowhere; None if none of the functions is found,
+    or when the only writes are in other modes' branches (no line rather than a wrong one).  Read
     statically: the fallback when no executed line writes the field (:func:`ran`)."""
     pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
-    fallback = None
+    fallback, elsewhere = None, False
     for func in PHASE_FUNCS.get((hooks, phase), ()):
         for rel in files:
             path = os.path.join(site, rel)
@@ -266,10 +441,14 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
             lines = _lines(path)
             lo, hi = span[0] - 1, span[1]
             start = next((i for i in range(lo, hi) if branch.search(lines[i])), lo)
+            skip = _outside(path, span, mode)
             for i in (*range(start, hi), *range(lo, start)):
                 if _is_write(path, i + 1, lines[i], pat):
+                    if i + 1 in skip:
+                        elsewhere = True
+                        continue
                     return rel, i + 1
-    return fallback
+    return None if elsewhere else fallback
 
 
 def link(target, rel: str, line: int) -> str:
@@ -288,7 +467,7 @@ def link(target, rel: str, line: int) -> str:
 #: field (the tree rules, CG-002), by ID; last the kernel's page-table bound (PA-003 / CG-008: a
 #: table too narrow for the K_b it is read with)
 CAUSE_ORDER = (("MD-003", "MD-008", "MD-010", "MD-011"), ("MD-002", "MD-009", "CG-003", "CG-004"), ("MD-006",),
-               ("CG-006", "PA-010"), ("PA-002",), ("MD-007",), None, ("PA-003", "CG-008"))
+               ("CG-006", "PA-010"), ("PA-011", "PA-002"), ("MD-007",), None, ("PA-003", "CG-008"))
 
 
 def cause_rank(rule: str) -> tuple[int, str]:

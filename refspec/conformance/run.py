@@ -156,6 +156,10 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                 if b is not None:
                     row.bug = b.key
                     row.findings = [replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
+                else:
+                    like = known.resembles(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
+                                           known.below_bound(row.undocumented))
+                    row.like = like.key if like is not None else None
             rows.append(row)
     return rows
 

@@ -26,17 +26,36 @@ import traceback
 import torch
 
 
-def _where(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/sglang/" in f.filename] or \
-        traceback.extract_tb(exc.__traceback__)
-    f = frames[-1]
-    name = f.filename
+FA = "sglang/srt/layers/attention/flashattention_backend.py"
+#: the backend methods that build a phase's metadata: an exception's row also cites the innermost of them
+HOOKS = ("init_forward_metadata", "_apply_cuda_graph_metadata", "_init_full_cg_decode_metadata",
+         "_set_decode_page_metadata", "stage_draft_extend_metadata")
+
+
+def _rel(name: str) -> str:
     i = name.rfind("/sglang/")
-    return f"{name[i + 1:] if i >= 0 else name}:{f.lineno}"
+    return name[i + 1:] if i >= 0 else name
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line`` of the innermost upstream frame, and ``(run from flashattention_backend.py:N)``
+    when that frame is not itself the innermost backend hook (:data:`HOOKS`, or any
+    ``init_forward_metadata*``) that ran it: the hook's line."""
+    tb = list(traceback.walk_tb(exc.__traceback__))
+    frames = [(f, n) for f, n in tb if "/sglang/" in f.f_code.co_filename] or tb
+    f, n = frames[-1]
+    at = f"{_rel(f.f_code.co_filename)}:{n}"
+    hook = next(((g, m) for g, m in reversed(frames) if _rel(g.f_code.co_filename) == FA and
+                 g.f_code.co_name.startswith(HOOKS)), None)
+    if hook is not None and hook[0] is not f:
+        at += f" (run from {FA.rsplit('/', 1)[-1]}:{hook[1]})"
+    return at
 
 
 def describe(exc: BaseException) -> str:
-    """``Type at file:line: message`` of an upstream exception (the text a result row carries)."""
+    """``Type at file:line: message`` of an upstream exception (the text a result row carries);
+    ``Type at file:line (run from flashattention_backend.py:N): message`` when it was raised in a
+    helper or kernel the backend's metadata hook called (:func:`_where`)."""
     return f"{type(exc).__name__} at {_where(exc)}: {exc}"
 
 

@@ -255,8 +255,8 @@ RULES: dict[str, Rule] = {
                    "freed, none leaked", U,
                    (sgl("srt/speculative/eagle_info.py", OLD, 236, "EagleVerifyInput.verify"),
                     sgl(SPEC_UTILS, OLD, 411, "get_src_tgt_cache_loc"))),  # P > 1 (P = 1: tree.md)
-    "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand sliced to s+1 "
-                   "columns) equals eager", U,
+    "TR-018": Rule("tree graphs: verify / draft-decode metadata replayed in place (draft expand: cache_loc sliced "
+                   "to its s+1 step columns, into an s+2 column table) equals eager", U,
                    (pr(25077, "the bug family"), pr(27360, "the fix: the slice at the graph call site"),
                     sgl("srt/debug_utils/pr_fix_toggle.py", NEW, 76, "_PR_REVERT_YAML_27360"), pr(15469)),
                    (NEW,), BOTH),
