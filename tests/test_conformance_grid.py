@@ -8,6 +8,8 @@
   and invisible to the mirrored job.
 * Idle: where the runner builds eager metadata only for ``batch_size > 0``, the empty IDLE batch is
   not run upstream; it is counted and named ("not reachable upstream") and never fails the run.
+  So are DRAFT_EXTEND_V2's capture and replay where every spec-v2 worker builds the draft-extend
+  graph only on an NPU (0.5.6.post2); their eager part is still compared.
 * ``--baseline``: the modes the baseline does not run come after the changed groups, under one
   line saying why (for the tree modes: the missing upstream module).
 
@@ -50,6 +52,31 @@ class EagerRunner:
 """
 
 
+WORKER_V2 = "python/sglang/srt/speculative/eagle_worker_v2.py"
+MULTI_V2 = "python/sglang/srt/speculative/multi_layer_eagle_worker_v2.py"
+#: 0.5.6.post2's one-layer spec-v2 worker: the draft-extend graph is built only on an NPU
+NPU_ONLY = """
+class EAGLEWorkerV2:
+    def init_cuda_graphs(self):
+        self.cuda_graph_runner_for_draft_extend = None
+        # FIXME cuda not support draft_extend capture
+        if self.draft_extend_attn_backend and _is_npu:
+            self.cuda_graph_runner_for_draft_extend = Device2ExtendCudaGraphRunner[self.device](self)
+"""
+#: 0.5.12.post1's: an allowlist of backends that may hold on CUDA
+ALLOWLIST = NPU_ONLY.replace("self.draft_extend_attn_backend and _is_npu",
+                             "self.draft_extend_attn_backend and (_is_npu or supports_cuda_draft_extend_graph)")
+#: 0.5.7's multi-layer spec-v2 worker: builds one whenever CUDA graphs are on
+MULTI = """
+class MultiLayerEagleDraftWorker:
+    def init_cuda_graphs(self):
+        self.cuda_graph_runner_for_draft_extend = None
+        if self.server_args.disable_cuda_graph:
+            return
+        self.cuda_graph_runner_for_draft_extend = (MultiLayerEagleMultiStepDraftExtendCudaGraphRunner(self))
+"""
+
+
 def quiet(*_):
     pass
 
@@ -84,6 +111,38 @@ def test_the_idle_case_is_unreachable_where_the_runner_guards_an_empty_batch(tmp
                                          f"builds attention metadata only if forward_batch.batch_size > 0")
     assert shape(tmp_path / "b", runner=UNGUARDED).idle_unreachable is None
     assert shape(tmp_path / "c").idle_unreachable is None  # no runner found: the case runs
+
+
+def _workers(root, **files):
+    t = fake_tree(root, GRAPH_FA)
+    for rel, text in files.items():
+        (t / rel).parent.mkdir(parents=True, exist_ok=True)
+        (t / rel).write_text(textwrap.dedent(text))
+    return install.detect(str(t / "python")).draft_extend_graph_unreachable
+
+
+def test_the_draft_extend_v2_graph_is_unreachable_only_where_every_v2_worker_builds_it_on_an_npu_only(tmp_path):
+    why = _workers(tmp_path / "a", **{WORKER_V2: NPU_ONLY})
+    line = next(i for i, x in enumerate(NPU_ONLY.splitlines(), 1) if "and _is_npu:" in x)
+    assert why == (f"sglang/srt/speculative/eagle_worker_v2.py:{line} builds the draft-extend CUDA graph only on an "
+                   f"NPU (`if self.draft_extend_attn_backend and _is_npu:`), and no other spec-v2 worker builds one: "
+                   f"on CUDA, DRAFT_EXTEND_V2 runs eager")
+    assert _workers(tmp_path / "b", **{WORKER_V2: NPU_ONLY, MULTI_V2: MULTI}) is None  # 0.5.7: the multi-layer one
+    assert _workers(tmp_path / "c", **{WORKER_V2: ALLOWLIST}) is None  # `_is_npu or ...` may hold on CUDA
+    assert _workers(tmp_path / "d") is None  # no worker found: the graphs are compared
+
+
+def test_an_unreachable_draft_extend_v2_graph_keeps_the_eager_part_and_names_the_graphs():
+    jobs = cases.build_jobs(("verify", "draft_extend_v2"), (4,), shapes=("B3/bs4",))
+    assert cases.mark_graph_unreachable(jobs, None) == jobs
+    out = cases.mark_graph_unreachable(jobs, "eagle_worker_v2.py:9 NPU only")
+    assert [(j.id, j.graphed, j.unreachable) for j in out] == [
+        ("verify/P4/B3/bs4", True, None), ("draft_extend_v2/P4/B3/bs4", False, None),
+        ("draft_extend_v2/P4/B3/bs4/graphs", True, "its capture and replay: eagle_worker_v2.py:9 NPU only")]
+    eager = out[1]
+    assert list(eager.refspec) == [("eager", None)] and not {"bs", "capture", "replay"} & set(eager.inputs)
+    assert eager.refspec[("eager", None)] is jobs[1].refspec[("eager", None)]
+    assert out[0] is jobs[0]
 
 
 def test_no_mirror_jobs_are_eager_copies_of_draft_extend_v2_with_the_mirrors_none():
@@ -160,6 +219,26 @@ def test_an_unreachable_idle_case_is_not_run_is_named_and_does_not_fail(tmp_path
                                f"empty batch: sglang/srt/model_executor/runner/eager_runner.py:")
         assert "== OK" in text
         assert "Not reachable upstream: sglang" in report.markdown(out)
+
+
+def test_an_unreachable_draft_extend_v2_graph_is_not_run_is_named_and_does_not_fail(tmp_path, monkeypatch):
+    ran = []
+
+    def worker(target, jobs):
+        ran.extend(j.id for j in jobs)
+        return {j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}
+
+    monkeypatch.setattr(conformance, "run_worker", worker)
+    t = fake_tree(tmp_path / "npu", GRAPH_FA)
+    (t / WORKER_V2).parent.mkdir(parents=True, exist_ok=True)
+    (t / WORKER_V2).write_text(textwrap.dedent(NPU_ONLY))
+    t = install.resolve(str(t), root=str(tmp_path / "r"), log=quiet)
+    out = conformance.run(sglang=[t], page_sizes=(4,), modes=("draft_extend_v2",), log=quiet)
+    assert out.ok and "draft_extend_v2/P4/B3/bs4" in ran and not [j for j in ran if j.endswith("/graphs")]
+    assert {r.phase for r in out.rows} == {"eager"}
+    assert "draft_extend_v2/P4/B3/bs4/graphs" in [j for _, j, _ in out.unreachable]
+    line = next(x for x in conformance.render(out).splitlines() if "not reachable upstream" in x)
+    assert "its capture and replay: sglang/srt/speculative/eagle_worker_v2.py:" in line
 
 
 def test_modes_the_baseline_does_not_run_come_after_the_changed_groups_under_one_line(trees, tmp_path, capsys):  # noqa: F811

@@ -270,6 +270,26 @@ def mark_unreachable(jobs: list[Job], idle_why: str | None) -> list[Job]:
     return jobs
 
 
+def mark_graph_unreachable(jobs: list[Job], why: str | None, modes=("draft_extend_v2",)) -> list[Job]:
+    """``jobs`` where the CUDA graph of ``modes`` is not reachable upstream (``why``,
+    ``install.Shape.draft_extend_graph_unreachable``): each graphed job of those modes becomes its
+    eager part (same id, run and compared) plus a job ``<id>/graphs`` marked unreachable (its
+    capture and replay: not run, counted and named)."""
+    if not why:
+        return jobs
+    out = []
+    for j in jobs:
+        if j.mode not in modes or not j.graphed:
+            out.append(j)
+            continue
+        inputs = {k: v for k, v in j.inputs.items() if k not in ("capture", "replay", "bs")}
+        eager = {("eager", None): j.refspec[("eager", None)]}
+        out.append(Job(j.id, j.mode, j.page_size, j.shape, False, inputs, eager))
+        out.append(Job(f"{j.id}/graphs", j.mode, j.page_size, j.shape, True, {}, {},
+                       unreachable=f"its capture and replay: {why}"))
+    return out
+
+
 #: the context wall: upstream's ``context_len`` 64 with ``req_to_token`` rows SGLang's speculative
 #: headroom wider (:func:`headroom`: 23 columns at P = 16, N = 4), P = 16 (a context-sized table
 #: has 4 columns); committed lengths at

@@ -126,6 +126,9 @@ class Shape:
     #: (:func:`cpu_mirrors`): upstream's worker then hands the backend no ``seq_lens_cpu``
     cpu_mirrors: bool = True
     idle_unreachable: str | None = None  #: why upstream never builds eager metadata for an empty batch, or None
+    #: why upstream's spec-v2 workers never capture / replay DRAFT_EXTEND_V2 in a CUDA graph on CUDA, or None
+    #: (:func:`draft_extend_graph_unreachable`)
+    draft_extend_graph_unreachable: str | None = None
     tree_missing: str | None = None  #: the first of OWN_TREE_FILES this code lacks, or None
 
     def to_json(self) -> str:
@@ -311,6 +314,51 @@ def idle_unreachable(site: str) -> str | None:
     return None
 
 
+#: upstream's spec-v2 EAGLE workers (one-layer and multi-layer drafts), the files that capture the
+#: draft-extend CUDA graph (``self.cuda_graph_runner_for_draft_extend = <a runner>``)
+V2_WORKERS = ("sglang/srt/speculative/eagle_worker_v2.py", "sglang/srt/speculative/multi_layer_eagle_worker_v2.py")
+
+
+def _npu_only(test: ast.expr) -> bool:
+    """A guard that holds only on an NPU: ``_is_npu``, or ``... and _is_npu and ...``."""
+    if isinstance(test, ast.Name):
+        return test.id == "_is_npu"
+    return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(_npu_only(v) for v in test.values)
+
+
+def draft_extend_graph_unreachable(site: str) -> str | None:
+    """Why upstream's spec-v2 workers never run DRAFT_EXTEND_V2 from a CUDA graph on CUDA, or None.
+
+    A worker captures the draft-extend graph where it builds a runner into
+    ``self.cuda_graph_runner_for_draft_extend`` (a call, not None or a copy).  Where every such
+    build in :data:`V2_WORKERS` sits in the body of an ``if`` that holds only on an NPU (0.5.6.post2:
+    ``if self.draft_extend_attn_backend and _is_npu:``, under ``# FIXME cuda not support
+    draft_extend capture``, and no multi-layer worker yet), FA3's DRAFT_EXTEND_V2 capture / replay
+    hooks never run on CUDA: their rows are not reachable upstream.  None where a build may run on
+    CUDA (0.5.7 on: the multi-layer worker builds one unconditionally; a backend allowlist, as at
+    0.5.12.post1, counts as reachable) or no build is found (the comparison then runs)."""
+    builds, guards = 0, []
+    for rel in V2_WORKERS:
+        text = _read(site, rel)
+        if text is None:
+            continue
+        tree = ast.parse(text, os.path.join(site, rel))
+        npu_bodies = {id(c): g for g in ast.walk(tree) if isinstance(g, ast.If) and _npu_only(g.test)
+                      for b in g.body for c in ast.walk(b)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and any(
+                    isinstance(t, ast.Attribute) and t.attr == "cuda_graph_runner_for_draft_extend" for t in n.targets):
+                builds += 1
+                if id(n) not in npu_bodies:
+                    return None
+                guards.append((rel, npu_bodies[id(n)]))
+    if not builds:
+        return None
+    rel, g = guards[0]
+    return (f"{rel}:{g.lineno} builds the draft-extend CUDA graph only on an NPU (`if {ast.unparse(g.test)}:`), "
+            f"and no other spec-v2 worker builds one: on CUDA, DRAFT_EXTEND_V2 runs eager")
+
+
 def detect(site: str) -> Shape:
     """The API shape of the SGLang code under ``site`` (the folder holding ``sglang/``), from its
     source text; ``shape.adapter`` None with ``shape.missing`` saying what is missing."""
@@ -335,7 +383,7 @@ def detect(site: str) -> Shape:
                   topk="forward_metadata_spec_decode_expand" in fa, kernels=kernels,
                   staged="stage_draft_extend_metadata" in be, own_tree=tree_missing is None, toggles=toggles(site),
                   cpu_mirrors=cpu_mirrors(fa, os.path.join(site, FA)), idle_unreachable=idle_unreachable(site),
-                  tree_missing=tree_missing)
+                  draft_extend_graph_unreachable=draft_extend_graph_unreachable(site), tree_missing=tree_missing)
     if hooks is None:
         shape.missing = (f"FlashAttentionBackend has neither the graph hooks init_forward_metadata_out_graph / "
                          f"_in_graph nor the legacy init_forward_metadata_capture_cuda_graph / _replay_cuda_graph "

@@ -241,6 +241,7 @@ def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None 
         if not target.shape.cpu_mirrors:  # upstream's worker publishes no seq_lens_cpu here
             jobs += cases.without_mirrors(jobs)
         cases.mark_unreachable(jobs, target.shape.idle_unreachable)
+        jobs = cases.mark_graph_unreachable(jobs, target.shape.draft_extend_graph_unreachable)
         jobs += tree_cases.build_jobs(tree, page_sizes, topks)
         jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
     return jobs
