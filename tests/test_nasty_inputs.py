@@ -547,6 +547,26 @@ def test_emulator_gqa_refusal_states_the_rule():
         run_kernel(q=torch.randn(3, 3, 8))
     assert "num_heads must be a multiple of num_kv_heads (H = 3, Hkv = 2; GQA)" in str(e.value)
     assert "head_dim must match (D = 8, 8)" in str(e.value)
+    with raises("PA-011") as e:  # before: ZeroDivisionError inside the check
+        run_kernel(k_cache=torch.randn(4, 4, 0, 8), v_cache=torch.randn(4, 4, 0, 8))
+    assert "(H = 4, Hkv = 0; GQA)" in str(e.value)
+
+
+@pytest.mark.spec("PA-011")
+def test_the_oracle_refuses_heads_that_are_not_gqa_by_rule():
+    """Before: a raw einsum RuntimeError (H = 3, Hkv = 2) or a ZeroDivisionError (Hkv = 0) from
+    ``OracleBackend.forward``'s gather; now PA-011 from the oracle's own check."""
+    from refspec.oracle.attention import attention_by_position
+    r2t = torch.arange(8, dtype=torch.int32)[None, :]
+    for H, Hkv in ((3, 2), (4, 0)):
+        with raises("PA-011") as e:
+            attention_by_position(torch.randn(2, H, 8), torch.randn(8, Hkv, 8), torch.randn(8, Hkv, 8), r2t, [0],
+                                  [0, 2], [0, 1])
+        assert "H is not a multiple of Hkv" in str(e.value)
+        with raises("PA-011") as e:  # (q, k_flat, v_flat, req_to_token, req_pool_indices, cache_seqlens, cu_seqlens_q)
+            attention_by_slot(torch.randn(2, H, 8), torch.randn(8, Hkv, 8), torch.randn(8, Hkv, 8), r2t, [0], [2],
+                              [0, 2])
+        assert "H is not a multiple of Hkv" in str(e.value)
 
 
 # ================================================================ generate / the engine

@@ -99,8 +99,10 @@ def test_the_hand_trace_is_accepted_at_every_bound():
     (lambda t: t["rounds"][2]["rids"].append(0), "round 2: needs aligned"),
     (lambda t: t["config"].update(max_batch=1, capture_bs=[1]), r"round 0: 2 requests > max_batch 1"),
     (lambda t: t["rounds"][2]["rids"].__setitem__(0, 5), r"round 2: unknown rid 5 \(the requests are rids 0\.\.1\)"),
-    (lambda t: t["rounds"][1]["num_accept_tokens"].__setitem__(0, 4), r"round 1: rid 0 accepts a = 4, outside \[1, N = num_steps \+ 1 = 3\]"),
-    (lambda t: t["rounds"][0]["num_accept_tokens"].__setitem__(1, 0), r"round 0: rid 1 accepts a = 0, outside \[1, N = num_steps \+ 1 = 3\]"),
+    (lambda t: t["rounds"][1]["num_accept_tokens"].__setitem__(0, 4),
+     r"round 1: rid 0 accepts a = 4, outside \[1, N = num_steps \+ 1 = 3\]"),
+    (lambda t: t["rounds"][0]["num_accept_tokens"].__setitem__(1, 0),
+     r"round 0: rid 1 accepts a = 0, outside \[1, N = num_steps \+ 1 = 3\]"),
     (lambda t: t["rounds"][2]["finished"].append(0), r"round 2: finished \[1, 0\] not all in the batch \[1\]"),
     (lambda t: t["requests"][1]["num_accept_tokens"].append(1), r"request 1: rounds give a = \[1, 2, 1\], the "
                                                                  r"request lists \[1, 2, 1, 1\]"),

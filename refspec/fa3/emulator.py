@@ -46,7 +46,7 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
             f"q, k_cache, v_cache must share one floating dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     T, H, D = q.shape
     NP, P, Hkv, Dk = k_cache.shape
-    require(Dk == D and H % Hkv == 0, "PA-011", lambda: f"q {tuple(q.shape)} [T, H, D] vs k_cache "
+    require(Dk == D and Hkv > 0 and H % Hkv == 0, "PA-011", lambda: f"q {tuple(q.shape)} [T, H, D] vs k_cache "
             f"{tuple(k_cache.shape)} [NP, P, Hkv, D]: head_dim must match (D = {D}, {Dk}) and num_heads must be a "
             f"multiple of num_kv_heads (H = {H}, Hkv = {Hkv}; GQA)")
     require(cache_seqlens.dim() == 1, "PA-011", f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")

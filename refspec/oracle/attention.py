@@ -43,8 +43,8 @@ def _check_kernel_args(q, k_flat, v_flat, req_to_token, req_pool_indices, cache_
             f"{tuple(v_flat.shape)} the same [NS, Hkv, D]")
     T, H, D = q.shape
     Hkv = k_flat.shape[1]
-    require(k_flat.shape[2] == D and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: "
-            "head dims differ or H is not a multiple of Hkv")
+    require(k_flat.shape[2] == D and Hkv > 0 and H % Hkv == 0, "PA-011",
+            f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: head dims differ or H is not a multiple of Hkv")
     try:
         cu = int_list("cu_seqlens_q", cu_seqlens_q)
         rows, K_all = int_list("req_pool_indices", req_pool_indices), int_list("cache_seqlens", cache_seqlens)
@@ -102,11 +102,13 @@ def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_
 
     Shapes: q ``[T, H, D]``; k_flat, v_flat ``[NS, Hkv, D]``; req_to_token ``[R, ctx]`` int32;
     req_pool_indices B ints; cu_seqlens_q B+1 ints; positions T ints.  Returns ``[T, H, D]``.
-    Raises: InvariantError PA-011 (a position past the ``req_to_token`` width, a row outside it,
-    or ``positions`` not of length T).
+    Raises: InvariantError PA-011 (head dims that differ, H not a multiple of Hkv, a position past
+    the ``req_to_token`` width, a row outside it, or ``positions`` not of length T).
     """
     T, H, D = q.shape
     Hkv = k_flat.shape[1]
+    require(k_flat.shape[2] == D and Hkv > 0 and H % Hkv == 0, "PA-011",
+            f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: head dims differ or H is not a multiple of Hkv")
     cu, rows, pos = [int(x) for x in cu_seqlens_q], [int(r) for r in req_pool_indices], [int(t) for t in positions]
     R, W = req_to_token.shape
     require(len(pos) == T and all(t < W for t in pos) and all(0 <= r < R for r in rows), "PA-011",
