@@ -489,6 +489,43 @@ def test_an_upstream_index_error_past_a_tables_width_names_cg_008_otherwise_the_
     assert rules.error_rule("verify", "eager", err.replace("dimension 1", "dimension 0"), stmt)[0] == "MD-011"
 
 
+#: 0.5.16's eager DRAFT_EXTEND_V2 q metadata as a reviewer planted it back (sglang#31364's half revert)
+DE_V2_BRANCH = """
+class FlashAttentionBackend:
+    def init_forward_metadata(self, forward_batch):
+        metadata = FlashAttentionMetadata()
+        if forward_batch.forward_mode.is_draft_extend_v2():
+            metadata.cache_seqlens_int32 = forward_batch.seq_lens.to(torch.int32)
+            if any(forward_batch.extend_prefix_lens_cpu):
+                metadata.max_seq_len_q = max(forward_batch.extend_seq_lens_cpu)
+            x = helper(forward_batch)
+            self.forward_metadata_spec_decode_expand.page_table = x
+"""
+
+
+def test_an_upstream_exception_takes_the_rule_of_the_field_its_statement_computes(tmp_path):
+    """A TypeError in the ``if any(extend_prefix_lens_cpu)`` test that guards ``max_seq_len_q``
+    names PA-010 (the field's rule), not the mode's K rule MD-008 that nothing compared; a
+    statement that computes no compared field keeps the mode's rule."""
+    from refspec.conformance import rules
+
+    src = tmp_path / "fa.py"
+    src.write_text(DE_V2_BRANCH)
+    line = {k: next(i for i, x in enumerate(DE_V2_BRANCH.splitlines(), 1) if k in x)
+            for k in ("if any(", "cache_seqlens_int32 =", "x = helper", "expand.page_table =", "def init")}
+    assert rules.computed_field(str(src), line["if any("]) == "max_seq_len_q"
+    assert rules.computed_field(str(src), line["cache_seqlens_int32 ="]) == "cache_seqlens_int32"
+    assert rules.computed_field(str(src), line["x = helper"]) is None
+    assert rules.computed_field(str(src), line["def init"]) is None
+    assert rules.computed_field(str(src), line["expand.page_table ="], "tree_draft_decode") == "expand:page_table[live]"
+    assert rules.computed_field(str(tmp_path / "missing.py"), 3) is None
+    err = "TypeError at sglang/x.py:7: 'NoneType' object is not iterable"
+    rid, note = rules.error_rule("draft_extend_v2", "eager", err, "", "max_seq_len_q")
+    assert rid == "PA-010" and note == "upstream exception in the statement that computes max_seq_len_q"
+    assert rules.error_rule("draft_extend_v2", "eager", err, "", None)[0] == "MD-008"  # no field: the mode's rule
+    assert rules.error_rule("tree_draft_decode", "eager", err, "", "expand:page_table[live]")[0] == "TR-014"
+
+
 def test_the_report_links_absolute_under_a_base_url_else_the_repository_blob_else_says_relative(monkeypatch):
     from types import SimpleNamespace as NS
 

@@ -173,6 +173,18 @@ def test_a_known_upstream_bug_new_in_the_pr_is_marked_and_does_not_fail(trees, t
     assert "== OK: no new failure against the baseline" in text and "context-wall-page-table (sglang#35985): " \
                                                                      "breaks CG-008" in text
     assert "[known upstream bug `context-wall-page-table`" in md.split("<details>")[0]
+    top = md.split("<details>")[0]  # what a reviewer pastes: no accusation for a result on a known upstream bug
+    assert "New results on known upstream bugs (they do not fail the run; not a finding against this change):" in top
+    assert "New failures:" not in top and "this code violates" not in top
+
+
+def test_a_new_failure_beside_a_known_bug_keeps_the_verdict(trees, tmp_path, capsys):
+    """Negative control for the test above: one result off any known bug, and the verdict is back."""
+    _, _, planted = trees
+    planted[("pr", VERIFY, "replay")] = dict(OURS, cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
+    rc, text, md = review(trees, tmp_path, capsys)
+    top = md.split("<details>")[0]
+    assert rc == 1 and "New failures:" in top and "> this code violates" in top
 
 
 def test_a_phase_the_code_under_test_drops_is_counted_as_only_on_the_baseline(trees, tmp_path, capsys):

@@ -125,8 +125,10 @@ def find(row: Row, target=None, executed=None) -> None:
             return
         w, how, _ = ((m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))), TRACEBACK, None) if m \
             else where(None)
-        stmt = rules.statement(os.path.join(target.site, w[0]), w[1]) if m and target is not None else ""
-        rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt)
+        src = os.path.join(target.site, w[0]) if m and target is not None else None
+        stmt = rules.statement(src, w[1]) if src else ""
+        fld = rules.computed_field(src, w[1], row.mode) if src else None
+        rid, note = rules.error_rule(row.mode, row.phase, row.error, stmt, fld)
         r = _RUN_FROM.search(row.error) if m else None
         via = (rules.FA, int(r.group(2))) if r and rules.FA.endswith("/" + r.group(1).rsplit("/", 1)[-1]) else None
         row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
@@ -274,10 +276,11 @@ def more_line(n_more: int, rows: list[Row], of: str = "") -> str:
             f"and phase: -v prints all {total}, --report FILE.md writes the {k} distinct ones)")
 
 
-def _rules_md(mine: list[Row], base: str) -> list[str]:
+def _rules_md(mine: list[Row], base: str, verdict: bool = True) -> list[str]:
     """The findings of the failing rows ``mine``: the rules broken (ID, level, spec link, how many
     results break each), each distinct finding (:func:`distinct`) with both values and the upstream
-    line, the closing words (the rules cause first; the known bugs)."""
+    line, the closing words (the rules cause first; the known bugs).  ``verdict`` False (every row on
+    a known upstream bug, which does not fail the run): no "this code violates" line."""
     from refspec.cli.cite import spec_link
 
     if not mine:
@@ -322,14 +325,16 @@ def _rules_md(mine: list[Row], base: str) -> list[str]:
     lines.append("")
     verb = "does not follow" if any(f.level == "refspec hardening" for items in by_rule.values()
                                     for _, f in items) else "violates"
-    lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in by_rule) +
-                 " (cause first: the rule of the field the others are derived from; `python -m refspec cite ID` "
-                 "prints each rule with its sources).")
-    for key in sorted({r.bug for r in mine if r.bug}):
+    if verdict:
+        lines.append(f"> this code {verb} " + ", ".join(f"**{rid}**" for rid in by_rule) +
+                     " (cause first: the rule of the field the others are derived from; `python -m refspec cite ID` "
+                     "prints each rule with its sources).")
+    for i, key in enumerate(sorted({r.bug for r in mine if r.bug})):
         b = by_key(key)
         rids = rules.by_cause({f.rule for r in mine if r.bug == key for f in r.findings})
         n = sum(r.bug == key for r in mine)
-        lines.append(">")
+        if verdict or i:
+            lines.append(">")
         lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
                      f"(status: {b.status}); it does not fail the run.")
     lines.append("")
@@ -619,8 +624,11 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
             lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
         lines.append("")
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
-    if new:
+    if any(not r.bug for r in new):
         lines += ["New failures:", ""] + _rules_md(new, base)
+    elif new:  # every new result is on a known upstream bug: nothing here fails the run or is this PR's
+        lines += ["New results on known upstream bugs (they do not fail the run; not a finding against this "
+                  "change):", ""] + _rules_md(new, base, verdict=False)
     pre = pre_existing_line(chs)
     if pre:
         lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]

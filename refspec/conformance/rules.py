@@ -78,19 +78,81 @@ _BOUND = re.compile(r"^IndexError\b.*out of bounds for dimension 1\b")
 _TABLES = re.compile(r"\b(req_to_token|page_table)\b")
 
 
-def error_rule(mode: str, phase: str, error: str, statement: str = "") -> tuple[str, str]:
+def error_rule(mode: str, phase: str, error: str, statement: str = "", field: str | None = None) -> tuple[str, str]:
     """``(rule ID, note)`` for an upstream exception of ``mode`` at ``phase``; ``statement`` is
-    the upstream source statement it was raised in (:func:`statement`).
+    the upstream source statement it was raised in (:func:`statement`), ``field`` the compared
+    field that statement computes, where known (:func:`computed_field`).
 
     An ``IndexError`` out of bounds for dimension 1 in a statement that indexes ``req_to_token``
     or ``page_table`` reads a table past its width: the page-table bound, CG-008 in every phase
     (upstream's static bound ``max_context_len`` sizes the tables and strided indices of eager and
-    graph paths alike; PA-003 is the same defect).  Any other exception keeps the mode's rule
-    (:func:`rule_for` with no field) and the note says it is an upstream exception, not a
-    compared field."""
+    graph paths alike; PA-003 is the same defect).  Any other exception takes the rule of
+    ``field`` (e.g. PA-010 for a crash in the branch that computes ``max_seq_len_q``), else the
+    mode's rule (:func:`rule_for` with no field); the note says it is an upstream exception and
+    which of the two it is."""
     if _BOUND.search(error) and _TABLES.search(statement):
         return "CG-008", "upstream exception past a table's width (req_to_token / page_table: the page-table bound)"
+    if field is not None:
+        return rule_for(mode, phase, field), f"upstream exception in the statement that computes {field}"
     return rule_for(mode, phase, None), "upstream exception (the mode's rule: no field was compared)"
+
+
+#: a metadata attribute upstream writes -> the compared field (:func:`computed_field`)
+ATTR_FIELD = {"cache_seqlens_int32": "cache_seqlens_int32", "page_table": "page_table[live]",
+              "max_seq_len_q": "max_seq_len_q", "max_seq_len_k": "max_seq_len_k", "cu_seqlens_q": "cu_seqlens_q",
+              "cu_seqlens_k": "cu_seqlens_k"}
+
+
+def _written(nodes, tree_mode: bool) -> list[str]:
+    """The compared fields that assignments among ``nodes`` (and below them) write, in source order."""
+    out = []
+    for n in nodes:
+        for a in ast.walk(n):
+            if isinstance(a, ast.Assign):
+                targets = a.targets
+            elif isinstance(a, (ast.AugAssign, ast.AnnAssign)):
+                targets = [a.target]
+            else:
+                continue
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in ATTR_FIELD:
+                    owner = ast.unparse(t.value)
+                    part = ("expand:" if "expand" in owner else "prefix:") if tree_mode else ""
+                    out.append(part + ATTR_FIELD[t.attr])
+    return out
+
+
+def computed_field(path: str, line: int, mode: str = "") -> str | None:
+    """The compared metadata field the upstream statement at ``path:line`` computes, or None.
+
+    The innermost statement holding ``line``: an assignment to a metadata attribute
+    (``metadata.max_seq_len_q = max(...)``) computes that field; a line in the test of an ``if``
+    (or loop) computes what its body assigns (``if any(forward_batch.extend_prefix_lens_cpu):``
+    guarding ``metadata.max_seq_len_q = ...``: ``max_seq_len_q``), the first in source order.
+    Tree modes (``mode`` ``tree_*``) get the table's part (``expand:`` / ``prefix:``).  None for
+    any other statement, or where the file cannot be read."""
+    try:
+        tree, _ = _tree(path)
+    except (OSError, SyntaxError):
+        return None
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.lineno <= line <= node.end_lineno and not isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if best is None or (node.lineno, -node.end_lineno) > (best.lineno, -best.end_lineno):
+                best = node
+    if best is None:
+        return None
+    tree_mode = mode.startswith("tree_")
+    test = getattr(best, "test", None) if isinstance(best, (ast.If, ast.While)) else \
+        getattr(best, "iter", None) if isinstance(best, ast.For) else None
+    if test is not None and test.lineno <= line <= test.end_lineno:
+        fields = _written(best.body, tree_mode)
+    elif hasattr(best, "body"):
+        return None
+    else:
+        fields = _written([best], tree_mode)
+    return fields[0] if fields else None
 
 
 def statement(path: str, line: int) -> str:
