@@ -292,6 +292,35 @@ def test_a_review_collapses_fixed_rows_by_rule_mode_and_phase_and_keeps_new_fail
     assert sum(x.startswith("| fixed |") for x in full.splitlines()) == 8  # every group, collapsed away
 
 
+def test_many_new_failure_groups_of_one_rule_collapse_with_every_group_below():
+    """More than report.TOP_ROWS new-failure groups (2 P x 2 k x 2 steps of one rule) read as one row
+    (P, cases, steps listed), every group still in a <details> block under it; up to TOP_ROWS stay one
+    row each (the test above: 1 group)."""
+    from refspec.conformance import report
+    from refspec.conformance.compare import Diff
+
+    def row(pin, P, k, step, diffs=()):
+        r = report.Row(pin, f"tree_draft_decode/k{k}/P{P}", "tree_draft_decode", P, f"k{k}", "replay", step,
+                       list(diffs))
+        report.find(r)
+        return r
+
+    bad = Diff("expand:page_table[dead]", "width 2, rows differing [0]", "width 2")
+    keys = [(P, k, st) for P in (1, 4) for k in (2, 4) for st in (0, 1)]
+    base = [row("b", *key) for key in keys]
+    test = [row("t", *key, diffs=[bad]) for key in keys]
+    chs = report.changes(base, test)
+    assert sum(c.status == report.NEW_FAILURE for c in chs) == 8 > report.TOP_ROWS
+    rev = NS(changes=chs, test=NS(targets={"t": None}, rows=test, unreachable=[]),
+             baseline=NS(targets={"b": None}, rows=base, unreachable=[]), not_on_baseline=None)
+    md = report.review_markdown(rev)
+    head, below = md.split("<details><summary>Every new-failure group (8)</summary>", 1)
+    assert [x for x in head.splitlines() if x.startswith("| new failure |")] == [
+        "| new failure | tree_draft_decode | replay | TR-018 | 1, 4 | k2, k4 | 0, 1 | 8 |"]
+    full = below.split("</details>")[0]
+    assert sum(x.startswith("| new failure |") for x in full.splitlines()) == 8
+
+
 @pytest.mark.spec("PA-011")
 def test_a_live_page_id_outside_the_pool_is_pa_011_before_the_modes_rule():
     """PA-011: the page ids of the rows the kernel reads lie in [0, num_pages).  0.5.6.post2's tree

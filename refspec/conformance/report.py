@@ -581,6 +581,11 @@ def _steps(rows: list[Row]) -> str:
     return ", ".join(map(str, steps)) if steps else "-"
 
 
+#: a --baseline report lists at most this many new-failure groups one by one; more are collapsed per
+#: (change, mode, phase, rules) as the other changes are, with every group below them in a block
+TOP_ROWS = 6
+
+
 def collapsed_changes(groups: dict[tuple, list[Change]]) -> list[str]:
     """The changed groups that are not new failures (fixed, new and agreeing, only on the baseline),
     one table row per (change, mode, phase, rules): the page sizes, cases (the tree's k, S) and draft
@@ -619,10 +624,15 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     top = {k: cs for k, cs in groups.items() if k[0] in (NEW_FAILURE, NEW_DIFFERS)}
     rest = {k: cs for k, cs in groups.items() if k not in top}
     if top:
-        lines += ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
-        for (status, label, P, phase), cs in top.items():
-            lines.append(f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |")
-        lines.append("")
+        table = ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
+        table += [f"| {status} | {label} | {P} | {phase} | {len(cs)} | {_change_cell(status, cs)} |"
+                  for (status, label, P, phase), cs in top.items()]
+        short = collapsed_changes(top)
+        if len(top) > TOP_ROWS and len(short) < len(table):  # many groups of few findings: one row per rule set
+            lines += short + ["", f"<details><summary>Every new-failure group ({len(top)})</summary>", ""]
+            lines += table + ["", "</details>", ""]
+        else:
+            lines += table + [""]
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
     if any(not r.bug for r in new):
         lines += ["New failures:", ""] + _rules_md(new, base)
