@@ -168,6 +168,29 @@ def test_the_run_adds_them_only_for_code_whose_backends_opt_out(tmp_path):
     assert not [i for i in ids["on"] if "no-cpu-mirrors" in i]
 
 
+def test_the_run_says_why_the_no_mirror_results_have_no_mirrors(tmp_path, monkeypatch):
+    """The ``/no-cpu-mirrors`` results are explained on one line, with the two classes'
+    ``needs_cpu_seq_lens = False`` lines; code that keeps the mirrors gets no such line."""
+    monkeypatch.setattr(conformance, "run_worker",
+                        lambda target, jobs: ({j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}))
+    lines = [i for i, x in enumerate(NO_MIRROR_FA.splitlines(), 1) if x == FLAG.rstrip("\n")]
+    for name, fa in (("off", NO_MIRROR_FA), ("on", GRAPH_FA)):
+        t = install.resolve(str(tree(tmp_path / name, fa)), root=str(tmp_path / "r"), log=quiet)
+        out = conformance.run(sglang=[t], page_sizes=(4,), modes=("draft_extend_v2",), log=quiet)
+        said = [x for x in conformance.render(out).splitlines() if "no-cpu-mirrors` result" in x]
+        if name == "on":
+            assert said == []
+            continue
+        assert said == [f"== no CPU mirrors: sglang {t.label}: 2 `/no-cpu-mirrors` results ran DRAFT_EXTEND_V2 with "
+                        f"seq_lens_cpu / extend_seq_lens_cpu None: FlashAttentionBackend "
+                        f"(flashattention_backend.py:{lines[0]}) and FlashAttentionMultiStepBackend "
+                        f"(flashattention_backend.py:{lines[1]}) declare "
+                        f"needs_cpu_seq_lens = False, so upstream's spec-v2 worker hands them seq_lens_cpu = None "
+                        f"(resolve_seq_lens_cpu)"]
+        assert f"No CPU mirrors: sglang {t.label}: 2 `/no-cpu-mirrors` results ran DRAFT_EXTEND_V2" in \
+            report.markdown(out)
+
+
 def _fallback_q(fb, num_draft_tokens: int, minus: int) -> dict:
     """0.5.16's eager DRAFT_EXTEND_V2 q metadata (``flashattention_backend.py:956-963``), with
     ``minus`` planted in the ``extend_seq_lens_cpu is None`` fallback (1: the trial's bugC)."""

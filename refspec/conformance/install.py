@@ -270,6 +270,31 @@ def _needs_flag(cls: ast.ClassDef) -> bool | None:
     return value
 
 
+def _false_flag_line(cls: ast.ClassDef) -> int | None:
+    """The line of the last ``needs_cpu_seq_lens = False`` a class sets (body or ``__init__``), or None."""
+    line = None
+    init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+    for n in [*cls.body, *(ast.walk(init) if init else ())]:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Constant):
+            names = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(getattr(t, "id", getattr(t, "attr", None)) == "needs_cpu_seq_lens" for t in names):
+                line = n.lineno if n.value.value is False else None
+    return line
+
+
+def mirror_reason(site: str) -> str | None:
+    """Why the ``/no-cpu-mirrors`` jobs hand upstream no CPU mirrors (:func:`cpu_mirrors` False):
+    the two classes' ``needs_cpu_seq_lens = False`` lines, or None where upstream keeps them."""
+    fa = _read(site, FA)
+    if fa is None or cpu_mirrors(fa):
+        return None
+    classes = {n.name: n for n in ast.parse(fa).body if isinstance(n, ast.ClassDef)}
+    at = [f"{c} ({FA.rsplit('/', 1)[-1]}:{_false_flag_line(classes[c])})"
+          for c in ("FlashAttentionBackend", "FlashAttentionMultiStepBackend")]
+    return (f"{' and '.join(at)} declare needs_cpu_seq_lens = False, so upstream's spec-v2 worker hands them "
+            f"seq_lens_cpu = None (resolve_seq_lens_cpu)")
+
+
 def cpu_mirrors(fa: str, filename: str = "<unknown>") -> bool:
     """Whether upstream's spec-v2 EAGLE worker hands the FA3 backends CPU mirrors.
 

@@ -498,11 +498,12 @@ def _n(k: int, noun: str) -> str:
 
 
 def unreachable_md(out) -> list[str]:
-    """Markdown lines for ``out.unreachable`` (:func:`refspec.conformance.run.unreachable_lines`)."""
-    from refspec.conformance.run import unreachable_lines
+    """Markdown lines for ``out.unreachable`` (:func:`refspec.conformance.run.unreachable_lines`) and
+    for the results run without CPU mirrors (:func:`refspec.conformance.run.mirror_lines`)."""
+    from refspec.conformance.run import mirror_lines, unreachable_lines
 
-    return [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in unreachable_lines(out)] + \
-        ([""] if getattr(out, "unreachable", None) else [])
+    said = unreachable_lines(out) + (mirror_lines(out) if getattr(out, "targets", None) else [])
+    return [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in said] + ([""] if said else [])
 
 
 def _absent(c: Change, last: dict | None) -> bool:

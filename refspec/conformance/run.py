@@ -311,6 +311,20 @@ def unreachable_lines(out: Outcome, side: str = "") -> list[str]:
             f"({', '.join(jobs)}): {why}" for (label, why), jobs in groups.items()]
 
 
+def mirror_lines(out: Outcome, side: str = "") -> list[str]:
+    """One line per target whose ``/no-cpu-mirrors`` results ran: why their CPU mirrors are None
+    (:func:`refspec.conformance.install.mirror_reason`)."""
+    lines = []
+    for label, t in out.targets.items():
+        n = sum(r.pin == label and r.job.endswith(f"/{cases.NO_MIRROR_TAG}") for r in out.rows)
+        why = install.mirror_reason(t.site) if n and t is not None else None
+        if why:
+            lines.append(f"== {side}no CPU mirrors: sglang {label}: {n} `/{cases.NO_MIRROR_TAG}` result"
+                         f"{'' if n == 1 else 's'} ran "
+                         f"DRAFT_EXTEND_V2 with seq_lens_cpu / extend_seq_lens_cpu None: {why}")
+    return lines
+
+
 def not_on_baseline(base: install.Target, test_jobs: list[cases.Job]) -> dict[str, str]:
     """``{mode: why}`` for the modes of ``test_jobs`` the baseline's shape does not compare."""
     lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in base.shape.modes]
@@ -381,6 +395,7 @@ def render(out: Outcome, verbose: bool = False) -> str:
         if tab:
             parts.append(tab)
     parts += unreachable_lines(out)
+    parts += mirror_lines(out)
     if verbose:
         used = {d.documented for r in out.rows for d in r.diffs if d.documented}
         parts.append("== documented differences (* = seen in this run)")
@@ -413,7 +428,7 @@ def render_review(rev: Review, verbose: bool = False) -> str:
                          + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else ""))
     for side, out in (("baseline: ", rev.baseline), ("under test: ", rev.test)):
         if not verbose:
-            parts += unreachable_lines(out, side)
+            parts += unreachable_lines(out, side) + mirror_lines(out, side)
     test, base = next(iter(rev.test.targets)), next(iter(rev.baseline.targets))
     parts.append(f"== changes: {report.change_summary(rev.changes, test, base)}")
     parts.append(report.changes_table(rev.changes, verbose, last=rev.not_on_baseline))
