@@ -22,7 +22,8 @@ siblings ``oracle/tree*.py``, ``fa3/tree_*.py``, ``speculative/tree/``)::
     11. refspec/fa3/metadata.py         FA3 metadata per mode: cache_seqlens, cu_seqlens_q, page_table
     12. refspec/fa3/emulator.py         the FA3 kernel contract (flash_attn_with_kvcache) in pure PyTorch
     13. refspec/fa3/backend.py          SGLang's FA3 backend: the same store-then-attend on FA3 metadata; read with
-                                        fa3/kernel.py, the one call it makes (the real FA3 on Hopper, else 12)
+                                        fa3/kernel.py, the two calls it makes, store and attend (the real FA3
+                                        on Hopper, else 12)
     14. refspec/graphs/capture.py       what a CUDA graph freezes, and the emulated graph that freezes it on CPU
     15. refspec/fa3/graph_metadata.py   capture and in-place replay of the metadata, one rule per function
     16. refspec/graphs/runner.py        batch-size buckets, padded rows, one copy per replay

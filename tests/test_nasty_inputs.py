@@ -553,6 +553,20 @@ def test_emulator_gqa_refusal_states_the_rule():
 
 
 @pytest.mark.spec("PA-011")
+def test_the_oracle_by_position_refuses_bad_query_offsets_by_rule():
+    """Before: a bare IndexError (a short cu_seqlens_q) or silently wrong rows (offsets past T)."""
+    from refspec.oracle.attention import attention_by_position
+    r2t = torch.arange(8, dtype=torch.int32)[None, :].repeat(2, 1)
+    q, kv = torch.randn(3, 4, 8), torch.randn(8, 2, 8)
+    for cu in ([0, 3], [0, 2, 4], [1, 2, 3], [0, 2, 1]):
+        with raises("PA-011") as e:
+            attention_by_position(q, kv, kv, r2t, [0, 1], cu, [0, 1, 0])
+        assert "cu_seqlens_q" in str(e.value) and "B + 1 = 3" in str(e.value)
+    out = attention_by_position(q, kv, kv, r2t, [0, 1], [0, 2, 3], [0, 1, 0])  # well formed: runs
+    assert out.shape == (3, 4, 8)
+
+
+@pytest.mark.spec("PA-011")
 def test_the_oracle_refuses_heads_that_are_not_gqa_by_rule():
     """Before: a raw einsum RuntimeError (H = 3, Hkv = 2) or a ZeroDivisionError (Hkv = 0) from
     ``OracleBackend.forward``'s gather; now PA-011 from the oracle's own check."""

@@ -7,7 +7,9 @@ attends with the metadata that ``init_forward_metadata`` built for the same batc
 * :class:`AttentionBackend`: :class:`~refspec.oracle.backend.OracleBackend` (eager only) and
   :class:`~refspec.fa3.backend.FlashAttentionBackend`;
 * :class:`GraphableBackend`: the FA3 backend, whose metadata can be captured in CUDA graphs and
-  rewritten in place at replay (SGLang ``init_cuda_graph_state`` and the two hooks, CG-001).
+  rewritten in place at replay (SGLang ``init_cuda_graph_state`` and the capture / replay hooks,
+  CG-001; the names are SGLang's, the signatures refspec's: 0.5.23's ``init_forward_metadata_in_graph``
+  takes only the forward batch).
 
 The dense oracle (:class:`~refspec.oracle.dense.DenseBackend`) takes a ``DenseBatch``, not a
 ``ForwardBatch``, so it stands outside this contract on purpose.

@@ -190,7 +190,8 @@ class PagedAllocator:
 def first_freeable_position(keep_len: int, page_size: int) -> int:
     """First position whose page v1 may free after verify: ``ceil(keep_len / P) * P`` (tokens);
     the page of position keep_len - 1 stays (KV-004).  P = 4: keep_len 6 -> 8, 8 -> 8, 9 -> 12.
-    Upstream: sglang ``speculative/spec_utils.py`` ``align_evict_mask_to_page_size``."""
+    Upstream: ``align_evict_mask_to_page_size``, `speculative/spec_utils.py#L340@v0.5.12.post1
+    <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/speculative/spec_utils.py#L340>`_."""
     return -(-keep_len // page_size) * page_size
 
 

@@ -2,7 +2,8 @@
 
 Mirrors ``FlashAttentionBackend``
 (https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L132;
-the v0.5.5 code the MD- rules quote: ``forward_extend`` line 672, ``forward_decode`` line 989).
+the v0.5.5 code the rules quote: ``forward_extend`` line 672 (PA-009, MD-005), ``forward_decode`` line 989
+(PA-009)).
 
 ``forward`` first writes this forward's K/V at ``out_cache_loc`` (PA-009), then calls the FA3
 kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own tokens
@@ -105,7 +106,10 @@ class FlashAttentionBackend(GraphMetadataMixin):
 
 
 class FlashAttentionMultiStepBackend:
-    """The Sd - 1 draft-decode backends, one per step s = 0..Sd-2 (SGLang, MD-010).
+    """The Sd - 1 draft-decode backends, one per step s = 0..Sd-2 (MD-010).
+
+    SGLang's ``FlashAttentionMultiStepBackend``:
+    https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L3477
 
     Each owns its metadata and graph buffers; step s's K is L + s + 1.  With Sd = 1 there is no
     draft-decode forward and ``backends`` is empty.

@@ -102,8 +102,9 @@ def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_
 
     Shapes: q ``[T, H, D]``; k_flat, v_flat ``[NS, Hkv, D]``; req_to_token ``[R, ctx]`` int32;
     req_pool_indices B ints; cu_seqlens_q B+1 ints; positions T ints.  Returns ``[T, H, D]``.
-    Raises: InvariantError PA-011 (head dims that differ, H not a multiple of Hkv, a position past
-    the ``req_to_token`` width, a row outside it, or ``positions`` not of length T).
+    Raises: InvariantError PA-011 (head dims that differ, H not a multiple of Hkv, ``cu_seqlens_q``
+    not B + 1 offsets from 0 to T, a position past the ``req_to_token`` width, a row outside it,
+    or ``positions`` not of length T).
     """
     T, H, D = q.shape
     Hkv = k_flat.shape[1]
@@ -111,6 +112,9 @@ def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_
             f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: head dims differ or H is not a multiple of Hkv")
     cu, rows, pos = [int(x) for x in cu_seqlens_q], [int(r) for r in req_pool_indices], [int(t) for t in positions]
     R, W = req_to_token.shape
+    require(len(cu) == len(rows) + 1 and cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu, cu[1:])),
+            "PA-011", lambda: f"cu_seqlens_q {cu} must be B + 1 = {len(rows) + 1} non-decreasing offsets "
+            f"from 0 to T = {T}")
     require(len(pos) == T and all(t < W for t in pos) and all(0 <= r < R for r in rows), "PA-011",
             lambda: f"{len(pos)} positions for T = {T} rows (max {max(pos, default=-1)}, req_to_token width {W}); "
             f"rows {rows} in [0, {R})")

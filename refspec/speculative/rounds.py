@@ -166,8 +166,8 @@ def round_v2(eng, reqs, batches=host_batches) -> torch.Tensor:
     # a on the batch, as SGLang's v2 sets spec_info.num_accept_tokens = accept_lens for this forward
     # (eagle_worker_v2.py _draft_extend_for_decode); the graph runner copies it into its static
     # buffer as upstream's does.  No v2 rule reads it (rows and K come from N, MD-008 / CG-004) and
-    # the kept row comes from n below; it is what v1's packed rule misapplied to v2 would read
-    # (bug de-v2-packed-cu-q, CG-004)
+    # the kept row comes from n below; it is what v1's packed cu_seqlens_q rule, misapplied to v2,
+    # would read (CG-004)
     fb.num_accept_tokens = a_dev.to(torch.int32)
     d_next, dh = eng.runners.draft_extend(fb, cand.flatten(), hidden)
     eng.observe("draft_extend", reqs=reqs, fb=fb)
