@@ -113,12 +113,29 @@ def test_the_idle_case_is_unreachable_where_the_runner_guards_an_empty_batch(tmp
     assert shape(tmp_path / "c").idle_unreachable is None  # no runner found: the case runs
 
 
-def _workers(root, **files):
+def _worker_tree(root, **files):
+    """A fake tree with ``files`` (repo path -> source) written into it."""
     t = fake_tree(root, GRAPH_FA)
     for rel, text in files.items():
         (t / rel).parent.mkdir(parents=True, exist_ok=True)
         (t / rel).write_text(textwrap.dedent(text))
-    return install.detect(str(t / "python")).draft_extend_graph_unreachable
+    return t
+
+
+def _workers(root, **files):
+    return install.detect(str(_worker_tree(root, **files) / "python")).draft_extend_graph_unreachable
+
+
+def canned_worker(monkeypatch) -> list[str]:
+    """Replace upstream's worker by one returning refspec's own results; the list of job ids it ran."""
+    ran = []
+
+    def worker(target, jobs):
+        ran.extend(j.id for j in jobs)
+        return {j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}
+
+    monkeypatch.setattr(conformance, "run_worker", worker)
+    return ran
 
 
 def test_the_draft_extend_v2_graph_is_unreachable_only_where_every_v2_worker_builds_it_on_an_npu_only(tmp_path):
@@ -171,8 +188,7 @@ def test_the_run_adds_them_only_for_code_whose_backends_opt_out(tmp_path):
 def test_the_run_says_why_the_no_mirror_results_have_no_mirrors(tmp_path, monkeypatch):
     """The ``/no-cpu-mirrors`` results are explained on one line, with the two classes'
     ``needs_cpu_seq_lens = False`` lines; code that keeps the mirrors gets no such line."""
-    monkeypatch.setattr(conformance, "run_worker",
-                        lambda target, jobs: ({j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}))
+    canned_worker(monkeypatch)
     lines = [i for i, x in enumerate(NO_MIRROR_FA.splitlines(), 1) if x == FLAG.rstrip("\n")]
     for name, fa in (("off", NO_MIRROR_FA), ("on", GRAPH_FA)):
         t = install.resolve(str(tree(tmp_path / name, fa)), root=str(tmp_path / "r"), log=quiet)
@@ -218,13 +234,7 @@ def test_a_planted_off_by_one_in_the_no_mirror_fallback_is_caught_only_by_the_no
 
 
 def test_an_unreachable_idle_case_is_not_run_is_named_and_does_not_fail(tmp_path, monkeypatch):
-    ran = []
-
-    def worker(target, jobs):
-        ran.extend(j.id for j in jobs)
-        return {j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}
-
-    monkeypatch.setattr(conformance, "run_worker", worker)
+    ran = canned_worker(monkeypatch)
     for name, runner in (("guarded", GUARDED), ("unguarded", UNGUARDED)):
         ran.clear()
         t = install.resolve(str(tree(tmp_path / name, runner=runner)), root=str(tmp_path / "r"), log=quiet)
@@ -245,17 +255,9 @@ def test_an_unreachable_idle_case_is_not_run_is_named_and_does_not_fail(tmp_path
 
 
 def test_an_unreachable_draft_extend_v2_graph_is_not_run_is_named_and_does_not_fail(tmp_path, monkeypatch):
-    ran = []
-
-    def worker(target, jobs):
-        ran.extend(j.id for j in jobs)
-        return {j.id: dict(j.refspec) for j in jobs}, {"import_s": 0.0}
-
-    monkeypatch.setattr(conformance, "run_worker", worker)
-    t = fake_tree(tmp_path / "npu", GRAPH_FA)
-    (t / WORKER_V2).parent.mkdir(parents=True, exist_ok=True)
-    (t / WORKER_V2).write_text(textwrap.dedent(NPU_ONLY))
-    t = install.resolve(str(t), root=str(tmp_path / "r"), log=quiet)
+    ran = canned_worker(monkeypatch)
+    t = install.resolve(str(_worker_tree(tmp_path / "npu", **{WORKER_V2: NPU_ONLY})), root=str(tmp_path / "r"),
+                        log=quiet)
     out = conformance.run(sglang=[t], page_sizes=(4,), modes=("draft_extend_v2",), log=quiet)
     assert out.ok and "draft_extend_v2/P4/B3/bs4" in ran and not [j for j in ran if j.endswith("/graphs")]
     assert {r.phase for r in out.rows} == {"eager"}

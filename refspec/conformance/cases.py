@@ -254,10 +254,17 @@ def without_mirrors(jobs: list[Job]) -> list[Job]:
         if j.mode not in NO_MIRROR_MODES or ("eager", None) not in j.refspec:
             continue
         eager = dict(j.inputs["eager"], seq_lens_cpu=None, extend_seq_lens_cpu=None)
-        inputs = {k: v for k, v in j.inputs.items() if k not in ("capture", "replay", "bs")}
-        out.append(Job(f"{j.id}/{NO_MIRROR_TAG}", j.mode, j.page_size, j.shape, False, dict(inputs, eager=eager),
-                       {("eager", None): j.refspec[("eager", None)]}))
+        out.append(eager_part(j, f"{j.id}/{NO_MIRROR_TAG}", eager))
     return out
+
+
+def eager_part(j: Job, job_id: str, eager: dict | None = None) -> Job:
+    """Job ``j`` without its graph phases (no ``capture`` / ``replay`` / ``bs`` inputs, refspec's
+    eager result only), as ``job_id``; ``eager`` replaces its eager batch where given."""
+    inputs = {k: v for k, v in j.inputs.items() if k not in ("capture", "replay", "bs")}
+    if eager is not None:
+        inputs["eager"] = eager
+    return Job(job_id, j.mode, j.page_size, j.shape, False, inputs, {("eager", None): j.refspec[("eager", None)]})
 
 
 def mark_unreachable(jobs: list[Job], idle_why: str | None) -> list[Job]:
@@ -282,9 +289,7 @@ def mark_graph_unreachable(jobs: list[Job], why: str | None, modes=("draft_exten
         if j.mode not in modes or not j.graphed:
             out.append(j)
             continue
-        inputs = {k: v for k, v in j.inputs.items() if k not in ("capture", "replay", "bs")}
-        eager = {("eager", None): j.refspec[("eager", None)]}
-        out.append(Job(j.id, j.mode, j.page_size, j.shape, False, inputs, eager))
+        out.append(eager_part(j, j.id))
         out.append(Job(f"{j.id}/graphs", j.mode, j.page_size, j.shape, True, {}, {},
                        unreachable=f"its capture and replay: {why}"))
     return out

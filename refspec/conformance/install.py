@@ -252,34 +252,27 @@ RUNNERS = (("sglang/srt/model_executor/runner/eager_runner.py", "_execute_idle")
            ("sglang/srt/model_executor/model_runner.py", "forward_idle"))
 
 
-def _needs_flag(cls: ast.ClassDef) -> bool | None:
+def _flag(cls: ast.ClassDef) -> tuple[bool | None, int | None]:
     """The constant ``needs_cpu_seq_lens`` a class sets (class body, or ``self.`` in ``__init__``;
-    the last one wins), None if it sets none."""
-    value = None
+    the last one wins) and the line that sets it; ``(None, None)`` if it sets none."""
+    value, line = None, None
     for n in cls.body:
         if isinstance(n, (ast.Assign, ast.AnnAssign)):
             names = n.targets if isinstance(n, ast.Assign) else [n.target]
             if any(isinstance(t, ast.Name) and t.id == "needs_cpu_seq_lens" for t in names) and \
                     isinstance(n.value, ast.Constant):
-                value = bool(n.value.value)
+                value, line = bool(n.value.value), n.lineno
     init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
     for n in ast.walk(init) if init else ():
         if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and any(
                 isinstance(t, ast.Attribute) and t.attr == "needs_cpu_seq_lens" for t in n.targets):
-            value = bool(n.value.value)
-    return value
+            value, line = bool(n.value.value), n.lineno
+    return value, line
 
 
-def _false_flag_line(cls: ast.ClassDef) -> int | None:
-    """The line of the last ``needs_cpu_seq_lens = False`` a class sets (body or ``__init__``), or None."""
-    line = None
-    init = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
-    for n in [*cls.body, *(ast.walk(init) if init else ())]:
-        if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Constant):
-            names = n.targets if isinstance(n, ast.Assign) else [n.target]
-            if any(getattr(t, "id", getattr(t, "attr", None)) == "needs_cpu_seq_lens" for t in names):
-                line = n.lineno if n.value.value is False else None
-    return line
+def _needs_flag(cls: ast.ClassDef) -> bool | None:
+    """The constant ``needs_cpu_seq_lens`` a class sets (:func:`_flag`), None if it sets none."""
+    return _flag(cls)[0]
 
 
 def mirror_reason(site: str) -> str | None:
@@ -289,7 +282,7 @@ def mirror_reason(site: str) -> str | None:
     if fa is None or cpu_mirrors(fa):
         return None
     classes = {n.name: n for n in ast.parse(fa).body if isinstance(n, ast.ClassDef)}
-    at = [f"{c} ({FA.rsplit('/', 1)[-1]}:{_false_flag_line(classes[c])})"
+    at = [f"{c} ({FA.rsplit('/', 1)[-1]}:{_flag(classes[c])[1]})"
           for c in ("FlashAttentionBackend", "FlashAttentionMultiStepBackend")]
     return (f"{' and '.join(at)} declare needs_cpu_seq_lens = False, so upstream's spec-v2 worker hands them "
             f"seq_lens_cpu = None (resolve_seq_lens_cpu)")
