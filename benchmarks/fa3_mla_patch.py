@@ -50,17 +50,21 @@ SETUP_EDITS = [
     ),
 ]
 
+_CALL = (
+    "return run_mha_fwd_<Arch, cutlass::bfloat16_t, 64, %s, Split, PagedKVNonTMA, Has_softcap, PackGQA>"
+    "(params, stream);"
+)
 _MSG = (
     '"fa3kit MLA-only build: only head dim 64 with V head dim 512 (bf16, sm90) was compiled; '
     'this call needs V head dim %s"'
 )
 API_EDITS = [
     (
-        "return run_mha_fwd_<Arch, cutlass::bfloat16_t, 64, 256, Split, PagedKVNonTMA, Has_softcap, PackGQA>(params, stream);",
+        _CALL % 256,
         "{ STD_TORCH_CHECK(false, " + _MSG % "in (64, 256]" + "); return; }  // fa3kit",
     ),
     (
-        "return run_mha_fwd_<Arch, cutlass::bfloat16_t, 64, 64, Split, PagedKVNonTMA, Has_softcap, PackGQA>(params, stream);",
+        _CALL % 64,
         "{ STD_TORCH_CHECK(false, " + _MSG % "<= 64" + "); return; }  // fa3kit",
     ),
 ]

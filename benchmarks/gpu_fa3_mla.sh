@@ -5,32 +5,49 @@
 # call `flash_attn_with_kvcache(q=q_rope, k_cache=k_rope, v_cache=c_kv, qv=q_nope, ...)` has no
 # kernel there; this script makes one.
 #
-# Sources: flash-attention 0251105a2fb19d2957484b7f023cd8c115286ced (hopper/, README.md, LICENSE)
-# with cutlass 7127592069c2fe01b041e174ba4345ef9b279671 (include/, the submodule's commit), packed by
-# the `kit` stage below into .fa3src/fa3src.tar.xz (~1.3 MiB; /.fa3src/ is in .git/info/exclude).
+# Sources: flash-attention 0251105a2fb19d2957484b7f023cd8c115286ced (hopper/: setup.py, the headers,
+# flash_api*.cpp, the combine and scheduler kernels, the Python package, the bf16 sm90 forward
+# instantiations; README.md, LICENSE) and cutlass 7127592069c2fe01b041e174ba4345ef9b279671 (include/,
+# the submodule's commit), packed by the `kit` stage into .fa3src/fa3src.tar.xz (1.1 MiB; 29 MiB
+# unpacked; /.fa3src/ and /.fa3mla/ are in .git/info/exclude). What gets compiled: flash_api_stable.cpp,
+# flash_fwd_combine.cu, flash_prepare_scheduler.cu and the five hdim64_512 bf16 units (plain,
+# packgqa, paged, split, paged_split) that run_mha_fwd's dispatch names; each unit holds 8 kernels
+# (causal x varlen x qv on/off). fa3_mla_patch.py drops (64,64) and (64,256), which setup.py's flags
+# cannot (they are named by the same dispatch): such calls then raise "fa3kit MLA-only build".
 #
 # ---------------------------------------------------------------------------------------------------
-# HOW TO RUN (the lead; repo root = the checkout the device tool sends, i.e. /work/main)
-#   Once, here (CPU):  bash benchmarks/gpu_fa3_mla.sh kit        # writes .fa3src/fa3src.tar.xz
-#   Optional negative control (tokenspeed-fa3 in two halves, as gpu_peer.sh uses it):
-#                      ../shared/tools/fa3-wheel --split          # writes .whl1/ .whl2/ (~30 MiB each)
+# HOW TO RUN (the lead). The device tool sends the session's checkout (/work/main), so the kit must
+# sit there: after merging, in /work/main run `bash benchmarks/gpu_fa3_mla.sh kit` (needs the git
+# mirrors under /work/.mirror), or `cp -r /work/wt/fa3kit/.fa3src /work/main/`.
+#   Optional negative control (tokenspeed-fa3 in two halves, as gpu_peer.sh uses it), in /work/main:
+#       ../shared/tools/fa3-wheel --split          # writes .whl1/ .whl2/ (~30 MiB each)
 #   Then back to back on ONE warm machine (it goes back ~30 s after a call; /tmp survives between
-#   back-to-back calls, a fresh machine is bare):
+#   back-to-back calls; a fresh machine is bare). Each call carries <= 14 MiB of repo + 1.1 MiB kit
+#   + ~30 MiB wheel half, under the 64 MiB limit.
 #   call 1  run(command="bash benchmarks/gpu_fa3_mla.sh stash1 build probe",
 #               carry=[".fa3src", ".whl1"], timeout_s=600)
-#           unpacks the kit, builds with a 480 s budget (BUILD_S), then probes if the build is done.
-#           Without the negative control: command "bash benchmarks/gpu_fa3_mla.sh build probe",
-#           carry [".fa3src"].
-#   call 2  run(command="bash benchmarks/gpu_fa3_mla.sh neg build probe", carry=[".whl2"],
+#           unpacks the kit, builds (budget BUILD_S=480 s, less what the call has used), packs the
+#           .so into $OUT, then probes the built module if time is left (~60 s are enough).
+#           Without the negative control: "bash benchmarks/gpu_fa3_mla.sh build probe", carry [".fa3src"].
+#           Expected: ~1-2 min machine start + ~5-7 min command (build ~4-6 min: estimate below).
+#   call 2  run(command="bash benchmarks/gpu_fa3_mla.sh neg build probe", carry=[".fa3src", ".whl2"],
 #               timeout_s=600)
-#           installs tokenspeed-fa3 into /tmp/site (neg), resumes the build where call 1 stopped (ninja
-#           rebuilds only what is missing; a no-op if call 1 finished), then probes the built module
-#           and, in a separate process, tokenspeed-fa3 (expected: FAIL, the measured negative control).
-#           Skip call 2 if call 1 printed "PROBE built: PASS" and you do not want the negative control.
-#   Expected: machine start 1-2 min; build about 6-10 min of wall time for the 5 hdim64_512 TUs
-#   (an estimate, see the report; BUILD TIME lines and ninja-times.txt give the measured numbers);
-#   probe about 1 min. Total device time about 10-15 min, 2 calls.
-#   Files back ($OUT, <= 8): fa3mla.tar.xz (or fa3mla.tar.xz.part-aa, -ab, ... if > 15 MiB),
+#           installs tokenspeed-fa3 into /tmp/site (neg); `build` is a no-op if call 1 finished it, else
+#           resumes it (ninja rebuilds only the missing objects; on a fresh machine it starts over from
+#           the carried kit); then probes the built module and, in a separate process, tokenspeed-fa3
+#           (expected there: every configuration FAILS or raises: the measured negative control).
+#           Expected: ~2 min (install ~20 s, two probes ~30-60 s each). Skip it if call 1 printed
+#           "PROBE built: PASS" and no negative control is wanted.
+#   Estimated device time: ~10-12 min for both calls; worst case (build not done in call 1) ~20 min.
+#   Build-time basis: one hdim64_512 unit (paged_split, 8 kernels) took 214 s of CPU time (198 user +
+#   16 sys; 4.9 GB peak RSS) with nvcc 13.0.88 and setup.py's exact flags on a 2.8 GHz Xeon core; the
+#   five units, combine, scheduler and API compile in parallel (MAX_JOBS=16 on 16 cores, ~25 GB),
+#   so wall time ~ the slowest unit + link. Read the measured numbers in the BUILD TIME lines and
+#   ninja-times.txt.
+#   Look for: "fa3kit sources (8)", "undefined run_mha_fwd symbols (must be none): 0", five
+#   "run_mha_fwd_<90, cutlass::bfloat16_t, 64, 512, ...>" lines, "load check: import ok",
+#   "PROBE built: PASS (114/114 pass ...)", "PROBE tokenspeed-fa3: 114/114 configurations FAIL or raise".
+#   Files back ($OUT, <= 8): fa3mla.tar.xz (or fa3mla.tar.xz.part-aa, -ab, ... past 15 MiB),
 #   build.log.xz, ninja-times.txt, probe.txt, env.txt.
 #
 # REUSE WITHOUT REBUILDING (a later device session)
@@ -89,8 +106,8 @@ do_kit() {
   mkdir -p "$tmp/fa3src/csrc/cutlass"
   # hopper/: the build files, every header, the two API sources, the combine and scheduler kernels,
   # the Python package, and the bf16 sm90 forward instantiations of every head dim (100 files of a
-  # few hundred bytes: only hdim64_512 is built by default, the rest lets a later build pick another
-  # kernel, e.g. FLASH_ATTENTION_DISABLE_HDIMDIFF192=FALSE for MLA's prefill, with the same kit).
+  # few hundred bytes: only hdim64_512 is built here; the rest lets a later build with other flags
+  # in do_build, e.g. hdim192_128 for MLA's non-absorbed prefill, use the same kit).
   local files
   files=$(git --git-dir="$fa" ls-tree -r --name-only "$FA_REV" hopper | grep -E \
     '^hopper/([^/]+\.(h|hpp)|setup\.py|__init__\.py|flash_attn_interface\.py|flash_api(_stable)?\.cpp|flash_fwd_combine\.cu|flash_prepare_scheduler\.cu|flash_attn_3/[^/]+\.py|instantiations/flash_fwd_[^/]*bf16[^/]*_sm90\.cu)$')
@@ -110,6 +127,10 @@ do_kit() {
 }
 
 do_build() {
+  if [ -f "$SRC/.built" ] && ls "$ART"/flash_attn_3/_C*.so >/dev/null 2>&1; then
+    echo "already built on this machine ($(ls "$ART"/flash_attn_3/_C*.so)): nothing to do (stage clean to rebuild)"
+    return 0
+  fi
   if [ ! -f "$SRC/.unpacked" ]; then
     [ -f "$KIT" ] || { echo "no $KIT here: carry .fa3src (made by the kit stage)"; return 2; }
     rm -rf "$SRC" && mkdir -p /tmp/fa3unpack && unpack_xz "$KIT" /tmp/fa3unpack && mv /tmp/fa3unpack/fa3src "$SRC" \
@@ -158,7 +179,11 @@ PY
   # Only the bf16 sm90 forward kernels of head dim 64 (setup.py's own switches): no backward, fp16,
   # fp8, sm80, other head dims, 192/128, softcap, local (sliding window) or append-KV; split,
   # paged KV, pack-GQA and varlen stay on because SGLang's MLA call reaches them (see the report).
+  # The build gets BUILD_S seconds, less if the command has already used time (stash, unpack), so
+  # that the log, the symbol list and the pack still fit in the call's 600 s.
   local budget=${BUILD_S:-480} log=/tmp/fa3build.log
+  local room=$((540 - (SECONDS - T0)))
+  [ "$room" -lt "$budget" ] && budget=$room
   echo "building (budget ${budget} s; FA3KIT_DROP='$drop'; NVCC_APPEND_FLAGS='$nvcc_append')"
   ( cd "$SRC/hopper" && exec env \
       FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_OFFLINE_BUILD=1 \
@@ -167,7 +192,7 @@ PY
       FLASH_ATTENTION_DISABLE_HDIM192=TRUE FLASH_ATTENTION_DISABLE_HDIM256=TRUE \
       FLASH_ATTENTION_DISABLE_HDIMDIFF192=TRUE FLASH_ATTENTION_DISABLE_SOFTCAP=TRUE \
       FLASH_ATTENTION_DISABLE_LOCAL=TRUE FLASH_ATTENTION_DISABLE_APPENDKV=TRUE FLASH_ATTENTION_DISABLE_CLUSTER=TRUE \
-      FA3KIT_DROP="$drop" NVCC_APPEND_FLAGS="$nvcc_append" MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=${NVCC_THREADS:-2} \
+      FA3KIT_DROP="$drop" ${nvcc_append:+"NVCC_APPEND_FLAGS=$nvcc_append"} MAX_JOBS=${MAX_JOBS:-16} NVCC_THREADS=${NVCC_THREADS:-2} \
       NINJA_STATUS='[%f/%t %es] ' setsid python3 setup.py build_ext --inplace ) >> "$log" 2>&1 &
   local pid=$! end=$((SECONDS + budget)) stopped=0
   while kill -0 "$pid" 2>/dev/null; do
@@ -206,7 +231,10 @@ PY
   (cd /tmp && PYTHONPATH=$ART python3 -c "import torch, flash_attn_3._C as c, flash_attn_config as f; \
 print('load check: import ok', c.__file__); print('config', {k: v for k, v in f.CONFIG['build_flags'].items() if not v})") \
     || { echo "load check FAILED"; return 3; }
+  touch "$SRC/.built"
+  stamp "load check"
   do_pack
+  stamp pack
 }
 
 do_pack() {
@@ -237,13 +265,19 @@ do_use() {
 }
 
 do_probe() {
-  [ -d "$ART/flash_attn_3" ] || { echo "no built module in $ART: build or use first"; return 6; }
-  local probe="$REPO/benchmarks/fa3_mla_probe.py"
+  ls "$ART"/flash_attn_3/_C*.so >/dev/null 2>&1 || { echo "no built module in $ART: build (or use) first"; return 6; }
+  local probe="$REPO/benchmarks/fa3_mla_probe.py" left=$((585 - (SECONDS - T0)))
+  if [ "$left" -lt 60 ]; then
+    echo "only ${left} s left in this call: run 'probe' in the next call (the build stays in $ART)"; return 6
+  fi
+  local each=$(( left / 2 < ${PROBE_S:-240} ? left / 2 : ${PROBE_S:-240} ))
   # Each FA3 in its own process, from /tmp so that no source tree shadows the module.
-  (cd /tmp && PYTHONPATH=$ART timeout "${PROBE_S:-240}" python3 "$probe" --label built) 2>&1 | tee "$OUT/probe.txt"
+  (cd /tmp && PYTHONPATH=$ART timeout "$each" python3 "$probe" --label built) 2>&1 | tee "$OUT/probe.txt"
+  stamp "probe built"
   if [ -f /tmp/site/flash_attn_3/__init__.py ] || ls /tmp/site/flash_attn_3/_C*.so >/dev/null 2>&1; then
-    (cd /tmp && PYTHONPATH=/tmp/site timeout "${PROBE_S:-240}" python3 "$probe" --label tokenspeed-fa3 \
+    (cd /tmp && PYTHONPATH=/tmp/site timeout "$each" python3 "$probe" --label tokenspeed-fa3 \
       --negative-control) 2>&1 | tee -a "$OUT/probe.txt"
+    stamp "probe tokenspeed-fa3"
   else
     echo "tokenspeed-fa3 not installed in /tmp/site: negative control skipped (stages stash1 + neg)" | tee -a "$OUT/probe.txt"
   fi
@@ -262,7 +296,7 @@ for what in "$@"; do
     pack) do_pack || exit $? ;;
     use) do_use || exit $? ;;
     probe) do_probe ;;
-    clean) rm -rf "$SRC" "$ART" /tmp/fa3build.log && echo "cleaned" ;;
+    clean) rm -rf "$SRC" "$ART" /tmp/fa3build.log /tmp/fa3libs && echo "cleaned" ;;
     *) echo "unknown stage $what (kit stash1 neg build pack use probe clean)"; exit 2 ;;
   esac
 done
