@@ -29,7 +29,7 @@
 #           unpacks the kit, builds (budget BUILD_S=480 s, less what the call has used), packs the
 #           .so into $OUT, then probes the built module if time is left (~60 s are enough).
 #           Without the negative control: "bash benchmarks/gpu_fa3_mla.sh build probe", carry [".fa3src"].
-#           Expected: ~1-2 min machine start + ~5-7 min command (build ~4-6 min: estimate below).
+#           Expected: ~1-2 min machine start + ~5-6 min command (build ~4-5 min: estimate below).
 #   call 2  run(command="bash benchmarks/gpu_fa3_mla.sh neg build probe", carry=[".fa3src", ".whl2"],
 #               timeout_s=600)
 #           installs tokenspeed-fa3 into /tmp/site (neg); `build` is a no-op if call 1 finished it, else
@@ -39,11 +39,13 @@
 #           Expected: ~2 min (install ~20 s, two probes ~30-60 s each). Skip it if call 1 printed
 #           "PROBE built: PASS" and no negative control is wanted.
 #   Estimated device time: ~10-12 min for both calls; worst case (build not done in call 1) ~20 min.
-#   Build-time basis: one hdim64_512 unit (paged_split, 8 kernels) took 214 s of CPU time (198 user +
-#   16 sys; 4.9 GB peak RSS) with nvcc 13.0.88 and setup.py's exact flags on a 2.8 GHz Xeon core; the
-#   five units, combine, scheduler and API compile in parallel (MAX_JOBS=16 on 16 cores, ~25 GB),
-#   so wall time ~ the slowest unit + link. Read the measured numbers in the BUILD TIME lines and
-#   ninja-times.txt.
+#   Build-time basis (measured here, on a shared 2.8 GHz Xeon core, nvcc 13.0.88 from the pip wheel,
+#   setup.py's exact flags): one hdim64_512 unit (paged_split, 8 kernels) took 214 s of CPU time
+#   (4.9 GB peak RSS, 3.6 MB object); flash_fwd_combine.cu 249 s and flash_prepare_scheduler.cu 140 s,
+#   each for two archs (sm80 + sm90a) that NVCC_THREADS=2 compiles side by side; flash_api_stable.cpp
+#   ~30 s of g++. All 8 compile at once (MAX_JOBS=16 on 16 cores, ~30 GB), so the wall time is about
+#   the slowest unit (~3.5-4 min) + setup.py and link (< 1 min). The .so should be ~30 MB (xz ~10x
+#   smaller: one fa3mla.tar.xz). The BUILD TIME lines and ninja-times.txt give the measured numbers.
 #   Look for: "fa3kit sources (8)", "undefined run_mha_fwd symbols (must be none): 0", five
 #   "run_mha_fwd_<90, cutlass::bfloat16_t, 64, 512, ...>" lines, "load check: import ok",
 #   "PROBE built: PASS (114/114 pass ...)", "PROBE tokenspeed-fa3: 114/114 configurations FAIL or raise".
