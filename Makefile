@@ -46,7 +46,8 @@ mutants: $(SETUP)
 # mutation testing of the checkers (validators, trace checks, the conformance comparison):
 # mutmut, one mutant at a time, each module against its own tests (the table in
 # benchmarks/mutation.py); writes benchmarks/results/mutation.md, fails on a survivor that is
-# not listed as equivalent.  Its own target, not part of make test / .ci/run (CPU minutes).
+# not listed as equivalent and on a mutant no test reaches (its function never called: mutmut's
+# "no tests").  Its own target, not part of make test / .ci/run (CPU minutes).
 mutation:
 	$(MAKE) venv EXTRAS=test,mutation
 	timeout 3600 $(PY) benchmarks/mutation.py
