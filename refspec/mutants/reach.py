@@ -17,8 +17,10 @@ Nothing to register: any :class:`~refspec.mutants.variant.Variant` (chain, tree,
 is counted the moment it joins ``VARIANTS``.  What a count means: on the CPU the emulated CUDA
 graph re-runs the captured function at every replay, so replays count; on CUDA a captured graph
 replays its kernels without calling Python, so there the count is the calls made while capturing
-(the graph replays what they recorded) plus the eager ones.  Either way zero means the probe never
-put the variant on its path.
+(the graph replays what they recorded) plus the eager ones.  A probe's own direct call of the seam
+counts too (``tree_probes.verify_probe`` reads the mask rows through ``verify_mask_rows`` as well
+as through the backend): the count says the seam ran in the run, the probe's label says where.
+Either way zero means the probe never put the variant on its path.
 
 An instrument: a learner reading the reference can skip this module.
 """
