@@ -124,7 +124,6 @@ def verify_graph_probe(env: Env, found: list, validate: bool) -> None:
     layer = ts.layer(hd)
     host = _VerifyGraphHost(kv, be, layer, torch.zeros((4 * N, ts.H, hd), dtype=env.dtype, device=env.device), k, N)
     runner = tree_graphs.TreeGraphRunner(host, "verify", capture_bs=(4,), dtype=env.dtype)
-    host.q.zero_()
     host.q[:q.shape[0]].copy_(q)
     (out,) = runner.replay(live, {})
     md = be.forward_metadata_spec_decode_expand  # the graph's own buffers, bound at capture
