@@ -46,19 +46,22 @@ mutants: $(SETUP)
 # mutation testing of the checkers (validators, trace checks, the conformance comparison):
 # mutmut, one mutant at a time, each module against its own tests (the table in
 # benchmarks/mutation.py); writes benchmarks/results/mutation.md, fails on a survivor that is
-# not listed as equivalent.  Its own target, not part of make test / .ci/run (CPU minutes).
+# not listed as equivalent and on a mutant no test reaches (its function never called: mutmut's
+# "no tests").  Its own target, not part of make test / .ci/run (CPU minutes).
 mutation:
 	$(MAKE) venv EXTRAS=test,mutation
 	timeout 3600 $(PY) benchmarks/mutation.py
 
-# the fused Triton kernels (merge, tree acceptance, tree structure) compiled for Hopper (sm_90)
-# on this CPU machine: Triton's passes and ptxas need no GPU (tests/test_triton_compile.py; a CPU
-# torch brings no Triton, so a pinned one goes into .triton/, outside the venv; a fresh Triton
-# cache, so every run compiles).  .ci/run calls it after make test.
+# the fused Triton kernels (merge, tree acceptance, tree structure, KV move) compiled for Hopper
+# (sm_90) on this CPU machine: Triton's passes and ptxas need no GPU (tests/test_triton_compile.py),
+# and run by Triton's interpreter against their torch rules on random inputs
+# (tests/test_triton_interpret.py); a CPU torch brings no Triton, so a pinned one goes into
+# .triton/, outside the venv; a fresh Triton cache, so every run compiles.  .ci/run calls it after make test.
 TRITON_PIN ?= triton==3.6.0
 triton-check: venv
 	test -d .triton/triton || $(PY) -m pip install -q --no-deps --target .triton "$(TRITON_PIN)"
-	PYTHONPATH=.triton TRITON_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -p no:cacheprovider tests/test_triton_compile.py
+	PYTHONPATH=.triton TRITON_CACHE_DIR=$$(mktemp -d) $(PY) -m pytest -q -p no:cacheprovider tests/test_triton_compile.py \
+		tests/test_triton_interpret.py
 
 # SGLang's own FA3 backend on the same batches (installs the pinned releases into .conformance/,
 # patched copies for the known-bug controls into .conformance-patched/)

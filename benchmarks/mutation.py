@@ -10,8 +10,17 @@ Each module runs in its own scratch copy ``build/mutation/<name>/`` (the reposit
 entries linked in, a ``[tool.mutmut]`` section added to a copy of pyproject.toml), one mutant at a
 time (``--max-children 1``), so a module's test selection is its own.  Survivors listed in
 :data:`EQUIVALENT` (keyed by module and the mutated line's text, not by a line number) count as
-equivalent; every other survivor fails the run.  The report is written to
-``benchmarks/results/mutation.md``.
+equivalent; every other survivor fails the run.
+
+**Reach.**  Before mutating, mutmut runs the selected tests once with every mutated function
+wrapped in a trampoline that records which tests call it (its stats run); a mutant whose function
+no selected test calls is never run and gets mutmut's status "no tests" (exit code 33).  Such a
+mutant says nothing about the tests' strength: no test executes the code.  The report lists it as
+*not reached*, per function, apart from the survivors and the equivalents, and it fails the run
+too (the function needs a test that calls it, or leaves :data:`MODULES`' selection).  The bug
+zoo's runner applies the same rule to its variants (``refspec/mutants/reach.py``).
+
+The report is written to ``benchmarks/results/mutation.md``.
 
 Usage: ``python benchmarks/mutation.py [--only NAME ...] [--keep] [--report PATH]``
 """
@@ -169,6 +178,17 @@ EQUIVALENT: dict[tuple[str, str], str] = {
 # mutmut's exit-code classes (mutmut.stats.status_by_exit_code): killed, timeout (also a kill:
 # the tests did not pass), the rest are not kills.
 KILLED = {"killed", "timeout", "caught by type check"}
+#: mutmut's status of a mutant whose function no selected test called in its stats run (exit code 33)
+NOT_REACHED = "no tests"
+
+
+def function_of(key: str) -> str:
+    """The mutated function of a mutmut key: ``refspec.traces.replay.x__check_run__mutmut_7`` ->
+    ``_check_run``; a method (``xǁClassǁname__mutmut_3``) -> ``Class.name``."""
+    name = key.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0]
+    if name.startswith("xǁ"):
+        return ".".join(name.split("ǁ")[1:])
+    return name.removeprefix("x_")
 
 
 def _scratch(mod: Module, keep: bool) -> Path:
@@ -278,12 +298,16 @@ def run_module(mod: Module, keep: bool, timeout: float, report_only: bool = Fals
 
 def _classify(d: Path, mod: Module, codes: dict, rerun_s: float | None, status_by_exit_code) -> dict:
     full = d / "full_run_wall_s"
-    row = {"module": mod, "total": len(codes), "killed": 0, "equivalent": [], "survived": [],
+    row = {"module": mod, "total": len(codes), "killed": 0, "equivalent": [], "survived": [], "not_reached": {},
            "wall_s": float(full.read_text()), "rerun_s": rerun_s}
     for name, code in sorted(codes.items()):
         status = status_by_exit_code[code]
         if status in KILLED:
             row["killed"] += 1
+            continue
+        if status == NOT_REACHED:  # no selected test calls its function: not run, not a survivor
+            fn = function_of(name)
+            row["not_reached"][fn] = row["not_reached"].get(fn, 0) + 1
             continue
         line = _mutated_line(d, name, mod.path)
         why = EQUIVALENT.get((mod.name, line))
@@ -345,14 +369,16 @@ def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", 
           if (fresh := _last_fresh()) is not None and argv else []),
         "",
         "A mutant is *killed* when the module's tests fail (or time out) on it; *equivalent* when "
-        "no test can tell it from the original (one line each below); anything else *survived*.",
+        "no test can tell it from the original (one line each below); *not reached* when no selected test "
+        "calls its function (mutmut's stats run: status \"no tests\"), so it was never run; anything else "
+        "*survived*.  Survivors and not-reached mutants fail the run.",
         "",
         "*wall*: the module's full run (mutant generation, the stats run, every mutant); a rerun "
         "(`--keep`) runs only the earlier survivors again, against the tests added since (a kill "
         "stays a kill when tests are only added): its time is in brackets.",
         "",
-        "| module | tests | mutants | killed | equivalent | survived | score | wall |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| module | tests | mutants | killed | equivalent | not reached | survived | score | wall |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         m, non_eq = r["module"], r["total"] - len(r["equivalent"])
@@ -361,14 +387,16 @@ def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", 
         only = "<br>only " + ", ".join(f"`{f.split('ǁ')[-1].removeprefix('x_')}`" for f in m.functions) \
             if m.functions else ""
         lines.append(f"| `{m.path}`{only} | {tests} | {r['total']} | {r['killed']} | {len(r['equivalent'])} | "
-                     f"{len(r['survived'])} | {score} | {r['wall_s']:.0f} s"
+                     f"{sum(r['not_reached'].values())} | {len(r['survived'])} | {score} | {r['wall_s']:.0f} s"
                      + (f" ({r['rerun_s']:.0f} s)" if r["rerun_s"] is not None else "") + " |")
     tot = sum(r["total"] for r in rows)
     k = sum(r["killed"] for r in rows)
     eq = sum(len(r["equivalent"]) for r in rows)
     sv = sum(len(r["survived"]) for r in rows)
-    lines += [f"| **all** | | {tot} | {k} | {eq} | {sv} | "
+    nr = sum(sum(r["not_reached"].values()) for r in rows)
+    lines += [f"| **all** | | {tot} | {k} | {eq} | {nr} | {sv} | "
               f"{100 * k / max(tot - eq, 1):.1f} % | {sum(r['wall_s'] for r in rows):.0f} s |", ""]
+    lines += ["## Not reached", ""] + (not_reached_lines(rows) or ["None."]) + [""]
     for title, key in (("Survivors", "survived"), ("Equivalent mutants", "equivalent")):
         items = [(r["module"].name, it) for r in rows for it in r[key]]
         lines += [f"## {title}", ""]
@@ -382,6 +410,13 @@ def write_report(rows: list[dict], path: Path, argv: list[str], load: str = "", 
                 lines.append(f"* `{mod}` `{it[0]}`: `{it[1]}` — {it[2]}")
         lines.append("")
     path.write_text("\n".join(lines))
+
+
+def not_reached_lines(rows: list[dict]) -> list[str]:
+    """One Markdown line per function whose mutants no selected test reached."""
+    return [f"* `{r['module'].name}` `{fn}`: {n} mutant{'s' * (n != 1)} never run: no test of "
+            + ", ".join(f"`{t}`" for t in r["module"].tests) + " calls it"
+            for r in rows for fn, n in sorted(r["not_reached"].items())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutation: {m.name} ({m.path}) against {' '.join(m.tests)}", flush=True)
         r = run_module(m, args.keep, args.timeout, args.report_only)
         print(f"  {r['total']} mutants: {r['killed']} killed, {len(r['equivalent'])} equivalent, "
-              f"{len(r['survived'])} survived ({r['wall_s']:.0f} s)", flush=True)
+              f"{sum(r['not_reached'].values())} not reached, {len(r['survived'])} survived "
+              f"({r['wall_s']:.0f} s)", flush=True)
+        for fn, n in sorted(r["not_reached"].items()):
+            print(f"  not reached: {fn} ({n} mutants; no selected test calls it)", flush=True)
         for s in r["survived"]:
             print(f"  survived {s[0]} ({s[1]}): {s[2]}", flush=True)
         rows.append(r)
@@ -414,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                                          commit=_git("rev-parse", "--short", "HEAD"), wall_s=wall, load=load_line)))
     write_report(rows, args.report, shown, load_line, wall)
     print(f"report: {args.report.relative_to(ROOT) if args.report.is_relative_to(ROOT) else args.report}")
-    return 1 if any(r["survived"] for r in rows) else 0
+    return 1 if any(r["survived"] or r["not_reached"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ if str(DOCS) not in sys.path:  # spec_index.py, also when a test loads this file
 from refspec.core import tolerance  # noqa: E402
 from refspec.core.invariants import INVARIANTS, RULES  # noqa: E402
 from refspec.mutants import variants  # noqa: E402
+from refspec.mutants.probes import PROBES  # noqa: E402
 import spec_index  # noqa: E402  (docs/spec_index.py)
 
 COMMAND = "python docs/generated.py --write"
@@ -116,6 +117,11 @@ def _source_links(text: str, src_uri: str) -> str:
                     f"({posixpath.relpath(m.group(1), here or '.')}{m.group(2) or ''})", text)
 
 
+def _probes(name: str) -> str:
+    """The scenarios ``python -m refspec mutants`` runs the variant in (refspec.mutants.probes.PROBES)."""
+    return "; ".join(p.label for p in PROBES.get(name, [])) or "no probe"
+
+
 def _bug_zoo(ctx: Context, arg: str) -> str:
     # a narrow table first ("caught by" second: what a reviewer looks for, on screen at 1280 px),
     # then the long columns (symptom, where it was seen) as one paragraph per variant
@@ -124,7 +130,9 @@ def _bug_zoo(ctx: Context, arg: str) -> str:
         caught = ", ".join(id_link(i, ctx.src_uri) for i in b.caught_by)
         rows.append(f"| [`{b.name}`](#{b.name}) | {caught} | {b.changes} |")
     details = [f'<a id="{b.name}"></a>\n**`{b.name}`** replaces {_seam(b)} — {b.symptom}. '
-               f'*Seen in:* {_source_links(b.source, ctx.src_uri)}.' for b in variants.VARIANTS.values()]
+               f'*Seen in:* {_source_links(b.source, ctx.src_uri)}. '
+               f'*Probed by* (the path its seam must be called on): {_probes(b.name)}.'
+               for b in variants.VARIANTS.values()]
     return "\n".join(rows) + "\n\n**Symptoms and sources**\n\n" + "\n\n".join(details)
 
 

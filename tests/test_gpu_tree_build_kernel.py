@@ -9,7 +9,8 @@ and the host port :func:`refspec.speculative.tree.build.build_tree` give the sam
 lists, ancestor rows and depths.  The CPU tests pin where the kernel is not used: on a CPU tensor
 ``tree_structure`` is the tensor rule, and the fused entry point refuses CPU tensors with a clear
 error.  (Before the GPU: the same comparison under Triton's interpreter, ``TRITON_INTERPRET=1``,
-180 random trees, ``benchmarks/results/h200_peer5.md``.)
+180 random trees, ``benchmarks/results/h200_peer5.md``; on every ``make triton-check`` now:
+``tests/test_triton_interpret.py``.)
 """
 
 from __future__ import annotations

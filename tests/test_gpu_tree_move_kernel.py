@@ -7,7 +7,8 @@ moves of 1-256 slots, among them the accepted-path pattern where a slot is one e
 an earlier entry's target (the barrier's case), at widths that span several warps.  The CPU tests
 pin where the kernel is not used (a CPU tensor: the torch rule) and the argument errors.  (Before
 the GPU: the same comparison under Triton's interpreter, ``TRITON_INTERPRET=1``, 60 random moves,
-and two broken kernels (stores at the source, a skipped byte tile) fail it.)
+and two broken kernels (stores at the source, a skipped byte tile) fail it; on every ``make
+triton-check`` now: ``tests/test_triton_interpret.py``.)
 """
 
 from __future__ import annotations

@@ -182,6 +182,9 @@ def test_positions_one_early_in_the_shared_core_is_caught_by_the_comparison(repo
     ("lse-merge-no-rescale", {"TR-012"}, {"TR-012"}),
     ("branch-no-tail-copy", {"TR-015", "TR-019"}, {"TR-015", "TR-019"}),
     ("draft-expand-unsliced-cache-loc", {"TR-018"}, {"TR-018"}),
+    ("graph-mask-sibling-visible", {"TR-011", "TR-019"}, {"TR-011", "TR-012", "TR-019"}),
+    ("expand-seqlens-all-nodes", {"TR-011"}, {"TR-011", "TR-012"}),
+    ("expand-table-from-row-start", {"TR-011"}, {"TR-011", "TR-012"}),
 ])
 def test_tree_variant_is_listed_applied_and_caught(report, name, validated, symptoms):
     assert name in TREE_VARIANTS and variants.VARIANTS[name] is TREE_VARIANTS[name]
@@ -197,8 +200,81 @@ def test_tree_variant_is_listed_applied_and_caught(report, name, validated, symp
 
 def test_tree_variants_count_in_the_caught_line(report):
     text = mutants.format_report(report)
-    assert set(TREE_VARIANTS) <= set(report.caught) and report.total == len(variants.CHAIN_VARIANTS) + 5
-    assert text.splitlines()[-1] == f"caught {len(variants.CHAIN_VARIANTS) + 5}/{len(variants.CHAIN_VARIANTS) + 5}"
+    assert set(TREE_VARIANTS) <= set(report.caught) and report.total == len(variants.CHAIN_VARIANTS) + 8
+    assert text.splitlines()[-1] == f"caught {len(variants.CHAIN_VARIANTS) + 8}/{len(variants.CHAIN_VARIANTS) + 8}"
+
+
+# ---- reach: each variant's replacement ran in the run that caught it (issue 42) -------------
+
+def test_every_variant_reaches_its_seam_and_the_table_says_how_often(report):
+    text = mutants.format_report(report)
+    assert report.not_reached == [] and sorted(report.reached) == sorted(variants.VARIANTS), text
+    assert text.splitlines()[-2] == f"seam reached {report.total}/{report.total} (seam calls: validation on / off)"
+    head = text.splitlines()[0]
+    assert head.index("caught by") < head.index("seam calls") < head.index("symptom")
+    for r in report.results:
+        assert r.caught_by.calls >= 1, (r.variant.name, r.probe.label)
+        row = mutants.format_report(mutants.Report("cpu", [r])).splitlines()[2]
+        assert f" {r.caught_by.calls} / {r.symptom.calls} " in row, row
+
+
+@pytest.mark.spec("TR-011", "TR-018")
+@pytest.mark.parametrize("name", ["graph-mask-sibling-visible", "expand-seqlens-all-nodes",
+                                  "expand-table-from-row-start"])
+def test_graphed_verify_variants_are_called_by_the_captured_graph(report, name):
+    """Their replacement runs inside the verify graph: at capture and at the replay (the CPU's
+    emulated graph re-runs the captured function), so at least twice in the graph probe."""
+    (r,) = [r for r in results(report, name) if r.probe.label.startswith("TREE_VERIFY graph")]
+    assert r.caught_by.calls >= 2 and r.symptom.calls >= 2 and r.caught
+
+
+@pytest.mark.spec("TR-011")
+@pytest.mark.parametrize("name", ["tree-mask-sibling-visible", "expand-reads-prefix-twice"])
+def test_the_eager_verify_variants_never_reach_the_graphed_verify(name):
+    """What issue 42 found, kept as a fact: the graphed verify builds its expand metadata from the
+    builder's mask rows, so these two seams are never called there and change nothing; their
+    descriptions say "eager", and their graphed twins are other variants."""
+    from refspec.mutants.tree_probes import verify_graph_probe
+
+    obs = mutants.observe(Probe("graphed verify", verify_graph_probe), mutants.Env(), True, name)
+    assert obs.calls == 0 and not obs.detected, obs.describe()
+    assert variants.VARIANTS[name].changes.startswith("eager verify")
+
+
+def test_enabled_counts_every_call_and_nested_blocks_share_the_counter():
+    from refspec.core.batch import draft_decode_steps_batch, draft_step_view
+    from refspec.core.modes import ForwardMode
+    from refspec.harness.scenario import Scenario
+    b = Scenario(ForwardMode.DECODE, page_size=4, lens=[9, 5], draft_step=1).build()
+    fb = draft_decode_steps_batch(b.kv, b.fb.req_pool_indices.tolist(), [9, 5], 3)
+    with variants.enabled("draft-loc-step-major") as reach:
+        step = reach["draft-loc-step-major"]
+        assert step.calls == 0 and step.seam == "refspec.core.batch.draft_step_cut"
+        draft_step_view(fb, 0, 3)
+        with variants.enabled("draft-loc-step-major") as inner:
+            draft_step_view(fb, 1, 3)
+            assert inner["draft-loc-step-major"] is step
+        with variants.disabled():
+            draft_step_view(fb, 1, 3)  # the original: not counted
+        assert step.calls == 2
+
+
+def test_a_variant_whose_seam_is_never_called_is_not_caught_and_main_fails(monkeypatch, capsys):
+    """Negative control: a probe that reports the right ID whenever any variant is on, without
+    ever calling the seam, is "NOT REACHED", not a catch."""
+    def sees_any_variant(env, found, validate):
+        if variants.active():
+            found.append(Symptom("check", "CG-002", "fires whenever a variant is on"))
+    _fake_variant(monkeypatch, "unreached", Probe("never calls mode_delta", sees_any_variant))
+    rep = mutants.run("cpu", ["unreached"])
+    (r,) = rep.results
+    assert r.baseline_ok and r.caught_by.first_id == "CG-002" and r.caught_by.calls == 0
+    assert rep.caught == [] and rep.not_reached == ["unreached"]
+    text = mutants.format_report(rep)
+    assert "NOT REACHED (saw CG-002)" in text and " 0 / 0 " in text and "NOT REACHED (the seam" in text
+    assert mutants_main(["--only", "unreached"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["seam reached 0/1 (seam calls: validation on / off)", "caught 0/1"]
 
 
 def test_tree_variants_run_in_low_precision_the_cuda_path():
@@ -207,7 +283,7 @@ def test_tree_variants_run_in_low_precision_the_cuda_path():
     rep = mutants.run("cpu", sorted(TREE_VARIANTS), low_precision=True)
     assert sorted(rep.caught) == sorted(TREE_VARIANTS), mutants.format_report(rep, verbose=True)
     loops = [r for r in rep.results if r.probe.label.startswith("TREE_LOOP")]
-    assert len(loops) == 2 and all(r.skipped and "CPU fp32 only" in r.skipped for r in loops)
+    assert len(loops) == 3 and all(r.skipped and "CPU fp32 only" in r.skipped for r in loops)
 
 
 def test_cuda_run_lists_every_tree_probe(monkeypatch):

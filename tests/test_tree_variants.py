@@ -15,6 +15,8 @@ from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.harness.tree_scenario import LAYER, draft_setup, verify_setup
 from refspec.model.drafts import make_draft
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
+from refspec.mutants.checks import Env
+from refspec.mutants.tree_probes import verify_graph_probe
 from refspec.mutants.tree_variants import TREE_VARIANTS, apply_variant
 from refspec.oracle.loop import greedy
 from refspec.oracle.slots import attention_over_slots
@@ -32,6 +34,13 @@ def probe_verify_attention():
     k, v = pool.get_flat_kv(0)
     torch.testing.assert_close(be.forward(q, None, None, LAYER, fb), attention_over_slots(q, k, v, slots),
                                rtol=1e-5, atol=1e-5)
+
+
+def probe_verify_graph():
+    """The graphed tree verify (its expand metadata built inside the captured graph) vs the parents."""
+    found = []
+    verify_graph_probe(Env(), found, True)
+    assert not found, found
 
 
 def probe_draft_attention():
@@ -83,6 +92,9 @@ PROBES = {
     "lse-merge-no-rescale": probe_verify_attention,
     "branch-no-tail-copy": probe_draft_attention,
     "draft-expand-unsliced-cache-loc": probe_draft_expand_replay,
+    "graph-mask-sibling-visible": probe_verify_graph,
+    "expand-seqlens-all-nodes": probe_verify_graph,
+    "expand-table-from-row-start": probe_verify_graph,
 }
 
 

@@ -74,6 +74,8 @@ def merge_state_fused(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, ls
     ``o1, o2 [T, H, D]`` on one CUDA device with a contiguous last dim; ``lse1, lse2 [T, H]``
     fp32, any strides (FA3's ``lse.T`` view), on the same device.  Raises ValueError naming the
     argument for other shapes, dtypes or devices, and RuntimeError where :func:`available` is False.
+
+    Fused twin of the torch rule :func:`refspec.fa3.tree_attention.merge_state_torch`.
     """
     if not available(o1.device):
         raise RuntimeError("merge_state_fused needs a CUDA tensor and Triton (see merge_kernel.available)")

@@ -50,6 +50,9 @@ def merge_state_torch(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, ls
     side (``p_lse = isinf(p_lse) ? -inf : p_lse``: FlashAttention kernels may report an empty
     row as ``+inf``), which gets weight 0 -- e.g. a draft-decode prefix with ``L - lp = 0``.  Both
     sides empty is undefined (NaN), as upstream; the tree path never has an empty expand side.
+
+    The rule of the fused kernel :func:`refspec.fa3.merge_kernel.merge_state_fused` (what a CUDA
+    device runs; equal up to fp32 rounding, ``tests/test_triton_interpret.py``).
     """
     # an empty side (LSE +-inf) counts as -inf; a Python scalar, so no host tensor is copied (graph-safe)
     l1 = torch.where(torch.isinf(lse1.float()), float("-inf"), lse1.float())

@@ -106,7 +106,13 @@ def verify_expand_seqlens(mask: torch.Tensor) -> torch.Tensor:
 
 def verify_expand_metadata(custom_mask, seq_lens, req_pool_indices, req_to_token,
                            num_draft_tokens: int) -> FlashAttentionMetadata:
-    """TR-011: the expand part of tree verify: one sequence per node, ``max_seqlen_q = 1``."""
+    """TR-011: the expand part of tree verify: one sequence per node, ``max_seqlen_q = 1``.
+
+    The eager path (the mask rows extracted from ``custom_mask``, :func:`verify_mask_rows`).  Its
+    graphed twin is :func:`refspec.speculative.tree.graphs.write_verify_expand`: inside the verify
+    graph the same values are written in place from the tree builder's mask rows
+    (``TreeVerifyBatch.tree_mask``), through :func:`verify_expand_seqlens` and
+    :func:`verify_expand_page_table` but never through this function or :func:`verify_mask_rows`."""
     N, B = num_draft_tokens, seq_lens.shape[0]
     mask = verify_mask_rows(custom_mask, seq_lens, N)
     cache_seqlens = verify_expand_seqlens(mask)
@@ -188,6 +194,9 @@ def draft_expand_metadata(out_cache_loc, seq_lens, step: int, topk: int, num_ste
     ``[B*k, S]`` table filled by :func:`draft_decode_set_expand_metadata` from the *whole*
     ``cache_loc`` row (eager; CUDA-graph replay slices it to ``s + 1`` columns, TR-019).
     Raises: ValueError unless ``0 <= step < num_steps - 1``.
+
+    Eager twin of :func:`refspec.speculative.tree.graphs.write_draft_expand` (the same values,
+    written in place inside the draft graph).
     """
     if not 0 <= step < num_steps - 1:
         raise ValueError(f"draft step {step} outside [0, {num_steps - 1}) for num_steps = {num_steps}")

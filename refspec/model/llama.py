@@ -155,6 +155,9 @@ class LlamaBody(nn.Module):
 class LlamaModel(nn.Module):
     """Llama causal LM (HF ``LlamaForCausalLM`` names) with a pluggable attention backend.
 
+    The readable twin of :class:`refspec.model.fused.FusedLlama` (the GPU speed path built from it;
+    same logits on CPU, ``tests/test_fused_greedy.py``).
+
     Args:
         config: a :class:`LlamaConfig`.
     """

@@ -3,7 +3,8 @@
 Modules: ``variants`` (the registry: ``VARIANTS``, ``enabled``; the record is ``variant.Variant``),
 ``tree_variants`` (the FA3 top-k > 1 seams' variants, part of ``VARIANTS``), ``replacements``
 (one small wrong rule per variant), ``replace`` (rebinding a seam at every call site, by
-identity), ``probes`` / ``audit_probes`` / ``engine_probes`` / ``tree_probes`` (the scenarios
+identity), ``reach`` (each replacement's call counter: a variant whose seam its probe never
+calls is not caught), ``probes`` / ``audit_probes`` / ``engine_probes`` / ``tree_probes`` (the scenarios
 that expose them),
 ``checks`` (suite-side references and checks), ``runner`` (``python -m refspec mutants``).
 Nothing in production imports this package (``tests/test_layers.py``).

@@ -9,7 +9,8 @@ run                variant      must
 baseline, on       off          see nothing, with production validation on (the probe discriminates)
 baseline, off      off          see nothing, with validation off
 caught by          on           raise a named ``InvariantError`` (or an independent check fires)
-                                whose ID is listed in the variant's ``Bug.caught_by``
+                                whose ID is listed in the variant's ``Bug.caught_by``, having called
+                                the variant's replacement at least once (its *reach*)
 symptom            on           with validation off, show what the bug does: an output differing
                                 from the oracle beyond tolerance, a KV value overwritten, an emulator
                                 contract error or guard, a crash, or (padding-only variants) an
@@ -17,7 +18,12 @@ symptom            on           with validation off, show what the bug does: an 
 =================  ===========  =====================================================================
 
 A variant is *caught* when at least one of its probes ran and every probe that ran passed both
-baselines and, validated, named an ID of ``caught_by``.  A variant whose validation-off run shows
+baselines and, validated, called the replacement and named an ID of ``caught_by``.  The reach is
+counted by :mod:`refspec.mutants.reach` (``variants.enabled`` wraps every replacement in a
+counter): the table's *seam calls* column prints, per probe, the calls in the validated and the
+validation-off run; a probe whose validated run never called the seam is "NOT REACHED" and its
+variant is not caught, whatever ID it saw (the catch came from elsewhere, or the probe drives a
+path the seam is not on).  A variant whose validation-off run shows
 nothing is reported as *silent* (the bug would go unnoticed without validation on that device),
 unless it is a variant that only removes a check (``Variant.only_with_validation``).
 The command exits 1 unless every variant is caught.
@@ -48,6 +54,7 @@ class Observation:
     symptoms: list[Symptom] = field(default_factory=list)
     error: BaseException | None = None
     skipped: str | None = None
+    calls: int | None = None  #: calls of the variant's replacement in this run (None: no variant on)
 
     @property
     def detected(self) -> bool:
@@ -102,15 +109,19 @@ class Observation:
 
 
 def observe(probe: Probe, env: Env, validate: bool, variant: str | None) -> Observation:
-    """Run ``probe`` once (``variant`` on, or none) and record what it saw."""
+    """Run ``probe`` once (``variant`` on, or none) and record what it saw and, with a variant, how
+    often its replacement ran (``calls``; None if it could not be applied)."""
     obs = Observation()
+    reach: dict = {}
     try:
-        with variants.enabled(*([variant] if variant else [])):
+        with variants.enabled(*([variant] if variant else [])) as reach:
             probe.run(env, obs.symptoms, validate)
     except EngineUnavailable as e:
         obs.skipped = str(e)
     except Exception as e:  # noqa: BLE001 - a crash is an observation
         obs.error = e
+    if variant in reach:
+        obs.calls = reach[variant].calls
     return obs
 
 
@@ -135,8 +146,13 @@ class ProbeResult:
             and not self.baseline_on.skipped and not self.baseline_off.skipped
 
     @property
+    def reached(self) -> bool:
+        """The validated run with the variant on called its replacement (:mod:`refspec.mutants.reach`)."""
+        return bool(self.caught_by.calls)
+
+    @property
     def caught(self) -> bool:
-        return self.baseline_ok and self.caught_by.first_id in self.variant.caught_by
+        return self.baseline_ok and self.reached and self.caught_by.first_id in self.variant.caught_by
 
     @property
     def silent(self) -> bool:
@@ -168,6 +184,17 @@ class Report:
     @property
     def silent(self) -> list[str]:
         return [n for n, rs in self.variants().items() if any(r.silent for r in rs)]
+
+    @property
+    def not_reached(self) -> list[str]:
+        """Variants with a probe that ran but never called the replacement in its validated run."""
+        return [n for n, rs in self.variants().items() if any(not r.skipped and not r.reached for r in rs)]
+
+    @property
+    def reached(self) -> list[str]:
+        """Variants whose every probe that ran called the replacement (validated run)."""
+        return [n for n, rs in self.variants().items()
+                if any(not r.skipped for r in rs) and all(r.reached for r in rs if not r.skipped)]
 
     def observed_ids(self, name: str) -> set[str]:
         """Every invariant ID any run of the variant ``name`` saw."""
@@ -223,6 +250,8 @@ def _caught_cell(r: ProbeResult) -> str:
         return "not run"
     if not r.baseline_ok:
         return "BASELINE FAILS"
+    if not r.reached:
+        return "NOT REACHED" + (f" (saw {o.first_id})" if o.first_id else "")
     if o.first_id in r.variant.caught_by:
         return o.first_id
     if o.first_id:
@@ -230,23 +259,34 @@ def _caught_cell(r: ProbeResult) -> str:
     return "MISSED" + ("" if o.error is None else f" ({o.describe()})")
 
 
+def _calls_cell(r: ProbeResult) -> str:
+    """The replacement's calls in the validated / validation-off runs ("-": not run or not applied)."""
+    if r.skipped:
+        return "-"
+    return " / ".join("-" if o.calls is None else str(o.calls) for o in (r.caught_by, r.symptom))
+
+
 def format_report(rep: Report, verbose: bool = False) -> str:
-    rows = [("variant", "probe", "caught by (validation on)", "symptom (validation off)", "baseline")]
+    rows = [("variant", "probe", "caught by (validation on)", "seam calls", "symptom (validation off)", "baseline")]
     for r in rep.results:
         base = "not run" if r.skipped else "pass" if r.baseline_ok else (
             r.baseline_on.describe() if r.baseline_on.detected else r.baseline_off.describe())
         symptom = "n/a: it removes a check" if r.variant.only_with_validation and not r.symptom.detected \
             else r.symptom.describe()
-        rows.append((r.variant.name, r.probe.label, _caught_cell(r), symptom, base))
-    w = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate((29, 58, 27, 90, 40))]
+        rows.append((r.variant.name, r.probe.label, _caught_cell(r), _calls_cell(r), symptom, base))
+    w = [min(max(len(row[i]) for row in rows), cap) for i, cap in enumerate((29, 58, 27, 10, 90, 40))]
     lines = ["  ".join(c[: w[i]].ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * x for x in w))
     if rep.silent:
         lines.append(f"silent without validation on {rep.device}: {', '.join(rep.silent)}")
+    if rep.not_reached:
+        lines.append(f"NOT REACHED (the seam was never called in the run that caught it; not a catch): "
+                     f"{', '.join(rep.not_reached)}")
     if verbose:
         for r in rep.results:
             for what, o in (("baseline, validation on", r.baseline_on), ("baseline, validation off", r.baseline_off),
                             ("caught by", r.caught_by), ("symptom", r.symptom)):
                 lines += [f"  {r.variant.name} | {r.probe.label} | {what}: {d}" for d in o.details()]
+    lines.append(f"seam reached {len(rep.reached)}/{rep.total} (seam calls: validation on / off)")
     lines.append(f"caught {len(rep.caught)}/{rep.total}")
     return "\n".join(lines)

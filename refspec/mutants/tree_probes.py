@@ -8,10 +8,19 @@ hand-derived key slots, or the eager metadata (the graph-replay probe), never fr
 variant replaces.  :data:`TREE_PROBES` maps a variant name to ``(label, run)`` pairs
 (:mod:`refspec.mutants.probes` wraps them as ``Probe`` s).
 
-On CUDA the attention probes run in bf16 through the real kernel at head dim 64; the
-graph-replay metadata probe stays on CPU tensors (its wrong variant writes past a buffer: on a
-GPU that is a device-side fault that would end the whole run); the loop probe is CPU only (it
-compares fp32 token streams bitwise; ``tests/test_gpu_tree.py`` checks the GPU loop under T2).
+Which path each probe drives (a variant's reach, :mod:`refspec.mutants.reach`, is counted on it):
+``verify_probe`` and ``draft_probe`` the eager backends (metadata from ``custom_mask`` and
+``draft_cache_loc``); ``verify_graph_probe`` the graphed tree verify, whose expand metadata the
+captured graph builds itself from the tree builder's mask rows (``TreeGraphRunner``, one
+attention layer as the captured forward); ``draft_replay_probe`` the draft expand replay write;
+``loop_probe`` the whole production loop, eager or (``graphs=True``) with every tree phase
+replayed.
+
+On CUDA the attention probes run in bf16 through the real kernel at head dim 64 (the graphed
+verify probe under a real CUDA graph); the draft-replay metadata probe stays on CPU tensors (its
+wrong variant writes past a buffer: on a GPU that is a device-side fault that would end the whole
+run); the loop probes are CPU only (they compare fp32 token streams bitwise;
+``tests/test_gpu_tree.py`` checks the GPU loop under T2).
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -79,6 +88,55 @@ def verify_probe(env: Env, found: list, validate: bool) -> None:
     _mismatch(found, env, out, q, pool, slots, "TR-012", "tree verify (prefix + expand, LSE merge)")
 
 
+class _VerifyGraphHost:
+    """What :class:`~refspec.speculative.tree.graphs.TreeGraphRunner` reads of a
+    :class:`~refspec.speculative.tree.runners.TreeRunners` for its verify graph, with ONE attention
+    layer as the captured forward (the query rows come from the static buffer ``q``, an input like
+    any other): the graph's metadata work, its padding and its replay are the production ones."""
+
+    def __init__(self, kv, be, layer, q, topk: int, num_draft_tokens: int):
+        self.kv, self.tree_verify_be, self.layer, self.q = kv, be, layer, q
+        self.topk, self.num_draft_tokens, self.Sd = topk, num_draft_tokens, 1
+
+    def _tree_verify_fn(self, fb, x):
+        return (self.tree_verify_be.forward(self.q[:fb.out_cache_loc.shape[0]], None, None, self.layer, fb),)
+
+
+def verify_graph_probe(env: Env, found: list, validate: bool) -> None:
+    """TREE_VERIFY graph replay, P = 4, k = 4, N = 8, B = 3 random trees in Bg = 4: the expand
+    metadata the captured graph built (TR-011: each real row reads exactly its ancestors' and its
+    own verify slots) and the merged output (TR-012) against the parents the scenario drew.  The
+    live batch carries the builder's mask rows (``tree_mask``, built here from the parents by
+    hand), as the production rounds' batches do, so replay never extracts rows from the flat mask."""
+    P, N, k, hd = 4, 8, 4, _head_dim(env)
+    gen = torch.Generator().manual_seed(11)
+    kv, pool = ts.make_cache(P, len(LENS), max(LENS) + N, 11, env.device, env.dtype, hd)
+    rows = [kv.alloc_req() for _ in LENS]
+    kv.alloc_extend(rows, [0] * len(LENS), [L + N for L in LENS])
+    for r, L in zip(rows, LENS):
+        ts.write_random(pool, kv.req_to_token[r, :L + N], gen)
+    parents = [ts.random_parents(N, gen) for _ in LENS]
+    fb, slots = ts.tree_batch(kv, rows, LENS, N, parents, env.device)
+    mask = [[j in ts.ancestors_and_self(par, i) for j in range(N)] for par in parents for i in range(N)]
+    live = fb.replace(topk=k, tree_mask=torch.tensor(mask, dtype=torch.bool, device=env.device))
+    q = torch.randn((len(LENS) * N, ts.H, hd), generator=gen).to(device=env.device, dtype=env.dtype)
+    be = FlashAttentionTreeBackend(pool, kv, topk=k, num_draft_tokens=N, provider=env.provider, validate=validate)
+    layer = ts.layer(hd)
+    host = _VerifyGraphHost(kv, be, layer, torch.zeros((4 * N, ts.H, hd), dtype=env.dtype, device=env.device), k, N)
+    runner = tree_graphs.TreeGraphRunner(host, "verify", capture_bs=(4,), dtype=env.dtype)
+    host.q[:q.shape[0]].copy_(q)
+    (out,) = runner.replay(live, {})
+    md = be.forward_metadata_spec_decode_expand  # the graph's own buffers, bound at capture
+    K, table = md.cache_seqlens_int32.tolist(), md.page_table.tolist()
+    for t, want in enumerate(slots):
+        tree_slots = want[LENS[t // N]:]
+        if K[t] != len(tree_slots) or sorted(table[t][:K[t]]) != sorted(tree_slots):
+            found.append(Symptom("check", "TR-011", f"graph replay: expand row {t} reads slots {table[t][:K[t]]}, "
+                                 f"its tree keys are {tree_slots}"))
+            break
+    _mismatch(found, env, out, q, pool, slots, "TR-012", "tree verify graph replay (prefix + expand, LSE merge)")
+
+
 def draft_probe(env: Env, found: list, validate: bool) -> None:
     """TREE_DRAFT eager, P = 4, k = 2, S = 3, B = 3: the branch tails hold the committed tail
     (TR-015), then every step vs the oracle over the prefix and the row's own steps (TR-008)."""
@@ -128,9 +186,10 @@ def draft_replay_probe(env: Env, found: list, validate: bool) -> None:
                 return
 
 
-def loop_probe(env: Env, found: list, validate: bool) -> None:
+def loop_probe(env: Env, found: list, validate: bool, graphs: bool = False) -> None:
     """The production top-k loop (k = 2, N = 5, S = 3, P = 4, NaN-poisoned pools, 2 requests) vs
-    plain greedy (tokens) and the oracle tree loop (accepts per round), fp32 (TR-019)."""
+    plain greedy (tokens) and the oracle tree loop (accepts per round), fp32 (TR-019); ``graphs``:
+    every tree phase replayed from its captured graph (capture size 2)."""
     from refspec.mutants.engine_probes import EngineUnavailable  # here: engine_probes imports probes, which imports us
 
     if env.device != "cpu" or env.dtype != torch.float32:
@@ -153,11 +212,14 @@ def loop_probe(env: Env, found: list, validate: bool) -> None:
         env._refs[key] = (m, d, prompts, ref)
     m, d, prompts, ref = env._refs[key]
     eng = TreeEngine(m, d, topk=2, num_draft_tokens=5, num_steps=3, page_size=4, max_context=48, max_batch=2,
-                     provider="emulator", shuffle_pages=1, pool_fill=float("nan"), validate=validate)
+                     provider="emulator", shuffle_pages=1, pool_fill=float("nan"), validate=validate,
+                     graphs=graphs, capture_bs=(2,))
     for i, p in enumerate(prompts):
         eng.add_request(i, p, 12)
     with torch.no_grad():
         eng.run()
+    if graphs and eng.runners.counts[("tree_verify", "eager")]:
+        found.append(Symptom("check", "TR-018", "the graphed loop ran an eager tree verify"))
     for r in sorted(eng.done, key=lambda r: r.rid):
         tokens, accepts = ref[r.rid]
         if r.output != tokens:
@@ -168,8 +230,15 @@ def loop_probe(env: Env, found: list, validate: bool) -> None:
                                  f"loop's {accepts}"))
 
 
+def graphed_loop_probe(env: Env, found: list, validate: bool) -> None:
+    """:func:`loop_probe` with every tree phase replayed from its captured graph."""
+    loop_probe(env, found, validate, graphs=True)
+
+
 _VERIFY = ("TREE_VERIFY eager P=4, k=4, N=8, B=3 random trees", verify_probe)
+_VERIFY_GRAPH = ("TREE_VERIFY graph replay P=4, k=4, N=8, B=3 in Bg=4", verify_graph_probe)
 _LOOP = ("TREE_LOOP k=2 N=5 P=4, 2 requests, NaN pools (CPU)", loop_probe)
+_LOOP_GRAPH = ("TREE_LOOP graphed k=2 N=5 P=4, 2 requests (CPU)", graphed_loop_probe)
 
 TREE_PROBES: dict[str, list[tuple[str, object]]] = {
     "tree-mask-sibling-visible": [_VERIFY, _LOOP],
@@ -178,4 +247,7 @@ TREE_PROBES: dict[str, list[tuple[str, object]]] = {
     "branch-no-tail-copy": [("TREE_DRAFT eager P=4, k=2, S=3, B=3", draft_probe), _LOOP],
     "draft-expand-unsliced-cache-loc": [("TREE_DRAFT expand replay P=2, k=2, S=6 (CPU tensors)",
                                          draft_replay_probe)],
+    "graph-mask-sibling-visible": [_VERIFY_GRAPH, _LOOP_GRAPH],
+    "expand-seqlens-all-nodes": [_VERIFY_GRAPH, _VERIFY],
+    "expand-table-from-row-start": [_VERIFY_GRAPH, _VERIFY],
 }

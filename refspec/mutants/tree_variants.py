@@ -26,23 +26,41 @@ from refspec.speculative.tree import kv as tkv
 SG = "https://github.com/sgl-project/sglang/pull/"
 _verify_mask_rows = tm.verify_mask_rows  #: the originals, for the replacements that bend them
 _verify_expand_metadata = tm.verify_expand_metadata
+_verify_expand_page_table = tm.verify_expand_page_table
+_write_verify_expand = tg.write_verify_expand
 
 
 # ---- the replacements ----
-def _mask_rows_with_siblings(custom_mask, seq_lens, num_draft_tokens):
-    """Each node also sees its siblings (nodes with the same ancestors): a broken ancestor mask."""
-    m = _verify_mask_rows(custom_mask, seq_lens, num_draft_tokens)
+def _siblings_visible(rows: torch.Tensor, num_draft_tokens: int) -> torch.Tensor:
+    """Mask rows ``[B*N, N]`` where each node also sees its siblings (nodes with the same
+    ancestors): a broken ancestor mask.  Tensor ops only (it also runs inside a captured graph)."""
     N = num_draft_tokens
-    out = m.clone()
-    for blk in range(m.shape[0] // N):
-        rows = m[blk * N:(blk + 1) * N]
-        for i in range(N):
-            for j in range(N):
-                a_i, a_j = rows[i].clone(), rows[j].clone()
-                a_i[i], a_j[j] = False, False
-                if i != j and torch.equal(a_i, a_j):
-                    out[blk * N + i, j] = True
-    return out
+    m = rows.view(-1, N, N)
+    eye = torch.eye(N, dtype=torch.bool, device=rows.device)
+    strict = m & ~eye  # the ancestors alone
+    same = (strict[:, :, None, :] == strict[:, None, :, :]).all(-1)  # [blk, i, j]: the same ancestors
+    return (m | same).reshape(rows.shape)
+
+
+def _mask_rows_with_siblings(custom_mask, seq_lens, num_draft_tokens):
+    """Each node also sees its siblings, in the mask rows the eager verify extracts."""
+    return _siblings_visible(_verify_mask_rows(custom_mask, seq_lens, num_draft_tokens), num_draft_tokens)
+
+
+def _graph_expand_with_siblings(exp, mask, fb, req_to_token, num_draft_tokens):
+    """The verify graph builds its expand metadata from mask rows that also allow siblings."""
+    _write_verify_expand(exp, _siblings_visible(mask, num_draft_tokens), fb, req_to_token, num_draft_tokens)
+
+
+def _expand_seqlens_all_nodes(mask):
+    """Every node row reads all N tree slots: the mask's count ignored."""
+    return torch.full((mask.shape[0],), mask.shape[1], dtype=torch.int32, device=mask.device)
+
+
+def _expand_table_from_row_start(mask, req_to_token, req_pool_indices, seq_lens, num_draft_tokens):
+    """The tree columns gathered from the row's start (positions 0 .. N-1), not from L."""
+    return _verify_expand_page_table(mask, req_to_token, req_pool_indices, torch.zeros_like(seq_lens),
+                                     num_draft_tokens)
 
 
 def _expand_with_prefix(custom_mask, seq_lens, req_pool_indices, req_to_token, num_draft_tokens):
@@ -88,12 +106,14 @@ def _replay_expand_unsliced(page_table, cache_seqlens, draft_cache_loc, seq_lens
 
 TREE_VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("tree-mask-sibling-visible", tm.verify_mask_rows, _mask_rows_with_siblings,
-            "verify mask rows also allow a node's siblings (same ancestors)",
+            "eager verify: the mask rows extracted from custom_mask also allow a node's siblings (same "
+            "ancestors); the graphed verify never extracts them (graph-mask-sibling-visible is its twin)",
             "the ancestor-mask rule of build_tree_efficient (FULL_MASK); docs/spec/tree.md TR-004",
             "a verify node attends its siblings' KV: its logits differ from the chain it stands for",
             ("TR-011", "TR-004", "TR-019")),
     Variant("expand-reads-prefix-twice", tm.verify_expand_metadata, _expand_with_prefix,
-            "the verify expand table lists the committed prefix before the node's tree slots",
+            "eager verify: the expand table lists the committed prefix before the node's tree slots; "
+            "the graphed verify builds its table in the graph (expand-table-from-row-start is its twin)",
             "the cascade split of FA3 forward_extend (prefix and expand are disjoint); docs/spec/tree.md TR-011",
             "every committed key is counted twice in the merged softmax", ("TR-011", "TR-012")),
     Variant("lse-merge-no-rescale", ta.merge_state, _merge_without_rescale,
@@ -110,6 +130,29 @@ TREE_VARIANTS: dict[str, Variant] = {v.name: v for v in [
             f"{SG}25077, {SG}27360 (replay scatter_ not sliced to s + 1)",
             "the scatter writes past the s + 2 wide buffer (out of bounds on a GPU, an error on CPU)",
             ("TR-018",)),
+    # the graphed tree verify: its expand metadata is the verify graph's own first work
+    # (speculative.tree.graphs.write_verify_expand), from the builder's mask rows
+    Variant("graph-mask-sibling-visible", tg.write_verify_expand, _graph_expand_with_siblings,
+            "graphed verify: the in-graph expand metadata is built from mask rows that also allow a node's "
+            "siblings (the graphed twin of tree-mask-sibling-visible)",
+            "the ancestor-mask rule of build_tree_efficient (FULL_MASK); docs/spec/tree.md TR-004, TR-011",
+            "under CUDA-graph replay a verify node attends its siblings' KV: its logits differ from the "
+            "chain it stands for, and the graphed loop's tokens leave greedy",
+            ("TR-011", "TR-012", "TR-019")),
+    Variant("expand-seqlens-all-nodes", tm.verify_expand_seqlens, _expand_seqlens_all_nodes,
+            "verify expand cache_seqlens = N for every node row (the mask row's count, depth + 1, ignored); "
+            "in the verify graph and eager",
+            "docs/spec/tree.md TR-011 (K of a node row = its ancestors + itself)",
+            "each node reads every tree slot of its request (siblings, other branches, descendants), not "
+            "only its ancestors and itself",
+            ("TR-011", "TR-012")),
+    Variant("expand-table-from-row-start", tm.verify_expand_page_table, _expand_table_from_row_start,
+            "verify expand page table gathers req_to_token[r, 0 .. N-1] instead of [r, L .. L+N-1] (the + L "
+            "dropped); in the verify graph and eager (the graphed twin of expand-reads-prefix-twice)",
+            "the cascade split of FA3 forward_extend (prefix and expand are disjoint); docs/spec/tree.md TR-011",
+            "the expand part reads committed prefix keys (counted twice in the merged softmax) instead of "
+            "the tree's own",
+            ("TR-011", "TR-012")),
 ]}
 
 

@@ -12,7 +12,8 @@ for the duration of a ``with`` block (:mod:`refspec.mutants.replace`)::
 
 A replacement that keeps the correct behaviour for the other modes calls the original through
 names bound at import (:data:`refspec.mutants.replacements._orig`): :mod:`refspec.mutants` is never rebound.
-``python -m refspec mutants`` proves each variant is caught by the IDs in ``Variant.caught_by``.
+``python -m refspec mutants`` proves each variant is caught by the IDs in ``Variant.caught_by``,
+in a run that called its replacement (:mod:`refspec.mutants.reach`: ``enabled`` counts every call).
 
 :data:`CHAIN_VARIANTS` are the seams of the chain (top-k = 1) path, defined here;
 :data:`VARIANTS`, the whole zoo, adds the FA3 top-k > 1 ones of :mod:`refspec.mutants.tree_variants`.
@@ -22,7 +23,9 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 from refspec.core import batch as core_batch
 from refspec.core import kv_cache
@@ -32,6 +35,7 @@ from refspec.fa3 import graph_metadata as gm
 from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
 from refspec.mutants import replacements as R
+from refspec.mutants.reach import Reach, counted
 from refspec.mutants.replace import replaced
 from refspec.mutants.tree_variants import TREE_VARIANTS
 from refspec.mutants.variant import Variant
@@ -174,40 +178,55 @@ CHAIN_VARIANTS: dict[str, Variant] = {v.name: v for v in [
 #: the whole zoo: the chain variants, then the FA3 top-k > 1 ones (:mod:`refspec.mutants.tree_variants`)
 VARIANTS: dict[str, Variant] = {**CHAIN_VARIANTS, **TREE_VARIANTS}
 
-_active: dict[str, list] = {}  #: name -> its rebound call sites, while enabled
+@dataclass
+class _On:
+    """An applied variant: the rebound call sites, the counted replacement installed there, its reach."""
+
+    sites: list
+    installed: Callable
+    reach: Reach
+
+
+_active: dict[str, _On] = {}  #: name -> what enabled installed, while enabled
 
 
 @contextmanager
 def enabled(*names: str):
-    """Apply the named variants inside the ``with`` block (KeyError for an unknown name;
+    """Apply the named variants inside the ``with`` block, each replacement counted
+    (:mod:`refspec.mutants.reach`); yields ``{name: Reach}``, whose ``calls`` say how often each
+    replacement ran so far (KeyError for an unknown name;
     :class:`~refspec.mutants.replace.NoCallSite` if two of them replace the same seam)."""
     for n in names:
         if n not in VARIANTS:
             raise KeyError(f"unknown variant {n!r}; known: {sorted(VARIANTS)}")
+    reach: dict[str, Reach] = {}
     with ExitStack() as stack:
         for n in dict.fromkeys(names):
-            if n in _active:
+            if n in _active:  # already on (an enclosing block): its counter goes on counting
+                reach[n] = _active[n].reach
                 continue
             v = VARIANTS[n]
-            _active[n] = stack.enter_context(replaced(v.target, v.replacement, v.within))
+            reach[n] = Reach(v.seam)
+            installed = counted(v.replacement, reach[n])
+            _active[n] = _On(stack.enter_context(replaced(v.target, installed, v.within)), installed, reach[n])
             stack.callback(_active.pop, n)
-        yield
+        yield reach
 
 
 @contextmanager
 def disabled():
     """Every active variant off inside the block (the references the oracle computes)."""
-    saved = {n: sites for n, sites in _active.items()}
-    for n, sites in saved.items():
-        for mod, key in sites:
+    saved = dict(_active)
+    for n, on in saved.items():
+        for mod, key in on.sites:
             setattr(mod, key, VARIANTS[n].target)
     _active.clear()
     try:
         yield
     finally:
-        for n, sites in saved.items():
-            for mod, key in sites:
-                setattr(mod, key, VARIANTS[n].replacement)
+        for on in saved.values():
+            for mod, key in on.sites:
+                setattr(mod, key, on.installed)
         _active.update(saved)
 
 

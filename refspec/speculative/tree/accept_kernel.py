@@ -74,6 +74,8 @@ def verify_tree_greedy_fused(candidates, retrive_index, retrive_next_token, retr
     ``accept_index [B, num_speculative_tokens]`` (-1 padded), ``accept_token_num [B]``, int64.
     Raises ValueError naming the argument for other shapes, dtypes, devices or layouts, and
     RuntimeError where :func:`available` is False.
+
+    Fused twin of the torch rule :func:`refspec.speculative.tree.device.verify_tree_greedy_torch`.
     """
     if not available(candidates.device):
         raise RuntimeError("verify_tree_greedy_fused needs a CUDA tensor and Triton (see accept_kernel.available)")

@@ -17,9 +17,12 @@ A readable port of (sgl-project/sglang):
 
 Shapes: B requests, k = topk, S = num_steps, N = num_draft_tokens.  Scores fp32, tokens int64.
 
-``build_tree`` and ``verify_tree_greedy`` loop over requests and nodes on the host: the readable
-side.  The production rounds run their device twins, :mod:`refspec.speculative.tree.device`
-(same outputs, bitwise: ``tests/test_tree_device.py``).
+``build_tree``, ``tree_parents`` and ``verify_tree_greedy`` loop over requests and nodes on the
+host: the readable side.  The production rounds run their device twins,
+:mod:`refspec.speculative.tree.device` (same outputs, bitwise: ``tests/test_tree_device.py``,
+``tests/test_twins.py``); no round calls these three (their callers are the conformance tree
+cases, the tests and the tutorials): they are the rule, not a path.  The expansion and selection
+functions above them are what the rounds run (inside the draft graph when replayed).
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def tree_parents(parent_list: list[int], top_scores_index: list[int], topk: int)
     score tie) is an *orphan*: parent -1.  Upstream's kernel prints "invalid eagle tree" and
     links nothing for it; its mask loop then searches past the row (undefined), so refspec gives
     an orphan the root and itself (depth 1), as the oracle does (TR-003).
+
+    Readable twin of :func:`refspec.speculative.tree.device.tree_parents_device` (every request at
+    once, on the device), which the rounds run.
     """
     where = {s: i + 1 for i, s in enumerate(top_scores_index)}
     parents = [-1]
@@ -115,6 +121,9 @@ def build_tree(verified_id, parent_list, top_scores_index, draft_tokens, seq_len
     ``L_b + N``: prefix True, tree columns True at the root, the ancestors and itself),
     ``retrive_index`` / ``retrive_next_token`` / ``retrive_next_sibling`` int64 [B, N] (-1 =
     none; children listed in ascending node order), ``parents`` (host lists).
+
+    Readable twin of :func:`refspec.speculative.tree.device.build_tree_device`, which the rounds
+    run (same entries, bitwise).
     """
     N, dev = num_draft_tokens, verified_id.device
     Ls = [int(x) for x in seq_lens_cpu.tolist()]
@@ -161,6 +170,9 @@ def verify_tree_greedy(candidates, retrive_index, retrive_next_token, retrive_ne
     [B*N] (``predicts[node]`` = the token after ``node`` on the path, the bonus at the last),
     ``accept_index`` [B, S+1] (flat node ids of the path, -1 padded) and ``accept_token_num`` [B]
     (n, accepted drafts).
+
+    Readable twin of :func:`refspec.speculative.tree.device.verify_tree_greedy_device`, which the
+    rounds run (same results, bitwise).
     """
     B, N = candidates.shape
     cand, nxt, sib = candidates.tolist(), retrive_next_token.tolist(), retrive_next_sibling.tolist()

@@ -104,6 +104,8 @@ def tree_structure_fused(parent_list: torch.Tensor, top_scores_index: torch.Tens
     retrive_next_sibling, ancestors, depth)``: int64 ``[B, N]`` x 3, bool ``[B, N, N]``, int64
     ``[B, N]``.  Raises ValueError naming the argument for other shapes, dtypes, devices or
     layouts, and RuntimeError where :func:`available` is False.
+
+    Fused twin of the torch rule :func:`refspec.speculative.tree.device.tree_structure_torch`.
     """
     dev = top_scores_index.device
     if not available(dev):

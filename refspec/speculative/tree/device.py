@@ -152,7 +152,10 @@ def tree_structure(parent_list, top_scores_index, topk: int):
 def tree_structure_torch(parent_list, top_scores_index, topk: int):
     """:func:`tree_structure` as tensor code: the parents (:func:`tree_parents_device`), the child
     lists (:func:`child_lists`), the ancestors by pointer doubling (:func:`ancestor_mask`) and
-    the depths (row sums).  Same arguments and results."""
+    the depths (row sums).  Same arguments and results.
+
+    The rule of the fused kernel :func:`refspec.speculative.tree.build_kernel.tree_structure_fused`
+    (what a CUDA device runs; equal on random trees, ``tests/test_triton_interpret.py``)."""
     parents = tree_parents_device(parent_list, top_scores_index, topk)
     nxt, sib = child_lists(parents)
     anc = ancestor_mask(parents)
@@ -242,7 +245,10 @@ def verify_tree_greedy_torch(candidates, retrive_index, retrive_next_token, retr
                              num_speculative_tokens: int):
     """:func:`verify_tree_greedy_device` as tensor code, every request at once, no host loop: per
     node its owner and place in its child list (list ranking), then one gather per level along
-    the path.  Same arguments and results."""
+    the path.  Same arguments and results.
+
+    The rule of the fused kernel :func:`refspec.speculative.tree.accept_kernel.verify_tree_greedy_fused`
+    (what a CUDA device runs; equal on random trees, ``tests/test_triton_interpret.py``)."""
     B, N = candidates.shape
     dev = candidates.device
     ridx = retrive_index.long()

@@ -83,7 +83,8 @@ def write_draft_expand(expand: list, fb, topk: int, num_steps: int, page_size: i
     static batch alone (``draft_cache_loc`` and ``seq_lens``, the buffers replay fills):
     :func:`replay_draft_expand_table` (``cache_loc[:, :s+1]``) and ``cu_seqlens_k[1:] <- cumsum K``.
     ``expand`` holds step s's bound expand metadata at index s.  Static shapes, no host value:
-    captured once, it runs at every replay with no host op."""
+    captured once, it runs at every replay with no host op.  In-graph twin of the eager
+    :func:`~refspec.fa3.tree_metadata.draft_expand_metadata` (same values on the columns a row reads)."""
     for s, exp in enumerate(expand):
         replay_draft_expand_table(exp.page_table, exp.cache_seqlens_int32, fb.draft_cache_loc, fb.seq_lens,
                                   s, topk, num_steps, page_size)
@@ -96,7 +97,9 @@ def write_verify_expand(exp: FlashAttentionMetadata, mask: torch.Tensor, fb, req
     buffers alone (the tree mask rows ``mask`` bool ``[bs*N, N]``, ``req_pool_indices``,
     ``seq_lens``, ``req_to_token``): ``cache_seqlens <-`` :func:`~refspec.fa3.tree_metadata.verify_expand_seqlens`,
     ``page_table <-`` :func:`~refspec.fa3.tree_metadata.verify_expand_page_table` (the eager rule
-    functions), ``cu_seqlens_k[1:] <- cumsum K``.  Static shapes, no host value."""
+    functions), ``cu_seqlens_k[1:] <- cumsum K``.  Static shapes, no host value.  In-graph twin
+    of the eager :func:`~refspec.fa3.tree_metadata.verify_expand_metadata` (same values on every
+    real row; the mask rows are the builder's, not :func:`~refspec.fa3.tree_metadata.verify_mask_rows`)."""
     exp.cache_seqlens_int32.copy_(tm.verify_expand_seqlens(mask))
     exp.page_table.copy_(tm.verify_expand_page_table(mask, req_to_token, fb.req_pool_indices, fb.seq_lens,
                                                      num_draft_tokens))

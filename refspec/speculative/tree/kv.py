@@ -25,6 +25,16 @@ path (nodes ``accept_index[0..n]``) is generally not ``0..n``.  Upstream v1 (``e
 ``keep = min(ceil_P(L + n + 1), L + N)`` on: whole pages, since keep is page-aligned.
 refspec uses this one rule for every P (at P = 1 it frees exactly the rejected slots).
 
+**Two forms of each rule.**  The rounds know L on the device, so they run the device forms
+(``*_device``, :func:`path_to_window_slots`: fixed shapes, no host read).  The host forms beside
+them are the readable twins: :func:`branch_step_positions`, :func:`assign_draft_cache_locs`,
+the host-list form of :func:`tail_copy_slots` and upstream's :func:`get_src_tgt_cache_loc` /
+:func:`get_target_cache_loc` have no caller in the rounds (their callers are the tests, the
+conformance tree cases, the tree scenarios and the tree-trace replay): they are the rule, not a
+path, and ``tests/test_twins.py`` requires each to agree with its device twin on random inputs.
+:func:`branch_geometry` is both: the v1 round sizes its branch allocation with it
+(:func:`draft_alloc_len`).
+
 Units: positions are tokens of a row, slots are flat pool indices, pages are ``slot // P``.
 """
 
@@ -42,6 +52,7 @@ def branch_geometry(L: int, num_steps: int, page_size: int) -> tuple[int, int, i
     """``(prefix_base, lp, npp)`` of a request with committed length L (TR-015).
 
     P = 1: ``(L, 0, S)``.  P > 1: ``(L - L % P, L % P, ceil((L % P + S) / P))``.
+    Host twin of :func:`branch_geometry_device` (every request at once).
     """
     if page_size == 1:
         return L, 0, num_steps
@@ -71,7 +82,9 @@ def draft_alloc_len(L: int, topk: int, num_steps: int, page_size: int) -> int:
 
 
 def branch_step_positions(L: int, topk: int, num_steps: int, page_size: int) -> torch.Tensor:
-    """TR-015: int64 ``[k, S]``: the row position of branch t's step j."""
+    """TR-015: int64 ``[k, S]``: the row position of branch t's step j.
+
+    Readable twin of :func:`branch_step_positions_device`, which the rounds run."""
     base, lp, npp = branch_geometry(L, num_steps, page_size)
     t = torch.arange(topk)[:, None]
     j = torch.arange(num_steps)[None, :]
@@ -84,6 +97,7 @@ def assign_draft_cache_locs(kv: KVCache, rows: list[int], seq_lens: list[int], t
 
     Reads the slots that the allocator gave the branch positions (:func:`branch_step_positions`)
     from ``req_to_token``; they must hold slots already (:func:`draft_alloc_len` positions).
+    Readable twin of :func:`assign_draft_cache_locs_device`, which the rounds run.
     """
     P, dev = kv.page_size, kv.device
     out = []
@@ -105,6 +119,9 @@ def tail_copy_slots(kv: KVCache, rows, seq_lens, topk: int,
     * ``rows`` / ``seq_lens`` device tensors ``[B]`` (the production rounds: L may be known only
       on the device): fixed shape ``[B*(k-1)*(P-1)]``, every i >= lp padded as slot 0 -> slot 0
       (the reserved dummy page, PA-008: a no-op copy), no host read.
+
+    The host-list form is the readable twin of the device form (:func:`_tail_copy_slots_device`),
+    which the rounds run.
     """
     if isinstance(seq_lens, torch.Tensor):
         return _tail_copy_slots_device(kv, rows, seq_lens, topk, num_steps)
@@ -147,6 +164,8 @@ def assign_draft_cache_locs_device(kv: KVCache, rows: torch.Tensor, seq_lens: to
 
 
 def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Tensor, topk: int, num_steps: int):
+    """:func:`tail_copy_slots` from device ``rows`` / ``seq_lens`` ``[B]``: its device form (the
+    production twin of the host-list form), fixed shape, padded with slot 0 -> slot 0."""
     P, dev = kv.page_size, kv.device
     if P == 1:
         z = torch.zeros(0, dtype=torch.long, device=dev)
@@ -164,8 +183,9 @@ def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
     """``pool[tgt] = pool[src]`` in every layer, K and V together (gather first: overlapping src /
     tgt are safe).  ``tgt``, ``src`` int64 ``[M]`` flat slots.  The rule: per layer one gather of
     ``[2, M, Hkv, D]`` from the layer's stacked K / V buffer (a new tensor) and one scatter.  On a
-    CUDA device with Triton, moves of at most 256 slots run as one kernel for all layers
-    (:func:`refspec.speculative.tree.move_kernel.move_kv_cache_fused`), as upstream's pool moves them."""
+    CUDA device with Triton, moves of at most 256 slots run as one kernel for all layers, the
+    rule's fused twin :func:`refspec.speculative.tree.move_kernel.move_kv_cache_fused`, as
+    upstream's pool moves them."""
     if tgt.numel() == 0:
         return
     if move_kernel.available(tgt.device) and tgt.numel() <= move_kernel.MAX_SLOTS:
@@ -186,6 +206,9 @@ def get_src_tgt_cache_loc(seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, a
     accept_index int [B, S+1] (flat node ids, -1 padded), num_correct_drafts [B] (n).
     Returns ``src`` int64 [sum(n + 1)] (request-major, path order), ``keep_len`` [B] =
     ``min(ceil_P(L + n + 1), L + N)`` and ``to_free_num_slots`` [B] = ``L + N - keep_len``.
+
+    Readable twin (upstream's form, with :func:`get_target_cache_loc`) of
+    :func:`path_to_window_slots` and the frees of :func:`compact_accepted_path`, which the rounds run.
     """
     src = out_cache_loc[accept_index[accept_index >= 0].long()]
     extended = seq_lens.long() + num_draft_tokens
@@ -197,7 +220,9 @@ def get_src_tgt_cache_loc(seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, a
 def get_target_cache_loc(out_cache_loc: torch.Tensor, num_correct_drafts: torch.Tensor,
                          to_free_num_slots: torch.Tensor, num_draft_tokens: int):
     """TR-017, upstream ``get_target_cache_loc``: ``tgt`` = the first n + 1 verify slots of each
-    request, ``to_free`` = its last ``to_free_num_slots`` verify slots (both int64, request-major)."""
+    request, ``to_free`` = its last ``to_free_num_slots`` verify slots (both int64, request-major).
+
+    Readable twin, with :func:`get_src_tgt_cache_loc`, of :func:`path_to_window_slots`."""
     N = num_draft_tokens
     rows = out_cache_loc.view(-1, N)
     tgt, free = [], []
@@ -212,7 +237,10 @@ def path_to_window_slots(out_cache_loc: torch.Tensor, accept_index: torch.Tensor
     """``(tgt, src)`` int64 ``[B*W]``: entry (b, j) of the accepted path (``accept_index`` [B, W],
     flat node ids, -1 padded, ``W <= N``) moves ``out_cache_loc[accept_index[b, j]]`` to the j-th
     verify slot ``out_cache_loc[b*N + j]``; a padded entry is slot 0 -> slot 0 (the reserved
-    dummy page, PA-008).  Device only: no host read, no data-dependent shape."""
+    dummy page, PA-008).  Device only: no host read, no data-dependent shape.
+
+    Production twin of the readable :func:`get_src_tgt_cache_loc` / :func:`get_target_cache_loc`
+    (the same moves, plus slot 0 -> slot 0 no-ops)."""
     B, W = accept_index.shape
     padded = accept_index < 0
     window = out_cache_loc.view(B, num_draft_tokens)[:, :W]

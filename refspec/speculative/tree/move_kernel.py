@@ -98,6 +98,8 @@ def move_kv_cache_fused(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> N
     doc).  Graph-safe: no host read, the launch fixed by ``M``.  Raises ValueError naming the
     argument for other dtypes, shapes, devices, layouts or sizes, and RuntimeError where
     :func:`available` is False.
+
+    Fused twin of the torch rule :func:`refspec.speculative.tree.kv.move_kv_cache`.
     """
     if not available(tgt.device):
         raise RuntimeError("move_kv_cache_fused needs a CUDA tensor and Triton (see move_kernel.available)")

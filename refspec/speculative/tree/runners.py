@@ -11,7 +11,13 @@ chain) with
   v2, the accepted path's KV move and compaction.
 
 Both run eagerly or, with ``graphs``, replay a captured graph of the same forward function
-(:mod:`refspec.speculative.tree.graphs`).  Batch builders for both live here too.
+(:mod:`refspec.speculative.tree.graphs`).  Batch builders for both live here too, in two forms:
+the rounds build their batches on the device (:func:`tree_draft_batch_device`,
+:func:`tree_verify_batch_device`: lengths that may exist only on the device, no host read);
+:func:`tree_draft_batch` and :func:`tree_verify_batch` are the same rules from host lists, the
+readable twins.  No round calls the host forms (their callers are the conformance tree cases and
+the tests): they are the rule, not a path, and ``tests/test_twins.py`` requires each twin to give
+its production twin's batch on random inputs.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ from refspec.speculative.tree.device import assemble_tree, const_arange, tree_st
 def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens: int, topk: int,
                       positions: torch.Tensor, custom_mask: torch.Tensor) -> TreeVerifyBatch:
     """TARGET_VERIFY over the tree: node i of request b writes ``req_to_token[r_b, L_b + i]`` and
-    runs at ``positions[b*N + i] = L_b + depth(i)`` (TR-005)."""
+    runs at ``positions[b*N + i] = L_b + depth(i)`` (TR-005).
+
+    Readable twin (host lists) of :func:`tree_verify_batch_device`, which the rounds run."""
     N, dev = num_draft_tokens, kv.device
     loc = torch.cat([kv.req_to_token[r, L:L + N].long() for r, L in zip(rows, seq_lens)])
     return TreeVerifyBatch(
@@ -52,7 +60,9 @@ def tree_verify_batch(kv, rows: list[int], seq_lens: list[int], num_draft_tokens
 def tree_draft_batch(kv, rows: list[int], seq_lens: list[int], topk: int, num_steps: int,
                      draft_cache_loc: torch.Tensor) -> TreeDraftBatch:
     """All draft steps of a round: ``draft_cache_loc`` [B*k*S] (layout [B, k, S]); branch row
-    ``b*k + t`` runs step j at RoPE position ``L_b + j`` (its depth j + 1 token, SD-007)."""
+    ``b*k + t`` runs step j at RoPE position ``L_b + j`` (its depth j + 1 token, SD-007).
+
+    Readable twin (host lists) of :func:`tree_draft_batch_device`, which the rounds run."""
     dev = kv.device
     pos = torch.tensor([L + j for L in seq_lens for _ in range(topk) for j in range(num_steps)], device=dev)
     return TreeDraftBatch(
@@ -182,13 +192,33 @@ def tree_draft_batch_device(rows_dev: torch.Tensor, seq_lens: torch.Tensor, seq_
                             num_steps: int, draft_cache_loc: torch.Tensor, bound: bool) -> TreeDraftBatch:
     """:func:`tree_draft_batch` from device ``rows_dev`` / ``seq_lens`` ``[B]`` (L): branch row
     ``b*k + t`` runs step j at ``L_b + j``; ``seq_lens_cpu`` = ``seq_lens_hi`` (the exact L, or an
-    upper bound under the overlap schedule: ``seq_lens_cpu_is_bound``, MD-006).  No host read."""
+    upper bound under the overlap schedule: ``seq_lens_cpu_is_bound``, MD-006).  No host read.
+
+    Production twin of the readable :func:`tree_draft_batch` (same batch from the same inputs)."""
     pos = (seq_lens.long()[:, None] + const_arange(num_steps, seq_lens.device)).repeat_interleave(topk, 0)
     return TreeDraftBatch(
         forward_mode=ForwardMode.DECODE, req_pool_indices=rows_dev, seq_lens=seq_lens.to(torch.int32),
         seq_lens_cpu=torch.tensor(seq_lens_hi, dtype=torch.long), out_cache_loc=draft_cache_loc,
         positions=pos.flatten(), topk=topk, num_steps=num_steps, draft_cache_loc=draft_cache_loc,
         seq_lens_cpu_is_bound=bound)
+
+
+def tree_verify_batch_device(rows_dev: torch.Tensor, seq_lens: torch.Tensor, seq_lens_hi: list[int],
+                             num_draft_tokens: int, topk: int, window_slots: torch.Tensor, tree: dict,
+                             bound: bool) -> TreeVerifyBatch:
+    """:func:`tree_verify_batch` from device ``rows_dev`` / ``seq_lens`` ``[B]`` (L): node i of
+    request b writes ``window_slots[b, i]`` (int64 ``[B, N]``, the slot of position ``L_b + i``:
+    :func:`~refspec.core.future_batch.round_window`) and runs at ``tree["positions"][b*N + i] =
+    L_b + depth(i)`` (TR-005); ``tree`` is :func:`~refspec.speculative.tree.device.assemble_tree`'s
+    dict (its flat ``custom_mask``, and its ``tree_mask`` rows, which graph replay reads);
+    ``seq_lens_cpu`` = ``seq_lens_hi`` (exact, or ``bound``: MD-006).  No host read.
+
+    Production twin of the readable :func:`tree_verify_batch` (same batch from the same inputs)."""
+    return TreeVerifyBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_dev, seq_lens=seq_lens.to(torch.int32),
+        seq_lens_cpu=torch.tensor(seq_lens_hi, dtype=torch.long), out_cache_loc=window_slots.flatten(),
+        positions=tree["positions"], num_draft_tokens=num_draft_tokens, topk=topk, custom_mask=tree["custom_mask"],
+        tree_mask=tree["tree_mask"], seq_lens_cpu_is_bound=bound)
 
 
 def round_inputs(eng, reqs):
@@ -227,11 +257,7 @@ def tree_verify_accept(eng, reqs, rows_dev, L, hi, bound, roots, drafted):
     kv, k, N, B = eng.kv, eng.topk, eng.N, len(reqs)
     tree = assemble_tree(roots, drafted[0], drafted[1:], L, sum(hi) * N + B * N * N)
     window = round_window(kv, [r.row for r in reqs], rows_dev, L, hi, N)
-    fb = TreeVerifyBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=rows_dev, seq_lens=L.to(torch.int32),
-        seq_lens_cpu=torch.tensor(hi, dtype=torch.long), out_cache_loc=window[1].flatten(),
-        positions=tree["positions"], num_draft_tokens=N, topk=k, custom_mask=tree["custom_mask"],
-        tree_mask=tree["tree_mask"], seq_lens_cpu_is_bound=bound)
+    fb = tree_verify_batch_device(rows_dev, L, hi, N, k, window[1], tree, bound)
     target_predict, hidden, predict, accept_index, n = eng.runners.tree_verify(
         tree["draft_tokens"], tree["retrive_next_token"], tree["retrive_next_sibling"], fb)
     eng.observe("verify", reqs=reqs, fb=fb)
