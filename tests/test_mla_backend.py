@@ -168,10 +168,12 @@ def prefill_inputs(built, seed=0):
     g = torch.Generator().manual_seed(seed)
     kv_b = torch.randn(H * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g) / d.kv_lora_rank ** 0.5
     w_kc, w_vc = split_kv_b_proj(kv_b, H, d.qk_nope_head_dim)
-    fb, rows = built.fb, built.pool.get_key_buffer(0)[:, 0]
+    fb = built.fb
     built.pool.set_mla_kv_buffer(0, fb.out_cache_loc, built.k, built.k_rope)  # the model writes the latent
     slots = torch.cat([built.kv.req_to_token[r, :K].long() for r, K in zip(fb.req_pool_indices.tolist(), built.K)])
-    k, v = expand_latent(rows[slots, :d.kv_lora_rank], rows[slots, d.kv_lora_rank:], w_kc, w_vc)
+    c, k_pe = built.pool.get_mla_kv_buffer(0, slots)  # every key's latent, the prefix gathered back (one-shot)
+    assert torch.equal(torch.cat([c, k_pe], -1), built.pool.get_key_buffer(0)[slots])
+    k, v = expand_latent(c[:, 0], k_pe[:, 0], w_kc, w_vc)
     q_nope = torch.randn(fb.num_tokens, H, d.qk_nope_head_dim, generator=g)
     return q_nope, k, v, w_kc, w_vc
 
@@ -335,3 +337,117 @@ def test_tree_verify_graph_padded_replay_equals_eager(P):
         (out,) = runner.replay(fb, live)
         assert t0(out, eager).ok, f"tree verify graph P={P}"
     assert bool((pool.get_key_buffer(0)[0] == -3.0).all()), "a padded tree row wrote slot 0"
+
+
+@pytest.mark.spec("MD-010", "CG-002", "ML-002")
+@pytest.mark.parametrize("P", (1, 4, 16, 64))
+def test_all_draft_steps_in_one_graph(P):
+    """Sd = 4: the 3 draft-decode steps of the multi-step backend in ONE graph (3 live requests in
+    bs 4), each step storing its latent row then reading the rows steps < s stored in the same
+    replay (the draft positions start as NaN, so a missing store shows): equal to eager (T0) and to
+    the oracle (T1); the padded request never writes slot 0."""
+    from refspec.core import batch as fbatch
+    from refspec.graphs.runner import GraphRunner
+    S, S1, d = 4, 3, TINY_DIMS
+    built = MLAScenario(M.DECODE, P, LENS, draft_step=S - 2, num_draft_tokens=S, seed=P).build()
+    kv, pool, layer = built.kv, built.pool, built.layer
+    rows = built.fb.req_pool_indices.tolist()
+    for r, L in zip(rows, LENS):  # the draft positions L .. L + Sd - 2: NaN until a step stores them
+        pool.get_key_buffer(0)[kv.req_to_token[r, L:L + S1].long()] = float("nan")
+    pool.get_key_buffer(0)[0] = -3.0
+    g = torch.Generator().manual_seed(P)
+    T, H, R, Dr = len(LENS) * S1, 4, d.kv_lora_rank, d.qk_rope_head_dim
+    x = dict(q=torch.randn(T, H, R, generator=g), q_rope=torch.randn(T, H, Dr, generator=g),
+             k=torch.randn(T, 1, R, generator=g), k_rope=torch.randn(T, 1, Dr, generator=g))
+
+    def steps(backends, fbs, x):  # step s of request b is entry b * S1 + s (request-major)
+        cut = {n: t.unflatten(0, (fbs[0].batch_size, S1)) for n, t in x.items()}
+        return torch.stack([be.forward(cut["q"][:, s].contiguous(), cut["k"][:, s].contiguous(), None, layer, fb,
+                                       q_rope=cut["q_rope"][:, s].contiguous(), k_rope=cut["k_rope"][:, s].contiguous())
+                            for s, (be, fb) in enumerate(zip(backends, fbs))], 1).flatten(0, 1)
+
+    split = lambda fb: [fbatch.draft_step_view(fb, s, S) for s in range(S1)]
+    multi = FlashAttentionMultiStepBackend(pool, kv, S, provider="emulator")
+    shapes = {n: (tuple(t.shape[1:]), t.dtype) for n, t in x.items()}
+    runner = GraphRunner(M.DECODE, multi.backends, lambda fb, xx: steps(multi.backends, split(fb), xx), kv=kv,
+                         capture_bs=(4,), tokens_per_req=S1, inputs=shapes, split=split)
+    live = fbatch.draft_decode_steps_batch(kv, rows, LENS, S)
+    out = runner.replay(live, x)
+    eager_be = FlashAttentionMultiStepBackend(pool, kv, S, provider="emulator").backends
+    fbs = [fbatch.draft_decode_batch(kv, rows, LENS, s) for s in range(S1)]
+    for be, fb in zip(eager_be, fbs):
+        be.init_forward_metadata(fb)
+    assert t0(out, steps(eager_be, fbs, x)).ok
+    oracles = [OracleBackend(pool, kv, out_dtype=torch.float32) for _ in range(S1)]
+    for be, fb in zip(oracles, fbs):
+        be.init_forward_metadata(fb)
+    assert_t1(out, steps(oracles, fbs, x), what=f"draft steps P={P}")
+    no_poison(out, f"draft steps P={P}")
+    assert bool((pool.get_key_buffer(0)[0] == -3.0).all())
+
+
+@pytest.mark.spec("TOL-002", "ML-005")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_within_t1(dtype):
+    """bf16 / fp16: the emulator's qv call within T1 of the fp32 oracle, the budget the oracle's own
+    low-precision error (docs/tolerance-policy.md)."""
+    built = MLAScenario(M.TARGET_VERIFY, 16, LENS, dtype=dtype).build()
+    out = built.run_fa3()
+    assert out.dtype == dtype
+    assert_t1(out, built.run_oracle(), built.run_oracle(upcast=False), what=f"MLA verify {dtype}")
+
+
+@pytest.mark.spec("ML-005")
+def test_idle_batch_is_empty():
+    built = MLAScenario(M.IDLE, 4, []).build()
+    assert built.run_fa3().shape == built.run_oracle().shape == (0, 4, TINY_DIMS.kv_lora_rank)
+
+
+class _DraftRunners:
+    """:class:`TreeGraphRunner`'s view of the runners for the tree draft phase: one MLA layer per
+    step backend, the rows' inputs from per-step tables indexed by ``topk_index`` (a branch's token,
+    as an embedding would be)."""
+
+    def __init__(self, kv, bes, layer, tables, topk, S):
+        self.kv, self.topk, self.Sd, self.num_draft_tokens, self.tree_step_bes = kv, topk, S, S + 1, bes
+        self.layer, self.tables = layer, tables
+        self.target = type("T", (), {"config": type("C", (), {"hidden_size": 8})})()
+        self.draft = type("D", (), {"uses_hidden": False})()
+
+    def _tree_draft_fn(self, fb, x):
+        ids, outs = x["topk_index"].flatten(), []
+        for s, be in enumerate(self.tree_step_bes):
+            t = {n: table[s][ids] for n, table in self.tables.items()}
+            outs.append(be.forward(t["q"], t["k"], None, self.layer, draft_step_batch(fb, s), q_rope=t["q_rope"],
+                                   k_rope=t["k_rope"]))
+        return (torch.stack(outs, 1).flatten(1).view(fb.batch_size, -1),)  # per request: k rows x steps
+
+
+@pytest.mark.spec("ML-011", "TR-018", "CG-002", "ML-002")
+@pytest.mark.parametrize("P", (1, 4, 16, 64))
+def test_tree_draft_graph_padded_replay_equals_eager(P):
+    """The MLA draft-decode cascade of every step in the tree draft graph (3 live requests in bs 4),
+    each step storing its branch rows: the real rows bitwise equal to eager, slot 0 untouched."""
+    topk, S, d = 2, 4, TINY_DIMS
+    kv, pool, fb, layer, rws, loc = mla_draft_setup(P, TREE_LENS, topk, S, seed=P)
+    pool.get_key_buffer(0)[0] = -3.0
+    B, H = len(TREE_LENS), 4
+    g = torch.Generator().manual_seed(P)
+    V = 4 * topk  # token ids: one row of every table per (padded) branch
+    tables = {"q": torch.randn(S - 1, V, H, d.kv_lora_rank, generator=g),
+              "q_rope": torch.randn(S - 1, V, H, d.qk_rope_head_dim, generator=g),
+              "k": torch.randn(S - 1, V, 1, d.kv_lora_rank, generator=g),
+              "k_rope": torch.randn(S - 1, V, 1, d.qk_rope_head_dim, generator=g)}
+    live = {"topk_p": torch.rand(B, topk, generator=g), "topk_index": torch.arange(B * topk).view(B, topk)}
+    mk = lambda: [FlashAttentionTreeBackend(pool, kv, topk=topk, num_steps=S, speculative_step_id=s,
+                                            provider="emulator") for s in range(S - 1)]
+    eager_runners = _DraftRunners(kv, mk(), layer, tables, topk, S)
+    for be in eager_runners.tree_step_bes:
+        be.init_forward_metadata(fb)
+    (eager,) = eager_runners._tree_draft_fn(fb, live)
+    runner = TreeGraphRunner(_DraftRunners(kv, mk(), layer, tables, topk, S), "draft", (4,), torch.float32)
+    for _ in range(2):
+        (out,) = runner.replay(fb, live)
+        assert t0(out, eager).ok, f"tree draft graph P={P}"
+    no_poison(out, f"tree draft graph P={P}")
+    assert bool((pool.get_key_buffer(0)[0] == -3.0).all()), "a padded branch row wrote slot 0"

@@ -292,3 +292,17 @@ def test_no_configuration_is_refused(monkeypatch):
         assert "no readable FA3 build configuration" in kernel.mla_kernel_problem("fa3", "qv")
     finally:
         kernel.build_flags.cache_clear()
+
+
+@pytest.mark.spec("ML-013")
+def test_info_says_whether_the_active_provider_may_run_mla(fake_build, monkeypatch, capsys):
+    from refspec.cli import info
+    fake_build(TOKENSPEED_FLAGS)
+    monkeypatch.setattr(info, "select_provider", lambda device: "fa3")
+    assert info.main([]) == 0
+    out = capsys.readouterr().out
+    assert "MLA on fa3: refused (ML-013): qv: the 'fa3' build sets FLASH_ATTENTION_DISABLE_HDIMDIFF64=TRUE" in out
+    assert "prefill: the 'fa3' build sets FLASH_ATTENTION_DISABLE_HDIMDIFF192=TRUE" in out
+    monkeypatch.setattr(info, "select_provider", lambda device: "emulator")
+    info.main([])
+    assert "MLA on emulator: yes" in capsys.readouterr().out

@@ -165,13 +165,13 @@ class MLAKVPool:
     * **the row (ML-001)**: ``[c_kv | k_rope]``, R + Dr wide (576 = 512 + 64 for DeepSeek-V3):
       the normalised latent ``c_kv`` (the layer's ``k_nope``) then the shared RoPE key
       ``k_rope``; one KV head.  No per-head K or V is ever stored: they are ``W_UK c`` and
-      ``W_UV c`` (ML-007);
+      ``W_UV c`` (ML-008);
     * **the store (ML-002)**: :meth:`set_mla_kv_buffer` writes ``[k_nope | k_rope]`` at
       ``out_cache_loc`` and never writes slot 0 (graph padding writes there);
     * **the views (ML-003)**: :meth:`paged_views` splits the row at the layer's ``v_head_dim``
       into ``k_rope [NP, P, 1, Dr]`` and ``c_kv [NP, P, 1, R]``, two strided, non-contiguous
       views of the same storage, strides ``(row * P, row, row, 1)``;
-    * **the move (ML-011)**: :meth:`move_kv_cache` moves whole rows (the tree / v2 paths).
+    * **the move (ML-012)**: :meth:`move_kv_cache` moves whole rows (the tree / v2 paths).
 
     Args:
         num_layers: layers with attention.
@@ -245,8 +245,15 @@ class MLAKVPool:
         loc = loc.long()
         buf[loc] = torch.where((loc != 0)[:, None, None], row, buf[loc])  # loc 0: its own bytes back
 
+    def get_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at slots ``loc [n]`` split back into ``(k_nope [n, 1, R], k_rope [n, 1, Dr])``
+        (new tensors): what a model gathers to expand a cached prefix for the non-absorbed prefill
+        (ML-010; SGLang's ``MLATokenToKVPool.get_mla_kv_buffer``, MHA_ONE_SHOT with a prefix)."""
+        rows = self.get_key_buffer(layer_id)[loc.long()]
+        return rows[..., :self.kv_lora_rank].clone(), rows[..., self.kv_lora_rank:].clone()
+
     def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
-        """``pool[tgt] = pool[src]``, whole rows, in every layer (ML-011): one gather (a new
+        """``pool[tgt] = pool[src]``, whole rows, in every layer (ML-012): one gather (a new
         tensor, so overlapping ``tgt`` / ``src`` are safe) and one scatter per layer.  ``tgt``,
         ``src`` int64 ``[M]`` flat slots.  Upstream: ``MLATokenToKVPool.move_kv_cache`` (v0.5.23,
         sglang#26982; v0.5.12.post1's pool has none, so MLA + EAGLE top-k > 1 with P > 1 fails there)."""

@@ -53,7 +53,7 @@ def _real_kernel(name: str, function: str = "flash_attn_with_kvcache"):
     try:
         return getattr(importlib.import_module(module), function)
     except Exception as e:  # ImportError, AttributeError, or a broken binary (OSError, RuntimeError)
-        return f"`from {module} import {function}` failed: {type(e).__name__}: {e}"
+        return f"`import {module}` failed: {type(e).__name__}: {e}"
 
 
 # ---- MLA on a real kernel: which head dims and which builds have a kernel (ML-006, ML-013) ----
