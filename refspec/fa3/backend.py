@@ -115,7 +115,6 @@ class FlashAttentionBackend(GraphMetadataMixin, MLAForwardMixin):
             cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale,
             causal=True, window_size=kernel_window_size(layer), softcap=layer.logit_cap, provider=self.provider)
 
-
     def mla_attend(self, q, q_rope, layer: AttentionLayer, fb: ForwardBatch):
         """MLA's attend step (top-k = 1): one ``qv`` call on this backend's metadata, causal (ML-005)."""
         k_rope_cache, c_kv_cache = self.pool.paged_views(layer.layer_id, layer.v_head_dim)

@@ -144,7 +144,7 @@ def emulate_flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_
     ``[T, H, Dv]`` in q.dtype, and the LSE ``[H, T]`` (fp32) if ``return_softmax_lse``.
     ``softmax_scale`` None is FA3's default ``(D + Dv)^-0.5`` with qv, ``D^-0.5`` without
     (``flash_attn_interface.py``; MLA never relies on it, ML-007).
-    Raises: InvariantError PA-003, PA-010, PA-011, ML-005 (see module doc).
+    Raises: InvariantError PA-003, PA-010, PA-011, ML-005, ML-006 (see module doc).
 
     The requests run side by side, as the kernel's thread blocks do: request b's query rows are
     padded to the batch's longest query and masked.  Key tile j is ``TILE`` keys wide, keys
