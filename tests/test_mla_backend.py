@@ -19,7 +19,7 @@ import torch
 
 from refspec.core.invariants import InvariantError
 from refspec.core.kv_cache import KVPool
-from refspec.core.mla import DEEPSEEK_V3_DIMS
+from refspec.core.mla import DEEPSEEK_V3_DIMS, absorb_q, expand_latent, latent_to_v, split_kv_b_proj
 from refspec.core.modes import ForwardMode as M
 from refspec.core.tolerance import assert_t1, t0
 from refspec.fa3 import kernel
@@ -28,7 +28,6 @@ from refspec.fa3.tree_attention import mla_cascade_attention
 from refspec.fa3.tree_backend import FlashAttentionTreeBackend, draft_step_batch
 from refspec.harness.mla_scenario import TINY_DIMS, MLAScenario, mla_draft_setup, mla_verify_setup
 from refspec.oracle.backend import OracleBackend
-from refspec.oracle.mla import expand_latent, latent_to_v, split_kv_b_proj
 from refspec.oracle.slots import attention_over_slots
 from refspec.speculative.tree.graphs import TreeGraphRunner
 
@@ -197,7 +196,6 @@ def test_mha_prefill_both_wings_and_the_absorbed_form(P, prefix):
     assert_t1(outs[1], outs[0], what=f"mha prefill P={P}")
     fa3 = FlashAttentionBackend(built.pool, built.kv, provider="emulator")
     fa3.init_forward_metadata(built.fb)
-    from refspec.oracle.mla import absorb_q
     absorbed = fa3.forward(absorb_q(q_nope, w_kc), None, None, built.layer, built.fb, q_rope=built.q_rope)
     assert_t1(latent_to_v(absorbed, w_vc), outs[0], what=f"absorbed x W_UV vs mha P={P}")
 

@@ -17,12 +17,13 @@ from refspec.core import batch as B
 from refspec.core.invariants import InvariantError
 from refspec.core.kv_cache import KVCache, MLAKVPool
 from refspec.core.mla import (CHUNKED_PREFIX_CACHE_THRESHOLD, DEEPSEEK_V3_DIMS, DEEPSEEK_V3_ROPE_SCALING,
-                              MAX_KV_CHUNK_CAPACITY, AttnForwardMethod, MLADims, mla_attention_layers,
-                              mla_forward_method, mla_softmax_scale, yarn_get_mscale)
+                              MAX_KV_CHUNK_CAPACITY, AttnForwardMethod, MLADims, absorb_q, latent_to_v,
+                              mla_attention_layers, mla_forward_method, mla_softmax_scale, split_kv_b_proj,
+                              yarn_get_mscale)
 from refspec.core.modes import ForwardMode
 from refspec.core.tolerance import assert_t1
 from refspec.harness.mla_scenario import TINY_DIMS, MLAScenario
-from refspec.oracle.mla import absorb_q, latent_to_v, mla_attention, split_kv_b_proj
+from refspec.oracle.mla import mla_attention
 
 PAGE_SIZES = (1, 4, 16, 64)
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA): the dimensions, the softmax scale, the two layers, the path choice.
+"""Multi-head latent attention (MLA): the dimensions, the softmax scale, the two layers, the path choice, the weights.
 
 DeepSeek-V2/V3 cache one **latent row** per token instead of per-head K and V (docs/mla.md)::
 
@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+
+import torch
 
 from refspec.core.args import count
 from refspec.core.batch import ForwardBatch
@@ -183,6 +185,44 @@ def mla_forward_method(fb: ForwardBatch, *, disable_chunked_prefix_cache: bool =
     if not (prefix == 0 or (prefix >= CHUNKED_PREFIX_CACHE_THRESHOLD and not disable_chunked_prefix_cache)):
         return AttnForwardMethod.MLA
     return AttnForwardMethod.MHA_ONE_SHOT if sum(seq) <= MAX_KV_CHUNK_CAPACITY else AttnForwardMethod.MHA_CHUNKED_KV
+
+
+# ---- the weight layout: kv_b_proj split into W_UK / W_UV, absorbed and brought back (ML-008) ----
+
+def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj.weight [H (Dn + Dv), R]`` -> ``(w_kc [H, Dn, R], w_vc [H, R, Dv])`` (views).
+
+    Per head h the weight's rows are ``[W_UK[h] (Dn rows) ; W_UV[h] (Dv rows)]``: ``k_nope_h =
+    W_UK[h] c`` and ``v_h = W_UV[h] c``.  ``w_vc`` is ``W_UV`` transposed, SGLang's layout
+    (``deepseek_weight_loader.py`` at v0.5.23: ``w.unflatten(0, (-1, Dn + Dv)).split([Dn, Dv], dim=1)``).
+    Raises ValueError if the rows are not a multiple of ``num_heads`` or leave no value dim."""
+    rows, R = weight.shape
+    if rows % num_heads or rows // num_heads <= qk_nope_head_dim:
+        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need H = {num_heads} blocks of "
+                         f"Dn = {qk_nope_head_dim} + Dv rows each")
+    w = weight.view(num_heads, rows // num_heads, R)
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:].transpose(1, 2)
+
+
+def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
+    """``q_nope [T, H, Dn]`` -> ``W_UK^T q_nope`` ``[T, H, R]``: SGLang's ``q_nope_out = bmm(q_nope, w_kc)``
+    (`forward_mla.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py#L586>`_)."""
+    return torch.einsum("thd,hdr->thr", q_nope, w_kc.to(q_nope.dtype))
+
+
+def latent_to_v(o: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """The absorbed output ``o [T, H, R]`` (latent space) -> ``W_UV o`` ``[T, H, Dv]``: SGLang's
+    ``bmm(attn_output, w_vc)``."""
+    return torch.einsum("thr,hrv->thv", o, w_vc.to(o.dtype))
+
+
+def expand_latent(c: torch.Tensor, k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor):
+    """The non-absorbed keys and values of latent rows: ``c [S, R]``, ``k_pe [S, Dr]`` ->
+    ``(k [S, H, Dn + Dr], v [S, H, Dv])`` with ``k_h = [W_UK[h] c | k_pe]`` (``k_pe`` shared by
+    every head) and ``v_h = W_UV[h] c``."""
+    k_nope = torch.einsum("sr,hdr->shd", c, w_kc.to(c.dtype))
+    v = torch.einsum("sr,hrv->shv", c, w_vc.to(c.dtype))
+    return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1), v
 
 
 # ---- the argument checks both wings run on an MLA call (the same words, as core/batch.py's shapes) ----

@@ -16,52 +16,18 @@ Both give the same result (up to fp32 rounding), since ``q_nope . (W_UK c) = (W_
 and ``sum_j p_j W_UV c_j = W_UV sum_j p_j c_j``: that equality is ML-008, and it is why the 576-wide
 latent row is all an MLA model needs to cache.
 
-Weights use SGLang's names and layouts (``deepseek_weight_loader.py`` at v0.5.23 splits
-``kv_b_proj.weight [H (Dn + Dv), R]`` into them): ``w_kc [H, Dn, R]`` (W_UK) and ``w_vc [H, R, Dv]``
-(W_UV transposed), so ``q_nope_out = bmm(q_nope, w_kc)`` and ``out = bmm(o, w_vc)`` as upstream
-(`forward_mla.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py#L586>`_).
+Weights use SGLang's names and layouts, ``w_kc [H, Dn, R]`` (W_UK) and ``w_vc [H, R, Dv]`` (W_UV
+transposed), with the helpers of :mod:`refspec.core.mla` (``split_kv_b_proj``, ``absorb_q``,
+``latent_to_v``, ``expand_latent``): the weight layout, which a model needs as much as the oracle.
 """
 
 from __future__ import annotations
 
 import torch
-from einops import einsum, rearrange
 
 from refspec.core.invariants import require
+from refspec.core.mla import absorb_q, expand_latent, latent_to_v
 from refspec.oracle.attention import attention_by_position
-
-
-def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_b_proj.weight [H (Dn + Dv), R]`` -> ``(w_kc [H, Dn, R], w_vc [H, R, Dv])`` (views).
-
-    Per head h the weight's rows are ``[W_UK[h] (Dn rows) ; W_UV[h] (Dv rows)]``: ``k_nope_h =
-    W_UK[h] c`` and ``v_h = W_UV[h] c``.  ``w_vc`` is ``W_UV`` transposed, SGLang's layout.
-    Raises ValueError if the rows are not a multiple of ``num_heads`` or leave no value dim."""
-    rows, R = weight.shape
-    if rows % num_heads or rows // num_heads <= qk_nope_head_dim:
-        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need H = {num_heads} blocks of "
-                         f"Dn = {qk_nope_head_dim} + Dv rows each")
-    w = rearrange(weight, "(h d) r -> h d r", h=num_heads)
-    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:].transpose(1, 2)
-
-
-def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
-    """``q_nope [T, H, Dn]`` -> ``W_UK^T q_nope`` ``[T, H, R]`` (SGLang's ``q_nope_out``)."""
-    return einsum(q_nope, w_kc.to(q_nope.dtype), "t h d, h d r -> t h r")
-
-
-def latent_to_v(o: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
-    """The absorbed output ``o [T, H, R]`` (latent space) -> ``W_UV o`` ``[T, H, Dv]``."""
-    return einsum(o, w_vc.to(o.dtype), "t h r, h r v -> t h v")
-
-
-def expand_latent(c: torch.Tensor, k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor):
-    """The non-absorbed keys and values of latent rows: ``c [S, R]``, ``k_pe [S, Dr]`` ->
-    ``(k [S, H, Dn + Dr], v [S, H, Dv])`` with ``k_h = [W_UK[h] c | k_pe]`` (``k_pe`` shared by
-    every head) and ``v_h = W_UV[h] c``."""
-    k_nope = einsum(c, w_kc.to(c.dtype), "s r, h d r -> s h d")
-    v = einsum(c, w_vc.to(c.dtype), "s r, h r v -> s h v")
-    return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1), v
 
 
 def absorbed_attention(q_nope_absorbed: torch.Tensor, q_rope: torch.Tensor, rows_flat: torch.Tensor,
@@ -94,7 +60,7 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, rows_flat: torch.Ten
 
     Shapes: ``q_nope [T, H, Dn]``, ``q_pe [T, H, Dr]`` (RoPE applied); ``rows_flat [S, 1, R + Dr]``
     (:meth:`~refspec.core.kv_cache.MLAKVPool.get_key_buffer`); ``w_kc [H, Dn, R]``, ``w_vc [H, R, Dv]``
-    (:func:`split_kv_b_proj`); ``req_to_token`` / ``req_pool_indices`` / ``cu_seqlens_q`` /
+    (:func:`~refspec.core.mla.split_kv_b_proj`); ``req_to_token`` / ``req_pool_indices`` / ``cu_seqlens_q`` /
     ``positions`` as :func:`~refspec.oracle.attention.attention_by_position` (row at position t
     sees its request's keys 0..t).  ``softmax_scale``: ML-007's, the same in both forms.
     ``absorb``: False the non-absorbed form, True the absorbed one.  ``upcast``: compute in fp32.
