@@ -45,11 +45,12 @@ FAMILY_PAGES = {
     "CG": "graphs.md",
     "SD": "spec-decode.md",
     "TR": "tree.md",
+    "ML": "mla.md",
     "TOL": "tolerance.md",
 }
-ID_RE = re.compile(r"\b(?:PA|KV|MD|CG|SD|TR|TOL)-\d{3}\b")
+ID_RE = re.compile(r"\b(?:PA|KV|MD|CG|SD|TR|ML|TOL)-\d{3}\b")
 #: a spec heading: ``### CG-004 — title {#cg-004}``
-HEADING_RE = re.compile(r"^#{2,6}\s+((?:PA|KV|MD|CG|SD|TR|TOL)-\d{3})\b")
+HEADING_RE = re.compile(r"^#{2,6}\s+((?:PA|KV|MD|CG|SD|TR|ML|TOL)-\d{3})\b")
 
 
 @dataclass

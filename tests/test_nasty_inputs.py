@@ -282,14 +282,14 @@ def run_kernel(provider="emulator", **over):
 @pytest.mark.parametrize("over", [
     dict(q=torch.randn(3, 32)),  # before: "not enough values to unpack"
     dict(k_cache=torch.randn(16, 2, 8)),
-    dict(v_cache=torch.randn(4, 4, 2, 16)),  # before: a RuntimeError inside the einsum
+    dict(v_cache=torch.randn(4, 2, 2, 8)),  # V on other pages than K (V's head dim may differ: ML-006's pairs)
     dict(v_cache=torch.randn(4, 4, 1, 8)),  # before: V broadcast over the KV heads, silently
     dict(v_cache=torch.randn(4, 4, 2, 8).to(torch.bfloat16)),  # before: silently upcast
     dict(q=torch.randn(3, 4, 8).to(torch.bfloat16)),  # real FA3 refuses mixed dtypes
     dict(q=torch.ones(3, 4, 8, dtype=torch.long)),  # before: an integer "attention" output
     dict(cache_seqlens=torch.tensor([-3], dtype=torch.int32)),  # before: silently all zeros
     dict(cache_seqlens=torch.tensor([[3]], dtype=torch.int32)),  # before: TypeError
-], ids=["q-2d", "k-3d", "v-head-dim", "v-heads", "v-dtype", "q-dtype", "q-int", "K-negative", "K-2d"])
+], ids=["q-2d", "k-3d", "v-pages", "v-heads", "v-dtype", "q-dtype", "q-int", "K-negative", "K-2d"])
 def test_emulator_refuses_malformed_arguments(over):
     with raises("PA-011"):
         run_kernel(**over)

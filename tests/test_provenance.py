@@ -211,7 +211,7 @@ def test_generated_level_paragraphs_are_current():
     assert not stale, f"run `python docs/gen_levels.py`: {stale}"
     for page in (DOCS / "spec").glob("*.md"):
         text = page.read_text()
-        for m in re.finditer(r"^#{2,6}\s+((?:PA|KV|MD|CG|SD|TOL)-\d{3})\b", text, re.MULTILINE):
+        for m in re.finditer(r"^#{2,6}\s+((?:PA|KV|MD|CG|SD|TR|ML|TOL)-\d{3})\b", text, re.MULTILINE):
             inv_id, entry = m.group(1), text[m.end():]
             assert f"**Level.** *{RULES[inv_id].level}*" in entry.split("**Rule.**", 1)[0], inv_id
 

@@ -1,4 +1,4 @@
-"""``python -m refspec info``: the active FA3 provider and why.
+"""``python -m refspec info``: the active FA3 provider and why, and whether it may run MLA (ML-013).
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from refspec.cli._args import PROG, ArgumentParser, run
-from refspec.fa3.kernel import hopper_reason, provider_status, select_provider
+from refspec.fa3.kernel import hopper_reason, mla_kernel_problem, provider_status, select_provider
 
 
 def main(argv=None) -> int:
@@ -28,4 +28,8 @@ def _main(argv) -> int:
     why = "a real FA3 kernel on a Hopper GPU" if chosen != "emulator" else (
         f"no real kernel usable here ({hopper_reason() or 'no FA3 module'})")
     print(f"active provider on {dev.type}: {chosen} ({why})")
+    problems = {call: mla_kernel_problem(chosen, call) for call in ("qv", "prefill")}
+    mla = "yes" if not any(problems.values()) else "refused (ML-013): " + "; ".join(
+        f"{call}: {why}" for call, why in problems.items() if why)
+    print(f"MLA on {chosen}: {mla}")
     return 0

@@ -35,8 +35,13 @@ class AttentionBackend(Protocol):
         """Build (and keep as ``forward_metadata``) what ``forward`` needs for ``fb``."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                layer: AttentionLayer, fb: ForwardBatch) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store) -> ``[T, H, D]``."""
+                layer: AttentionLayer, fb: ForwardBatch, q_rope: torch.Tensor | None = None,
+                k_rope: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store) -> ``[T, H, D]``.
+
+        With an MLA pool, SGLang's ``RadixAttention`` call of the absorbed layer: ``q`` the
+        absorbed ``q_nope [T, H, R]``, ``k`` the latent ``[T, 1, R]``, ``q_rope [T, H, Dr]``,
+        ``k_rope [T, 1, Dr]`` -> ``[T, H, R]`` (``refspec/fa3/mla.py``, docs/mla.md)."""
 
 
 @runtime_checkable

@@ -77,6 +77,11 @@ class ForwardBatch:
     draft_step: int | None = None  #: s for a draft decode step, else None
     #: overlap loop: ``seq_lens_cpu`` holds upper bounds of ``seq_lens`` (MD-006), not a mirror
     seq_lens_cpu_is_bound: bool = False
+    #: MLA EXTEND only (ML-009 / ML-010): None = the absorbed paged path (every MLA forward but
+    #: one); False = the non-absorbed MHA pass over the ragged k / v the model passes (all K_b keys
+    #: of each request, SGLang's MHA_ONE_SHOT).  SGLang sets it with ``set_attn_attend_prefix_cache``;
+    #: its True (the prefix-chunk pass of MHA_CHUNKED_KV) is not modelled
+    attn_attend_prefix_cache: bool | None = None
 
     @property
     def batch_size(self) -> int:

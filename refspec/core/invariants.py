@@ -2,7 +2,9 @@
 
 IDs are grouped by family: ``PA-`` paging and attention (the FA3 kernel contract), ``KV-``
 KV-cache accounting, ``MD-`` attention metadata per forward mode, ``CG-`` CUDA-graph capture and
-replay, ``SD-`` the speculative-decoding loop, ``TR-`` top-k > 1 trees, ``TOL-`` tolerance tiers.
+replay, ``SD-`` the speculative-decoding loop, ``TR-`` top-k > 1 trees, ``ML-`` multi-head latent
+attention (MLA: DeepSeek's latent KV row, its views and the ``qv`` kernel call), ``TOL-`` tolerance
+tiers.
 
 :data:`RULES` holds one :class:`~refspec.core.sources.Rule` per ID: the one-line title, the
 conformance level (kernel contract / upstream behaviour / refspec hardening), the upstream
@@ -32,6 +34,21 @@ FACTS = "kernel-facts.md"
 SPEC_UTILS, EAGLE_UTILS = "srt/speculative/spec_utils.py", "srt/speculative/eagle_utils.py"
 SPEC_TREE, EAGLE_WORKER = "kernels/ops/speculative/spec_tree.py", "srt/speculative/eagle_worker.py"
 EWC = "srt/speculative/eagle_worker_common.py"
+
+# the files docs/spec/mla.md cites (lines read from the release wheels)
+MP = "srt/mem_cache/memory_pool.py"
+DH = "srt/models/deepseek_common/attention_backend_handler.py"
+FWD_MLA = "srt/models/deepseek_common/attention_forward_methods/forward_mla.py"
+FWD_MHA = "srt/models/deepseek_common/attention_forward_methods/forward_mha.py"
+DSV2 = "srt/models/deepseek_v2.py"
+MLA_PAGE = "mla.md"
+
+#: the MLA verify-cascade defect (ML-011), read from the code at both pins
+MLA_VERIFY_EXPAND = ("v0.5.12.post1 and v0.5.23: the MLA branch of forward_extend passes the P-paged views "
+                     "(k_rope_cache, c_kv_cache) to the TARGET_VERIFY expand call, whose table holds token slots, "
+                     "where the MHA branch passes paged_view(., 1) (sglang#7725); at P > 1 with top-k > 1 a verify "
+                     "row then reads slot * P + offset instead of its own slots (read from the code at both pins, "
+                     "not run; docs/mla.md)")
 
 
 #: the one context-wall defect (CG-008 and PA-003: one level, cross-referenced)
@@ -278,6 +295,86 @@ RULES: dict[str, Rule] = {
                    (sgl("srt/speculative/eagle_worker_v2.py", NEW, 1110, "EagleDraftWorker._draft_extend_for_decode"),
                     sgl("srt/speculative/eagle_worker_common.py", NEW, 524, "_compact_accept_to_front"),
                     sgl("srt/speculative/eagle_worker_common.py", NEW, 112, "prepare_for_draft_extend")), (NEW,)),
+    # --- MLA: the latent KV row, its views, the qv kernel call (docs/spec/mla.md) -----------
+    "ML-001": Rule("the MLA pool holds one row per slot and layer, [slots, 1, kv_lora_rank + qk_rope_head_dim] = "
+                   "[c_kv | k_rope]; slot 0 is the padding slot", U,
+                   (sgl(MP, NEW, 4856, "MLATokenToKVPool._create_buffers"),
+                    sgl(MP, NEW, 4893, "MLATokenToKVPool.get_key_buffer"),
+                    sgl(MP, OLD, 1672, "MLATokenToKVPool._create_buffers")), BOTH),
+    "ML-002": Rule("set_mla_kv_buffer writes the row [k_nope | k_rope] at out_cache_loc, cast to the pool dtype, "
+                   "and never writes slot 0", U,
+                   (sgl(MP, NEW, 5026, "MLATokenToKVPool.set_mla_kv_buffer"),
+                    sgl("kernels/ops/kvcache/mla_buffer.py", NEW, 42, "set_mla_kv_buffer_kernel"),
+                    pr(36003, "skip the reserved slot 0"), pr(36207), pr(32477, "the generic writer's fix")), (NEW,),
+                   violated_by="v0.5.12.post1: set_mla_kv_buffer_triton (srt/mem_cache/utils.py) stores every row, "
+                               "so CUDA-graph and DP-attention padding rows (out_cache_loc 0) overwrite slot 0 and "
+                               "later reads of it see NaN; fixed by sglang#36003 (reserved_skip_index=0)"),
+    "ML-003": Rule("the kernel reads the row as two strided paged views split at the layer's v_head_dim: "
+                   "k_rope [NP, P, 1, D - Dv] and c_kv [NP, P, 1, Dv], strides (row * P, row, row, 1)", U,
+                   (sgl(FA3B, NEW, 1944, "FlashAttentionBackend.forward_extend"),
+                    sgl(FA3B, NEW, 2350, "FlashAttentionBackend.forward_decode"),
+                    sgl("srt/mem_cache/layout/paged_view.py", NEW, 11, "paged_view"),
+                    sgl(FA3B, OLD, 953, "FlashAttentionBackend.forward_extend")), BOTH),
+    "ML-004": Rule("MLA changes no metadata: cache_seqlens, cu_seqlens_q/k, page_table and the top-k > 1 expand "
+                   "metadata are the MHA ones in every mode, eager and under graphs", U,
+                   (sgl(FA3B, NEW, 890, "FlashAttentionBackend.init_forward_metadata"),
+                    sgl(FA3B, NEW, 416, "FlashAttentionBackend._compute_scheduler_metadata"),
+                    sgl(FA3B, NEW, 3477, "FlashAttentionMultiStepBackend"),
+                    sgl(FA3B, OLD, 272, "FlashAttentionBackend.init_forward_metadata")), BOTH,
+                   upstream="the one MLA branch of the metadata is off-path: no FA3 scheduler-metadata precompute"),
+    "ML-005": Rule("the qv call: S = scale * (q_rope . k_rope + qv . c_kv) over one KV head, O = softmax(S) c_kv, "
+                   "output [T, H, Dv]; qv is [T, H, Dv] like q's rows", K,
+                   (fa3("flash_api_stable.cpp", 1095, "mha_fwd"), fa3("test_util.py", 287, "attention_ref"),
+                    fa3("flash_attn_interface.py", 942, "flash_attn_with_kvcache"),
+                    sgl(FA3B, NEW, 2012, "FlashAttentionBackend.forward_extend"))),
+    "ML-006": Rule("FA3 has a kernel for head dims D != Dv only for (D <= 64, Dv <= 512) or (128 < D <= 192, "
+                   "96 < Dv <= 128); qv needs D <= 64 and Dv >= 256", K,
+                   (fa3("flash_api_stable.cpp", 850, "mha_fwd"), fa3("flash_api_stable.cpp", 1095, "mha_fwd"),
+                    fa3("flash_api_stable.cpp", 321, "run_mha_fwd_constexpr"))),
+    "ML-007": Rule("the MLA softmax scale is (qk_nope + qk_rope)^-0.5 * mscale^2, passed explicitly; never FA3's "
+                   "qv default (D + Dv)^-0.5 = 576^-0.5", U,
+                   (sgl(DSV2, NEW, 2059, "DeepseekV2AttentionMLA.__init__"),
+                    sgl(DSV2, NEW, 2178, "DeepseekV2AttentionMLA.__init__"),
+                    sgl("srt/configs/model_config.py", NEW, 2623, "compute_mla_mscale_scaling"),
+                    sgl("srt/configs/model_config.py", NEW, 2617, "yarn_get_mscale"),
+                    fa3("flash_attn_interface.py", 1062, "flash_attn_with_kvcache")), (NEW,)),
+    "ML-008": Rule("absorption identity: attention over per-head k = [W_UK c | k_pe], v = W_UV c equals "
+                   "attention over the latent row with q = [W_UK^T q_nope | q_pe], then W_UV", U,
+                   (sgl(FWD_MLA, NEW, 586, "DeepseekMLAForwardMixin.forward_absorb_prepare"),
+                    sgl(FWD_MLA, NEW, 927, "DeepseekMLAForwardMixin.forward_absorb_core"),
+                    sgl(FWD_MHA, NEW, 288, "DeepseekMHAForwardMixin.forward_normal_prepare"),
+                    doc(MLA_PAGE, "the-math")), (NEW,)),
+    "ML-009": Rule("path choice: a plain extend whose summed prefix is 0 (or >= 8192 with the chunked prefix "
+                   "cache on) runs non-absorbed MHA; every other batch runs absorbed MLA", U,
+                   (sgl(DH, NEW, 108, "_handle_attention_backend"), sgl(DH, NEW, 147, "handle_attention_fa3"),
+                    sgl("srt/environ.py", NEW, 723, "SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD"),
+                    sgl(DH, OLD, 72, "_handle_attention_backend")), BOTH),
+    "ML-010": Rule("the non-absorbed prefill: flash_attn_varlen_func on ragged q [T, H, 192], k [sum K, H, 192], "
+                   "v [sum K, H, 128] with cu_seqlens_k = the metadata's, causal bottom-right; the backend stores "
+                   "nothing", U,
+                   (sgl(FA3B, NEW, 1918, "FlashAttentionBackend.forward_extend"),
+                    sgl(FWD_MHA, NEW, 253, "DeepseekMHAForwardMixin.forward_normal_prepare"),
+                    sgl(FWD_MHA, NEW, 431, "DeepseekMHAForwardMixin.forward_normal_one_shot_core"),
+                    fa3("flash_attn_interface.py", 890, "flash_attn_varlen_func")), BOTH),
+    "ML-011": Rule("MLA top-k > 1: the MHA cascade with the MLA call; the verify expand call reads the page-size-1 "
+                   "views, because its table holds token slots", K,
+                   (sgl(FA3B, NEW, 1844, "FlashAttentionBackend.forward_extend"),
+                    sgl(FA3B, NEW, 2034, "FlashAttentionBackend.forward_extend"),
+                    sgl(FA3B, NEW, 2387, "FlashAttentionBackend.forward_decode"), pr(7725, "page-size-1 expand view")),
+                   violated_by=MLA_VERIFY_EXPAND),
+    "ML-012": Rule("move_kv_cache moves whole MLA rows, pool[tgt] = pool[src], in every layer (the tree and v2 "
+                   "KV moves)", U,
+                   (sgl(MP, NEW, 5079, "MLATokenToKVPool.move_kv_cache"), pr(26982, "add it"),
+                    sgl("srt/speculative/eagle_worker.py", OLD, 729, "EAGLEWorker._draft_preprocess_decode")), (NEW,),
+                   violated_by="v0.5.12.post1: MLATokenToKVPool has no move_kv_cache, so MLA + EAGLE with top-k > 1 "
+                               "and P > 1 fails at its first tail copy (eagle_worker.py, _draft_preprocess_decode); "
+                               "added by sglang#26982"),
+    "ML-013": Rule("on CUDA, MLA runs only on an FA3 build whose configuration has the hdim 64/512 kernel (and, "
+                   "for the prefill, 192/128); refspec refuses any other build", H,
+                   (fa3("setup.py", 71, "DISABLE_HDIMDIFF64"), fa3("setup.py", 102, "create_build_config_file"),
+                    fa3("flash_api_stable.cpp", 321, "run_mha_fwd_constexpr"), doc(MLA_PAGE, "the-gpu-build")),
+                   upstream="SGLang runs whichever FA3 it loads and checks no build flag: on a build without "
+                            "HDIMDIFF64 the qv call passes the host checks and returns a wrong result silently"),
     # --- tolerances ----------------------------------------------------------------------
     "TOL-001": Rule("T0: bitwise equality (metadata, bookkeeping, graph vs eager, fp32 token streams)", H,
                     (doc("tolerance-policy.md"),),

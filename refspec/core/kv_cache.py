@@ -79,8 +79,7 @@ class KVPool:
         """The paged view ``([NP, P, Hkv, D], [NP, P, Hkv, D])`` the kernel reads.
 
         Raises: ValueError if ``layer_id`` is not in ``[0, num_layers)``."""
-        if not 0 <= count("layer_id", layer_id) < len(self.k_buffer):
-            raise ValueError(f"layer_id {layer_id} outside the pool's {len(self.k_buffer)} layers")
+        layer_id = check_layer_id(layer_id, len(self.k_buffer))
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def get_flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +110,25 @@ class KVPool:
         fk[loc] = k.to(fk.dtype)
         fv[loc] = v.to(fv.dtype)
 
+    def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """``pool[tgt] = pool[src]`` in every layer, K and V together: per layer one gather of
+        ``[2, M, Hkv, D]`` (a new tensor, so overlapping ``tgt`` / ``src`` are safe) and one
+        scatter.  ``tgt``, ``src`` int64 ``[M]`` flat slots.  SGLang's
+        ``MHATokenToKVPool.move_kv_cache`` (the tree path's KV moves, TR-015 / TR-017;
+        :func:`refspec.speculative.tree.kv.move_kv_cache` runs it, or one fused kernel on a GPU)."""
+        for kv in self.kv_buffer:
+            flat = kv.view(2, -1, *kv.shape[3:])  # [2, NP*P, Hkv, D], same storage
+            flat[:, tgt] = flat[:, src]
+
+
+def check_layer_id(layer_id: int, num_layers: int) -> int:
+    """``layer_id`` as an int in ``[0, num_layers)`` (both pools' per-layer buffers).
+
+    Raises: ValueError naming it otherwise."""
+    if not 0 <= count("layer_id", layer_id) < num_layers:
+        raise ValueError(f"layer_id {layer_id} outside the pool's {num_layers} layers")
+    return layer_id
+
 
 def stacked_halves(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """The ``[2, T, Hkv, D]`` tensor whose halves ``k`` and ``v`` are (``k = kv[0]``,
@@ -119,6 +137,128 @@ def stacked_halves(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     if kv is None or v._base is not kv or tuple(kv.shape) != (2, *k.shape) or not kv.is_contiguous():
         return None
     return kv if k.data_ptr() == kv.data_ptr() and v.data_ptr() == kv[1].data_ptr() else None
+
+
+def paged_view(flat: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``flat [S, ...]`` seen as ``[S / P, P, ...]`` pages, a view that keeps ``flat``'s own slot
+    stride at every P (``as_strided``; a ``.view`` gives a size-1 dim the row stride instead).
+    SGLang's ``paged_view``,
+    `mem_cache/layout/paged_view.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/layout/paged_view.py#L11>`_.
+
+    Raises: ValueError if ``S`` is not a multiple of ``page_size``."""
+    S = flat.shape[0]
+    if S % count("page_size", page_size, 1):
+        raise ValueError(f"paged_view: {S} slots are not a whole number of pages of {page_size}")
+    return flat.as_strided((S // page_size, page_size, *flat.shape[1:]),
+                           (flat.stride(0) * page_size, flat.stride(0), *flat.stride()[1:]))
+
+
+class MLAKVPool:
+    """The MLA KV pool: ONE latent row per slot and layer, ``[NP*P, 1, kv_lora_rank + qk_rope_head_dim]``.
+
+    The sibling of :class:`KVPool` for multi-head latent attention (SGLang ``MLATokenToKVPool``,
+    `memory_pool.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/memory_pool.py#L4754>`_).
+    It shares the allocator, ``req_to_token`` and the page geometry with :class:`KVCache` (a
+    slot is still ``page * P + offset``, page 0 the reserved padding page, PA-008); what differs
+    is the row (docs/mla.md has the picture):
+
+    * **the row (ML-001)**: ``[c_kv | k_rope]``, R + Dr wide (576 = 512 + 64 for DeepSeek-V3):
+      the normalised latent ``c_kv`` (the layer's ``k_nope``) then the shared RoPE key
+      ``k_rope``; one KV head.  No per-head K or V is ever stored: they are ``W_UK c`` and
+      ``W_UV c`` (ML-008);
+    * **the store (ML-002)**: :meth:`set_mla_kv_buffer` writes ``[k_nope | k_rope]`` at
+      ``out_cache_loc`` and never writes slot 0 (graph padding writes there);
+    * **the views (ML-003)**: :meth:`paged_views` splits the row at the layer's ``v_head_dim``
+      into ``k_rope [NP, P, 1, Dr]`` and ``c_kv [NP, P, 1, R]``, two strided, non-contiguous
+      views of the same storage, strides ``(row * P, row, row, 1)``;
+    * **the move (ML-012)**: :meth:`move_kv_cache` moves whole rows (the tree / v2 paths).
+
+    Args:
+        num_layers: layers with attention.
+        num_pages: NP, pages in the pool *including* the reserved page 0.
+        page_size: P, tokens per page.
+        kv_lora_rank, qk_rope_head_dim: R, Dr (the row is R + Dr wide).
+        dtype, device: of the buffers.
+        fill: initial value of every slot (tests poison with NaN).
+    """
+
+    def __init__(self, num_layers, num_pages, page_size, kv_lora_rank, qk_rope_head_dim,
+                 dtype=torch.float32, device="cpu", fill: float = 0.0):
+        _positive(num_layers=num_layers, num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank,
+                  qk_rope_head_dim=qk_rope_head_dim)
+        self.page_size, self.num_pages = page_size, num_pages
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        shape = (num_pages * page_size, 1, self.kv_cache_dim)
+        self.kv_buffer = allocate(f"MLAKVPool num_layers={num_layers} x [slots, 1, kv_lora_rank + qk_rope_head_dim] = "
+                                  f"{list(shape)}",
+                                  lambda: [torch.full(shape, fill, dtype=dtype, device=device)
+                                           for _ in range(num_layers)])
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s rows ``[NP*P, 1, R + Dr]`` (SGLang's name; the whole row, ML-001).
+
+        Raises: ValueError if ``layer_id`` is not in ``[0, num_layers)``."""
+        return self.kv_buffer[check_layer_id(layer_id, len(self.kv_buffer))]
+
+    def paged_views(self, layer_id: int, v_head_dim: int, page_size: int | None = None):
+        """``(k_rope [NP', P', 1, D - v_head_dim], c_kv [NP', P', 1, v_head_dim])``: the row split at
+        ``v_head_dim``, paged by ``page_size`` (default the pool's P; 1 for a table of token slots),
+        strides ``(row * P', row, row, 1)``: views, never copies (ML-003).
+
+        Upstream splits at the *layer's* ``v_head_dim`` (``kv_cache[:, :, :layer.v_head_dim]``,
+        `flashattention_backend.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L1944>`_),
+        not at the pool's ``kv_lora_rank``; the two agree for every DeepSeek layer
+        (``v_head_dim = kv_lora_rank``), and the split point is the layer's to state.
+        Raises: InvariantError ML-003 if ``v_head_dim`` is not inside the row (``0 < v_head_dim
+        < R + Dr``); ValueError (``layer_id``, ``page_size``)."""
+        row = self.get_key_buffer(layer_id)
+        require(isinstance(v_head_dim, int) and 0 < v_head_dim < self.kv_cache_dim, "ML-003",
+                lambda: f"split at v_head_dim = {v_head_dim!r}: must lie inside the {self.kv_cache_dim}-wide row")
+        P = self.page_size if page_size is None else page_size
+        return paged_view(row[:, :, v_head_dim:], P), paged_view(row[:, :, :v_head_dim], P)
+
+    def set_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Write the row ``[k_nope | k_rope]`` of each token at its slot ``loc`` (ML-002), cast to
+        the pool's dtype, in place; a token whose ``loc`` is 0 (a padded graph row) leaves slot 0
+        as it was.
+
+        Shapes: ``loc [T]`` int (slots, ``out_cache_loc``); ``k_nope [T, 1, R]`` (the latent);
+        ``k_rope [T, 1, Dr]``.  Upstream: ``MLATokenToKVPool.set_mla_kv_buffer`` ->
+        ``set_mla_kv_buffer_triton(..., reserved_skip_index=0)`` (v0.5.23; sglang#36003), whose
+        kernel masks the store of a ``loc == 0`` row.  Here the same rule without a
+        data-dependent shape (graph-safe, no host sync): a ``loc == 0`` token writes slot 0's own
+        current row back, so slot 0 keeps its bytes.
+        Raises: InvariantError ML-002 on shapes (T, one head, R / Dr wide) or a non-integer ``loc``.
+        """
+        buf = self.get_key_buffer(layer_id)
+        tensor("set_mla_kv_buffer: loc", loc, integer=True)
+        tensor("set_mla_kv_buffer: k_nope", k_nope)
+        tensor("set_mla_kv_buffer: k_rope", k_rope)
+        T = loc.shape[0] if loc.dim() == 1 else None
+        require(T is not None and tuple(k_nope.shape) == (T, 1, self.kv_lora_rank)
+                and tuple(k_rope.shape) == (T, 1, self.qk_rope_head_dim), "ML-002",
+                lambda: f"store at out_cache_loc {tuple(loc.shape)}: k_nope {tuple(k_nope.shape)}, k_rope "
+                f"{tuple(k_rope.shape)}; the pool wants [T, 1, kv_lora_rank = {self.kv_lora_rank}] and "
+                f"[T, 1, qk_rope_head_dim = {self.qk_rope_head_dim}]")
+        row = torch.cat([k_nope.to(buf.dtype), k_rope.to(buf.dtype)], dim=-1)  # [T, 1, R + Dr]
+        loc = loc.long()
+        buf[loc] = torch.where((loc != 0)[:, None, None], row, buf[loc])  # loc 0: its own bytes back
+
+    def get_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at slots ``loc [n]`` split back into ``(k_nope [n, 1, R], k_rope [n, 1, Dr])``
+        (new tensors): what a model gathers to expand a cached prefix for the non-absorbed prefill
+        (ML-010; SGLang's ``MLATokenToKVPool.get_mla_kv_buffer``, MHA_ONE_SHOT with a prefix)."""
+        rows = self.get_key_buffer(layer_id)[loc.long()]
+        return rows[..., :self.kv_lora_rank].clone(), rows[..., self.kv_lora_rank:].clone()
+
+    def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """``pool[tgt] = pool[src]``, whole rows, in every layer (ML-012): one gather (a new
+        tensor, so overlapping ``tgt`` / ``src`` are safe) and one scatter per layer.  ``tgt``,
+        ``src`` int64 ``[M]`` flat slots.  Upstream: ``MLATokenToKVPool.move_kv_cache`` (v0.5.23,
+        sglang#26982; v0.5.12.post1's pool has none, so MLA + EAGLE top-k > 1 with P > 1 fails there)."""
+        for buf in self.kv_buffer:
+            buf[tgt] = buf[src]
 
 
 @dataclass

@@ -16,6 +16,11 @@ class AttentionLayer:
         logit_cap: softcap c (scores become c * tanh(s / c)); 0 disables.
         sliding_window_size: left window w in tokens (a key p is visible to a query at
             position t iff t - w <= p <= t); -1 disables.  Passed to FA3 as ``(w, 0)``.
+        v_head_dim: Dv, the value (and output) head dim; None means D (MHA / GQA).  MLA's
+            layers differ (:mod:`refspec.core.mla`): the absorbed one has D = kv_lora_rank +
+            qk_rope_head_dim (576) and Dv = kv_lora_rank (512), one KV head; the prefill one
+            D = qk_nope + qk_rope (192), Dv = v_head_dim (128).  SGLang's ``RadixAttention``
+            takes the same ``v_head_dim`` (default: ``head_dim``).
     """
 
     layer_id: int
@@ -25,6 +30,11 @@ class AttentionLayer:
     scaling: float | None = None
     logit_cap: float = 0.0
     sliding_window_size: int = -1
+    v_head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     @property
     def softmax_scale(self) -> float:

@@ -10,6 +10,7 @@ kernel contract with no new k/v, so ``cache_seqlens`` counts this forward's own 
 (docs/fa3-contract.md).  Eager metadata comes from :mod:`refspec.fa3.metadata`; CUDA-graph
 capture/replay hooks from :mod:`refspec.fa3.graph_metadata`.  Validation
 (:mod:`refspec.fa3.validate`) runs after every metadata build unless ``validate=False``.
+With an MLA pool the same metadata feeds the MLA branch of ``forward`` (:mod:`refspec.fa3.mla`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from refspec.core.batch import ForwardBatch
 from refspec.fa3 import kernel
 from refspec.fa3.graph_metadata import GraphMetadataMixin
+from refspec.fa3.mla import MLAForwardMixin, check_mla_provider, is_mla_pool, qv_call
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
 from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.core.invariants import require
@@ -36,11 +38,12 @@ def kernel_window_size(layer: AttentionLayer) -> tuple[int, int]:
     return (w, 0) if w >= 0 else (-1, -1)
 
 
-class FlashAttentionBackend(GraphMetadataMixin):
+class FlashAttentionBackend(GraphMetadataMixin, MLAForwardMixin):
     """The production backend of one model (target or draft).
 
     Args:
-        pool: this model's KV pool ``[NP, P, Hkv, D]`` per layer.
+        pool: this model's KV pool ``[NP, P, Hkv, D]`` per layer, or an MLA pool (``use_mla``:
+            the MLA branch of :meth:`forward`, :mod:`refspec.fa3.mla`).
         kv: shared ``req_to_token`` (int32 ``[max_reqs, ctx + extra]``) and allocator.
         speculative_step_id: s for the draft-decode backend of step s (K = L + s + 1), else None.
         validate: run :func:`refspec.fa3.validate.validate_metadata` on every build.
@@ -60,6 +63,9 @@ class FlashAttentionBackend(GraphMetadataMixin):
         self.validate = validate
         self.syncs = syncs
         self.provider = provider or kernel.select_provider(kv.device)  # once, not per kernel call
+        self.use_mla = is_mla_pool(pool)
+        if self.use_mla:
+            check_mla_provider(self.provider)  # ML-013: no MLA on a build without the 64 / 512 kernel
         self.forward_metadata: FlashAttentionMetadata | None = None
         self.graph_state = None
 
@@ -82,9 +88,10 @@ class FlashAttentionBackend(GraphMetadataMixin):
         if self.syncs is not None:
             self.syncs["validation"] += 1
 
-    def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
+    def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, q_rope=None, k_rope=None):
         """Store-then-attend.  ``q [T, H, D]``, ``k, v [T, Hkv, D]`` (None: nothing to store)
         -> ``[T, H, D]``.  Graph-safe: no host syncs here (validation ran at metadata time).
+        An MLA pool takes SGLang's MLA call instead (``q_rope`` / ``k_rope``: :mod:`refspec.fa3.mla`).
 
         Raises: RuntimeError if no metadata was built yet; InvariantError PA-011 (k / v do not
         match ``out_cache_loc`` and the pool, or the kernel's argument checks fail).
@@ -92,6 +99,10 @@ class FlashAttentionBackend(GraphMetadataMixin):
         if self.forward_metadata is None:
             raise RuntimeError("FlashAttentionBackend.forward before init_forward_metadata(fb) "
                                "(or a graph capture hook): there is no metadata to run on")
+        if self.use_mla:
+            return self.forward_mla(q, k, v, layer, fb, q_rope, k_rope)
+        if q_rope is not None or k_rope is not None:
+            raise ValueError("q_rope / k_rope are MLA arguments: this backend's pool is an MHA KVPool")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
                 lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: "
                 f"[T, H = {layer.num_heads}, D = {layer.head_dim}]")
@@ -103,6 +114,12 @@ class FlashAttentionBackend(GraphMetadataMixin):
             q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=md.cache_seqlens_int32, page_table=md.page_table,
             cu_seqlens_q=md.cu_seqlens_q, max_seqlen_q=md.max_seq_len_q, softmax_scale=layer.softmax_scale,
             causal=True, window_size=kernel_window_size(layer), softcap=layer.logit_cap, provider=self.provider)
+
+    def mla_attend(self, q, q_rope, layer: AttentionLayer, fb: ForwardBatch):
+        """MLA's attend step (top-k = 1): one ``qv`` call on this backend's metadata, causal (ML-005)."""
+        k_rope_cache, c_kv_cache = self.pool.paged_views(layer.layer_id, layer.v_head_dim)
+        return qv_call(q, q_rope, k_rope_cache, c_kv_cache, self.forward_metadata, layer, causal=True,
+                       return_lse=False, provider=self.provider)
 
 
 class FlashAttentionMultiStepBackend:

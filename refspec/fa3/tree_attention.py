@@ -16,7 +16,8 @@ runs one ``merge_state_v2`` kernel per layer.
 
 TARGET_VERIFY's expand call reads the pool as page size 1 (``key_cache.view(-1, 1, Hkv, D)``,
 sgl-project/sglang#7725) because its table holds token slots; draft decode's expand call reads
-the paged pool (its table holds the branch's pages).
+the paged pool (its table holds the branch's pages).  MLA (:func:`mla_cascade_attention`) makes
+the same two calls with the ``qv`` call's arguments and the same view rule (ML-011).
 
 Upstream: ``python/sglang/srt/layers/attention/flashattention_backend.py``,
 ``FlashAttentionBackend.forward_extend`` (``use_cascade_attn = is_target_verify and topk > 1``)
@@ -29,6 +30,7 @@ import torch
 
 from refspec.fa3 import kernel, merge_kernel
 from refspec.fa3.metadata import FlashAttentionMetadata
+from refspec.fa3.mla import qv_call
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
@@ -88,5 +90,25 @@ def cascade_attention(q, k_cache, v_cache, prefix: FlashAttentionMetadata, expan
     o, lse, *_ = _kernel_call(q, k_cache, v_cache, prefix, layer, window, provider)  # FA3 may return more
     ke, ve = (page1_view(k_cache), page1_view(v_cache)) if expand_page1 else (k_cache, v_cache)
     o_exp, lse_exp, *_ = _kernel_call(q, ke, ve, expand, layer, window, provider)
+    out, _ = merge_state(o, lse.T, o_exp, lse_exp.T)
+    return out
+
+
+def mla_cascade_attention(q_nope, q_rope, pool, prefix: FlashAttentionMetadata, expand: FlashAttentionMetadata,
+                          layer, *, expand_page1: bool, provider: str | None = None):
+    """The MLA cascade (ML-011): prefix ``qv`` call + expand ``qv`` call + merge (TR-012).
+
+    ``q_nope [T, H, Dv]`` (absorbed), ``q_rope [T, H, D - Dv]``; ``pool`` an MLA pool whose rows
+    the two calls read through :meth:`~refspec.core.kv_cache.MLAKVPool.paged_views`, the expand
+    call through the page-size-1 views when ``expand_page1`` (TARGET_VERIFY: its table holds token
+    slots), else the paged ones (draft decode: its table holds pages).  Returns ``[T, H, Dv]``.
+    Raises: InvariantError PA-003 / PA-010 / PA-011 / ML-005 from the kernel's argument checks.
+    """
+    views = pool.paged_views(layer.layer_id, layer.v_head_dim)
+    o, lse, *_ = qv_call(q_nope, q_rope, *views, prefix, layer, causal=False, return_lse=True, provider=provider)
+    if expand_page1:  # the table holds token slots: page id == slot (upstream's MLA branch passes the P-paged views)
+        views = pool.paged_views(layer.layer_id, layer.v_head_dim, page_size=1)
+    o_exp, lse_exp, *_ = qv_call(q_nope, q_rope, *views, expand, layer, causal=False, return_lse=True,
+                                 provider=provider)
     out, _ = merge_state(o, lse.T, o_exp, lse_exp.T)
     return out

@@ -27,7 +27,8 @@ from refspec.core.invariants import require
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.fa3 import kernel
 from refspec.fa3 import tree_metadata as tm
-from refspec.fa3.tree_attention import cascade_attention
+from refspec.fa3.mla import MLAForwardMixin, check_mla_provider, is_mla_pool
+from refspec.fa3.tree_attention import cascade_attention, mla_cascade_attention
 
 
 @dataclass
@@ -54,11 +55,12 @@ def draft_step_batch(fb: TreeDraftBatch, step: int) -> TreeDraftBatch:
     return fb.replace(out_cache_loc=rows[:, step], positions=pos[:, step], draft_step=step)
 
 
-class FlashAttentionTreeBackend:
+class FlashAttentionTreeBackend(MLAForwardMixin):
     """One model's top-k > 1 attention: the verify backend, or the draft backend of step s.
 
     Args:
-        pool: the model's KV pool ``[NP, P, Hkv, D]`` per layer.  kv: ``req_to_token`` + allocator.
+        pool: the model's KV pool ``[NP, P, Hkv, D]`` per layer, or an MLA pool (the MLA cascade,
+            ML-011).  kv: ``req_to_token`` + allocator.
         topk: k >= 2.  num_draft_tokens: N (verify).  num_steps: S (draft decode).
         speculative_step_id: s for the draft-decode backend of step s, else None (verify).
         validate: audit every expand row's reads (TR-011 / TR-014) when metadata is built.
@@ -77,6 +79,9 @@ class FlashAttentionTreeBackend:
         self.speculative_step_id = speculative_step_id
         self.validate = validate
         self.provider = provider or kernel.select_provider(kv.device)
+        self.use_mla = is_mla_pool(pool)
+        if self.use_mla:
+            check_mla_provider(self.provider)  # ML-013
         self.forward_metadata = None
         self.forward_metadata_spec_decode_expand = None
         self.graph_state = None
@@ -120,13 +125,18 @@ class FlashAttentionTreeBackend:
         tm.check_expand_reads_own_rows(self.forward_metadata_spec_decode_expand, allowed, P)
 
     # ---- the forward ----
-    def forward(self, q, k, v, layer, fb):
+    def forward(self, q, k, v, layer, fb, q_rope=None, k_rope=None):
         """Store-then-attend: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` -> ``[T, H, D]`` (graph-safe).
+        An MLA pool takes SGLang's MLA call (:mod:`refspec.fa3.mla`) and :meth:`mla_attend`.
 
         Raises: RuntimeError before any metadata; InvariantError PA-011 (shapes).
         """
         if self.forward_metadata is None:
             raise RuntimeError("FlashAttentionTreeBackend.forward before init_forward_metadata")
+        if self.use_mla:
+            return self.forward_mla(q, k, v, layer, fb, q_rope, k_rope)
+        if q_rope is not None or k_rope is not None:
+            raise ValueError("q_rope / k_rope are MLA arguments: this backend's pool is an MHA KVPool")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
                 lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: [T, H = {layer.num_heads}, D]")
         if k is not None:  # store ...
@@ -137,3 +147,9 @@ class FlashAttentionTreeBackend:
                                  self.forward_metadata_spec_decode_expand, layer,
                                  expand_page1=isinstance(fb, TreeVerifyBatch), provider=self.provider,
                                  window=window)
+
+    def mla_attend(self, q, q_rope, layer, fb):
+        """MLA's attend step at top-k > 1: the cascade over this backend's prefix and expand metadata (ML-011)."""
+        return mla_cascade_attention(q, q_rope, self.pool, self.forward_metadata,
+                                     self.forward_metadata_spec_decode_expand, layer,
+                                     expand_page1=isinstance(fb, TreeVerifyBatch), provider=self.provider)

@@ -100,16 +100,19 @@ def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_
     with a left window w), key p being the slot ``req_to_token[r_b, p]``.  No key count, no
     page table: a row at a negative position sees nothing and outputs 0 (PA-005).
 
-    Shapes: q ``[T, H, D]``; k_flat, v_flat ``[NS, Hkv, D]``; req_to_token ``[R, ctx]`` int32;
-    req_pool_indices B ints; cu_seqlens_q B+1 ints; positions T ints.  Returns ``[T, H, D]``.
-    Raises: InvariantError PA-011 (head dims that differ, H not a multiple of Hkv, ``cu_seqlens_q``
-    not B + 1 offsets from 0 to T, a position past the ``req_to_token`` width, a row outside it,
-    or ``positions`` not of length T).
+    Shapes: q ``[T, H, D]``; k_flat ``[NS, Hkv, D]``; v_flat ``[NS, Hkv, Dv]`` (Dv = D but for MLA,
+    :mod:`refspec.oracle.mla`); req_to_token ``[R, ctx]`` int32; req_pool_indices B ints;
+    cu_seqlens_q B+1 ints; positions T ints.  Returns ``[T, H, Dv]``.
+    Raises: InvariantError PA-011 (q / k head dims that differ, k / v of other slots or heads, H
+    not a multiple of Hkv, ``cu_seqlens_q`` not B + 1 offsets from 0 to T, a position past the
+    ``req_to_token`` width, a row outside it, or ``positions`` not of length T).
     """
     T, H, D = q.shape
-    Hkv = k_flat.shape[1]
-    require(k_flat.shape[2] == D and Hkv > 0 and H % Hkv == 0, "PA-011",
-            f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}: head dims differ or H is not a multiple of Hkv")
+    Hkv, Dv = k_flat.shape[1], v_flat.shape[-1]
+    require(k_flat.shape[2] == D and tuple(v_flat.shape[:2]) == tuple(k_flat.shape[:2]) and Hkv > 0
+            and H % Hkv == 0, "PA-011", f"q {tuple(q.shape)} vs k_flat {tuple(k_flat.shape)}, v_flat "
+            f"{tuple(v_flat.shape)}: q / k head dims differ, k / v differ in slots or heads, or H is not a "
+            "multiple of Hkv")
     cu, rows, pos = [int(x) for x in cu_seqlens_q], [int(r) for r in req_pool_indices], [int(t) for t in positions]
     R, W = req_to_token.shape
     require(len(cu) == len(rows) + 1 and cu[0] == 0 and cu[-1] == T and all(a <= b for a, b in zip(cu, cu[1:])),
@@ -120,7 +123,7 @@ def attention_by_position(q, k_flat, v_flat, req_to_token, req_pool_indices, cu_
             f"rows {rows} in [0, {R})")
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     cdt = torch.float32 if upcast else q.dtype
-    out = torch.zeros((T, H, D), dtype=cdt, device=q.device)
+    out = torch.zeros((T, H, Dv), dtype=cdt, device=q.device)
     for b, r in enumerate(rows):
         t = torch.as_tensor(pos[cu[b]:cu[b + 1]], device=q.device)[:, None]  # [Q, 1] each row's position
         K = int(t.max()) + 1 if t.numel() else 0

@@ -23,9 +23,16 @@ and derives the rest itself:
   out again looks like).
 
 It shares with the FA3 wing only the core's data structures (``ForwardBatch``, ``KVCache``,
-``KVPool``, ``AttentionLayer``): no builder-derived field (``seq_lens``, ``q_lens_cpu``), and
-nothing from :mod:`refspec.fa3`.  ``OracleMetadata.cache_seqlens`` (the last position + 1) is
-reported for comparisons with the FA3 wing's ``cache_seqlens``; attention never reads it.
+``KVPool`` / ``MLAKVPool``, ``AttentionLayer``, the MLA argument checks of :mod:`refspec.core.mla`):
+no builder-derived field (``seq_lens``, ``q_lens_cpu``), and nothing from :mod:`refspec.fa3`.
+``OracleMetadata.cache_seqlens`` (the last position + 1) is reported for comparisons with the
+FA3 wing's ``cache_seqlens``; paged attention never reads it.
+
+**MLA** (an :class:`~refspec.core.kv_cache.MLAKVPool`): the same store-then-attend, in the absorbed
+form over the latent rows (:func:`refspec.oracle.mla.absorbed_attention`), or, for the non-absorbed
+prefill (``fb.attn_attend_prefix_cache is False``, ML-010), plain attention over the ragged
+per-head k / v the model passes: request b's keys are the next ``last position + 1`` rows of k,
+in request order.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ import torch
 
 from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.core.invariants import InvariantError, require
-from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.kv_cache import KVCache, KVPool, MLAKVPool
 from refspec.core.layer import AttentionLayer
+from refspec.core.mla import check_absorbed_call, check_mha_pass, is_mha_pass
 from refspec.oracle.attention import attention_by_position
+from refspec.oracle.mla import absorbed_attention
 
 
 @dataclass
@@ -153,13 +162,22 @@ class OracleBackend:
         self.forward_metadata = oracle_metadata(fb, self.kv.req_to_token)
         return self.forward_metadata
 
-    def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch):
+    def forward(self, q, k, v, layer: AttentionLayer, fb: ForwardBatch, q_rope=None, k_rope=None):
         """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (or None: nothing new to store) -> ``[T, H, D]``.
 
-        Raises: RuntimeError if no metadata was built yet; InvariantError PA-011 (shapes).
+        MLA pool: SGLang's ``RadixAttention`` call of the absorbed layer, ``q [T, H, Dv]`` (the
+        absorbed ``q_nope``), ``k [T, 1, R]`` (the latent; ``v`` is ignored, upstream passes ``k``
+        again), ``q_rope [T, H, Dr]``, ``k_rope [T, 1, Dr]`` -> ``[T, H, Dv]`` (latent space,
+        before ``W_UV``); or the MHA pass (module doc) -> ``[T, H, Dv]``.
+        Raises: RuntimeError if no metadata was built yet; InvariantError PA-011 (shapes), and for
+        MLA the checks of :func:`~refspec.core.mla.check_absorbed_call` / ``check_mha_pass``.
         """
         if self.forward_metadata is None:
             raise RuntimeError("OracleBackend.forward before init_forward_metadata(fb): there is no metadata")
+        if isinstance(self.pool, MLAKVPool):
+            return self._forward_mla(q, k, layer, fb, q_rope, k_rope, v)
+        if q_rope is not None or k_rope is not None:
+            raise ValueError("q_rope / k_rope are MLA arguments: this backend's pool is an MHA KVPool")
         require(q.dim() == 3 and tuple(q.shape[1:]) == (layer.num_heads, layer.head_dim), "PA-011",
                 lambda: f"q {tuple(q.shape)} vs layer {layer.layer_id}: "
                 f"[T, H = {layer.num_heads}, D = {layer.head_dim}]")
@@ -171,3 +189,30 @@ class OracleBackend:
                                      md.positions, softmax_scale=layer.softmax_scale,
                                      window_left=layer.sliding_window_size, softcap=layer.logit_cap,
                                      upcast=self.upcast, out_dtype=self.out_dtype)
+
+    def _forward_mla(self, q, k, layer: AttentionLayer, fb: ForwardBatch, q_rope, k_rope, v):
+        """The MLA branches of :meth:`forward` (module doc): store the latent row, then absorbed
+        attention over the rows by slot; or the MHA pass over the given k / v (no store)."""
+        md = self.forward_metadata
+        if is_mha_pass(fb):
+            return self._mha_pass(q, k, v, layer, md)
+        check_absorbed_call(self.pool.kv_cache_dim, layer, q, q_rope, k, k_rope)
+        if k is not None:
+            self.pool.set_mla_kv_buffer(layer.layer_id, fb.out_cache_loc, k, k_rope)
+        rows = self.pool.get_key_buffer(layer.layer_id)
+        return absorbed_attention(q, q_rope, rows, layer.v_head_dim, self.kv.req_to_token, md.req_pool_indices,
+                                  md.cu_seqlens_q, md.positions, softmax_scale=layer.softmax_scale,
+                                  softcap=layer.logit_cap, upcast=self.upcast, out_dtype=self.out_dtype)
+
+    def _mha_pass(self, q, k, v, layer: AttentionLayer, md: OracleMetadata):
+        """ML-010 in the oracle: request b's keys are its ``K_b`` (last position + 1) rows of the
+        ragged ``k`` / ``v``, in request order; the row at position t sees keys 0..t.  Stores nothing."""
+        K = md.cache_seqlens
+        check_mha_pass(layer, q, k, v, sum(K))
+        starts = [0, *accumulate(K)][:-1]
+        table = torch.zeros((len(K), max(K, default=0) + 1), dtype=torch.long, device=q.device)
+        for b, (s, n) in enumerate(zip(starts, K)):  # request b's key p is row s + p of k
+            table[b, :n] = torch.arange(s, s + n, device=q.device)
+        return attention_by_position(q, k, v, table, range(len(K)), md.cu_seqlens_q, md.positions,
+                                     softmax_scale=layer.softmax_scale, softcap=layer.logit_cap, upcast=self.upcast,
+                                     out_dtype=self.out_dtype)

@@ -45,20 +45,23 @@ def attention_over_slots(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Te
     """Row ``t`` of ``q`` attends exactly the keys at ``slots_per_row[t]``.
 
     Shapes:
-        q: ``[T, H, D]``; k_flat, v_flat: ``[NS, Hkv, D]`` (a pool's slot view, NS slots).
+        q: ``[T, H, D]``; k_flat ``[NS, Hkv, D]``, v_flat ``[NS, Hkv, Dv]`` (a pool's slot view, NS
+        slots; Dv = D but for MLA's latent rows, :mod:`refspec.oracle.mla`).
         slots_per_row: length-T sequence of 1-D int tensors or lists of slot ids (slots).
-        returns ``out [T, H, D]`` in ``out_dtype`` (default ``q.dtype``), and with
+        returns ``out [T, H, Dv]`` in ``out_dtype`` (default ``q.dtype``), and with
         ``return_lse=True`` also ``lse [H, T]`` fp32, natural log of the summed exp of the
         scaled scores; ``-inf`` for a row with no keys (its output is 0).
     Args:
         softmax_scale: default ``D ** -0.5``.
         upcast: compute in fp32 (the truth); ``False`` computes in ``q.dtype``.
-    Raises: InvariantError PA-011 on bad shapes (q not 3-D, k/v shapes differ, head dims differ,
-        H not a multiple of Hkv, ``len(slots_per_row) != T``) or a slot outside ``[0, NS)``.
+    Raises: InvariantError PA-011 on bad shapes (q not 3-D, k / v of other slots or heads, q / k
+        head dims differ, H not a multiple of Hkv, ``len(slots_per_row) != T``) or a slot outside
+        ``[0, NS)``.
     """
-    require(q.dim() == 3 and k_flat.dim() == 3 and tuple(v_flat.shape) == tuple(k_flat.shape), "PA-011",
-            lambda: f"q {tuple(q.shape)} must be [T, H, D], k_flat {tuple(k_flat.shape)} and v_flat "
-            f"{tuple(v_flat.shape)} the same [NS, Hkv, D]")
+    require(q.dim() == 3 and k_flat.dim() == 3 and v_flat.dim() == 3
+            and tuple(v_flat.shape[:2]) == tuple(k_flat.shape[:2]), "PA-011",
+            lambda: f"q {tuple(q.shape)} must be [T, H, D], k_flat {tuple(k_flat.shape)} [NS, Hkv, D] and v_flat "
+            f"{tuple(v_flat.shape)} [NS, Hkv, Dv]")
     T, H, D = q.shape
     NS, Hkv = k_flat.shape[0], k_flat.shape[1]
     require(k_flat.shape[2] == D and Hkv > 0 and H % Hkv == 0, "PA-011",
@@ -68,7 +71,7 @@ def attention_over_slots(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Te
             f"slots_per_row has {len(slots_per_row)} rows, q has T = {T}")
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     cdt = torch.float32 if upcast else q.dtype
-    out = torch.zeros((T, H, D), dtype=cdt, device=q.device)
+    out = torch.zeros((T, H, v_flat.shape[-1]), dtype=cdt, device=q.device)
     lse = torch.full((H, T), float("-inf"), dtype=torch.float32, device=q.device)
     for t, row in enumerate(slots_per_row):
         slots = _as_slots(row, NS, t, q.device)

@@ -179,22 +179,20 @@ def _tail_copy_slots_device(kv: KVCache, rows: torch.Tensor, seq_lens: torch.Ten
     return slots[0].flatten(), slots[1].flatten()
 
 
-def move_kv_cache(pool: KVPool, tgt: torch.Tensor, src: torch.Tensor) -> None:
-    """``pool[tgt] = pool[src]`` in every layer, K and V together (gather first: overlapping src /
-    tgt are safe).  ``tgt``, ``src`` int64 ``[M]`` flat slots.  The rule: per layer one gather of
-    ``[2, M, Hkv, D]`` from the layer's stacked K / V buffer (a new tensor) and one scatter.  On a
-    CUDA device with Triton, moves of at most 256 slots run as one kernel for all layers, the
-    rule's fused twin :func:`refspec.speculative.tree.move_kernel.move_kv_cache_fused`, as
-    upstream's pool moves them."""
+def move_kv_cache(pool, tgt: torch.Tensor, src: torch.Tensor) -> None:
+    """``pool[tgt] = pool[src]`` in every layer (gather first: overlapping src / tgt are safe).
+    ``tgt``, ``src`` int64 ``[M]`` flat slots.  The rule is the pool's own ``move_kv_cache``
+    (:meth:`KVPool.move_kv_cache <refspec.core.kv_cache.KVPool.move_kv_cache>`: K and V together;
+    :meth:`MLAKVPool.move_kv_cache <refspec.core.kv_cache.MLAKVPool.move_kv_cache>`: whole latent
+    rows, ML-012), as upstream's pools each have one.  On a CUDA device with Triton, an MHA pool's
+    moves of at most 256 slots run as one kernel for all layers, the rule's fused twin
+    (:func:`refspec.speculative.tree.move_kernel.move_kv_cache_fused`)."""
     if tgt.numel() == 0:
         return
-    if move_kernel.available(tgt.device) and tgt.numel() <= move_kernel.MAX_SLOTS:
+    if isinstance(pool, KVPool) and move_kernel.available(tgt.device) and tgt.numel() <= move_kernel.MAX_SLOTS:
         move_kernel.move_kv_cache_fused(pool, tgt.long().contiguous(), src.long().contiguous())
         return
-    for layer_id in range(len(pool.kv_buffer)):
-        fk, _ = pool.get_flat_kv(layer_id)
-        kv = pool.kv_buffer[layer_id].view(2, -1, *fk.shape[1:])  # [2, NP*P, Hkv, D], same storage
-        kv[:, tgt] = kv[:, src]
+    pool.move_kv_cache(tgt, src)
 
 
 # ------------------------------------------------------------------ accepted-path compaction
