@@ -45,6 +45,12 @@
 # one with its level, its upstream source and a test that shows it.
 
 # %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 

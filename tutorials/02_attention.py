@@ -32,6 +32,12 @@
 # `python -m refspec cite PA-004` prints one with its level, its upstream source and a test.
 
 # %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import matplotlib.pyplot as plt
 import torch
 

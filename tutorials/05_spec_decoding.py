@@ -44,6 +44,12 @@
 # stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
 
 # %%
+from refspec.harness.needs import needs
+
+needs("tutorials", "real")  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import math
 
 import matplotlib.pyplot as plt
@@ -52,11 +58,8 @@ import torch
 from refspec.harness import viz
 from refspec.harness.viz import show
 from refspec.core.kv_cache import KVCache
-from refspec.real import missing_reason
 from refspec.speculative.accept import committed_candidates, num_correct_drafts
 
-REAL_MISSING = missing_reason()
-assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
 
 

@@ -33,6 +33,12 @@
 # Everything here runs on CPU in seconds with a tiny random model (no real weights needed).
 
 # %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import random
 
 import matplotlib.pyplot as plt

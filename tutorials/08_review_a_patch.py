@@ -46,6 +46,12 @@
 # `.conformance/` with the same cached installer `make conformance` uses).
 
 # %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import ast
 import textwrap
 import tempfile

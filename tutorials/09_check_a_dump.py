@@ -36,6 +36,12 @@
 # CPU only, a few seconds.
 
 # %%
+from refspec.harness.needs import needs
+
+needs()  # the set-up check: stops here, with the command to run, if something is missing
+
+
+# %%
 import copy
 import json
 from pathlib import Path

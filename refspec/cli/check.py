@@ -233,6 +233,32 @@ SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows,
 
 
 # ---------------------------------------------------------------------------- table
+#: what a section's rows check, for the legend printed above the table (one entry per section)
+LEGEND = {
+    "contract": "the FA3 kernel contract, probed directly (docs/fa3-contract.md). horizon (h-1)/2: q = 0 and\n"
+                "            V = key position, so a row that sees exactly its h keys 0..h-1 (the bottom-right rule\n"
+                "            PA-004, through the page table PA-002) returns their mean (h-1)/2. empty rows: a row\n"
+                "            with no visible key is exactly 0 (PA-005). slack columns: page-table columns past\n"
+                "            ceil(K_b / P) point at a NaN page, then at page 2e9: the output is bitwise the same\n"
+                "            (never read, PA-007)",
+    "eager": "every forward mode: the FA3 wing vs the fp32 oracle, eager",
+    "graph": "the graphed modes: 3 live requests replayed in a graph captured for 4 (one padded row)",
+    "loops": "the speculative loop end to end: its tokens == plain greedy == the oracle loop",
+    "tree": "top-k > 1: tree verify and draft decode (eager, graphed) and the whole tree loop",
+}
+
+
+def format_legend(sections) -> str:
+    """How to read the table: each run section's rows, the mode and worst columns (printed once, above it)."""
+    lines = ["How to read the table (one row per check; exit status 1 on any FAIL):"]
+    lines += [f"  {name + ':':<9} {LEGEND[name]}" for name in sections]
+    lines += ["  P:        page size; provider: the FA3 contract emulator (PyTorch) or the real kernel (Hopper)",
+              "  worst:    the row's worst case (in eager / graph: over dtypes and GQA groupings). N% of budget: the\n"
+              "            largest error as a share of the T1 budget (TOL-002: twice the oracle's own low-precision\n"
+              "            error, plus a floor per dtype); a row passes up to 100%. bitwise: exactly equal (T0, TOL-001)."]
+    return "\n".join(lines)
+
+
 COLUMNS = [("section", 9), ("mode", 16), ("P", 4), ("provider", 10), ("check", 20), ("result", 6), ("worst", 0)]
 
 
@@ -279,6 +305,7 @@ def _main(argv) -> int:
     ns = ap.parse_args(argv)
     page_sizes = ns.page_sizes or (QUICK_PAGE_SIZES if ns.quick else PAGE_SIZES[ns.device])
     # row by row, flushed: a CI log (stdout piped) shows progress as the checks run
+    print(format_legend(ns.sections) + "\n", flush=True)
     print(format_header(), flush=True)
     rows = []
     for name in ns.sections:

@@ -26,6 +26,10 @@ It shares with the FA3 wing only the core's data structures (``ForwardBatch``, `
 ``KVPool``, ``AttentionLayer``): no builder-derived field (``seq_lens``, ``q_lens_cpu``), and
 nothing from :mod:`refspec.fa3`.  ``OracleMetadata.cache_seqlens`` (the last position + 1) is
 reported for comparisons with the FA3 wing's ``cache_seqlens``; attention never reads it.
+
+**First reading:** :class:`OracleBackend` (``forward``: store, then attend by position),
+``rows_per_request`` and ``oracle_metadata``; skip the body of ``check_tail``, the checks that
+refuse a wrong builder (INV-TAIL, MD-012), until one fires.
 """
 
 from __future__ import annotations
