@@ -44,10 +44,12 @@ def items() -> dict[str, list[str]]:
 
 
 def measure(argv: list[str]) -> tuple[int, float, float]:
-    """(exit status, wall s, CPU s) of ``python argv`` run from the repository root."""
+    """(exit status, wall s, CPU s) of ``python argv`` run from the repository root, with this
+    checkout first on ``PYTHONPATH`` (a script's own folder comes first otherwise)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    rc = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    rc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                         stderr=subprocess.PIPE, text=True).returncode
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
