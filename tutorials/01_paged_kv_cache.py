@@ -26,7 +26,9 @@
 # does not take `req_to_token`; it takes a **page table** with one page id per page. We will build
 # that table, see why it is only correct because rows are *page-contiguous*, and why one row per
 # request is enough only at top-k = 1 (one draft candidate per position; top-k > 1 drafts a tree
-# and is lesson 07's subject). Runs on CPU in a few seconds.
+# and is lesson 07's subject). Runs on a CPU.
+# Run time as a script on a shared 2-core CPU machine: 21 s wall, 8 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 #
 # **Names used below** (SGLang's field names; units in brackets):
 #

@@ -37,6 +37,9 @@
 #
 # The batch: page size `P = 4`, `Sd = 3` draft steps, `N = 4`, three requests with committed
 # lengths `L = [5, 8, 12]`; the v1 round accepts `n = [1, 3, 0]` drafts, i.e. `a = [2, 4, 1]`.
+#
+# Run time as a script on a shared 2-core CPU machine: 27 s wall, 10 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 
 # %%
 from refspec.harness.needs import needs

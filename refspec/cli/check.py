@@ -18,7 +18,8 @@ section is one more entry):
   graphed, k x P in 1, 4, 16, 64, and the tree loop (lossless, equal to the oracle tree loop).
 
 Each row: section, mode, page size P, provider, check, result (pass / FAIL / skip) and the worst
-error, as % of the T1 budget, or "bitwise" / the max difference for T0.  On CPU the provider is
+error, as % of the T1 budget, or "bitwise" / the max difference for T0; a legend saying so
+(:data:`LEGEND`, :func:`format_legend`) is printed once, above the table.  On CPU the provider is
 the emulator; on CUDA the eager and contract sections run the emulator and the real kernel, the
 graph section only the real kernel (the emulator syncs with the host, which a CUDA graph forbids).
 
@@ -37,6 +38,8 @@ from refspec.core.tolerance import T1_FLOOR, Verdict, t0, t1
 GRAPHED = ["DECODE", "DRAFT_DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2"]
 PAGE_SIZES = {"cpu": [1, 2, 3, 4, 16, 64, 128], "cuda": [1, 2, 3, 4, 16, 64, 128, 256]}
 QUICK_PAGE_SIZES = [1, 3, 16]
+#: rows of ``check --quick`` on a CPU (all sections), as its help says (tests/test_check_cli.py counts them)
+QUICK_CHECKS = 111
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -255,7 +258,8 @@ def format_legend(sections) -> str:
     lines += ["  P:        page size; provider: the FA3 contract emulator (PyTorch) or the real kernel (Hopper)",
               "  worst:    the row's worst case (in eager / graph: over dtypes and GQA groupings). N% of budget: the\n"
               "            largest error as a share of the T1 budget (TOL-002: twice the oracle's own low-precision\n"
-              "            error, plus a floor per dtype); a row passes up to 100%. bitwise: exactly equal (T0, TOL-001)."]
+              "            error, plus a floor per dtype); a row passes up to 100%.\n"
+              "            bitwise: exactly equal (T0, TOL-001)."]
     return "\n".join(lines)
 
 
@@ -293,8 +297,9 @@ def _main(argv) -> int:
     ap.add_argument("--device", type=device_name, default="cpu",
                     help="cpu (default: the emulator) or cuda (the emulator and the real FA3 kernel)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4 (minutes on a CPU: "
-                         "5 min measured on a busy 2-core machine, over 20 min beside other test runs)")
+                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4: {QUICK_CHECKS} checks "
+                         "(measured on a shared 2-core CPU machine: 385 s wall, 147 s of CPU, "
+                         "benchmarks/results/cpu_learner_times.md)")
     ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
                     help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
                          f"{','.join(map(str, PAGE_SIZES['cpu']))} on cpu, "

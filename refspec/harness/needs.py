@@ -84,7 +84,8 @@ def needs(*extras: str) -> None:
     if not gone:
         return
     cmd = fix_command(extras)
-    named = f", from the {' and '.join(repr(e) for e in extras)} extra{'s' if len(extras) > 1 else ''}" if extras else ""
+    plural = "s" if len(extras) > 1 else ""
+    named = f", from the {' and '.join(repr(e) for e in extras)} extra{plural}" if extras else ""
     lines = [f"To run this tutorial, first run:  {cmd}",
              f"(it needs {', '.join(gone)}{named}, not found by {sys.executable})"]
     if not cmd.startswith("make") and _checkout():
