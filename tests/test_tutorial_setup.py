@@ -159,3 +159,21 @@ def test_the_demo_closes_with_the_tutorials():
     text = next_steps()
     assert "tutorials/01_paged_kv_cache.py" in text and "tutorials/03_forward_modes.py" in text
     assert "make tutorials" in text and "make lab" in text
+
+
+def test_the_readme_opens_with_the_learning_path_and_its_words_before_it_uses_them():
+    """Issue 43, item 2: the first screen starts a new reader at ``make tutorials`` and tutorials
+    01 / 03, and defines (or links) its terms before it uses them: none of them appears above
+    the "Words used below" block, which sits in the first 40 lines and links the shape legend
+    and the glossary."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    words = next(i for i, line in enumerate(lines) if line.startswith("**Words used below.**"))
+    assert words < 40
+    block = "\n".join(lines[words:words + 40])
+    assert "(docs/index.md#shape-legend)" in block and "(docs/glossary.md)" in block
+    opening = "\n".join(lines[:words])
+    assert "make tutorials" in opening and "01" in opening and "03" in opening
+    for term in ("req_to_token", "page_table", "cache_seqlens", "cu_seqlens_q", "bottom-right", "PA-004",
+                 "DRAFT_EXTEND", "TARGET_VERIFY", "`W`", "`Bg`", "v1", "v2", "top-k", "slot", "accept"):
+        assert term.lower() not in opening.lower(), f"the README uses {term!r} before its 'Words used below' block"
+        assert term.lower() in block.lower(), f"the 'Words used below' block does not define {term!r}"
