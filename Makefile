@@ -4,16 +4,16 @@
 # same pip run as refspec itself: one resolve).  --no-compile: pip does not byte-compile all of
 # torch's ~2300 modules up front (~20 s); Python compiles the ~770 it imports on first use
 # (~2.5 s, cached in __pycache__, or paid per process where PYTHONDONTWRITEBYTECODE is set).
-# `make demo` installs only what the demo needs (the `real` extra, DEMO_EXTRAS); `make test`
-# adds the test, docs and notebook extras.
+# `make demo` and `make tutorials` install what the demo and every tutorial run as a script need
+# (the `real` and `tutorials` extras, DEMO_EXTRAS); `make test` adds the test, docs and notebook extras.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
-DEMO_EXTRAS ?= real
+DEMO_EXTRAS ?= real,tutorials
 
-.PHONY: venv test demo check mutants mutation conformance sweep docs lab clean triton-check
+.PHONY: venv test demo tutorials check mutants mutation conformance sweep docs lab clean triton-check
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
@@ -32,6 +32,17 @@ lint: venv
 
 demo: $(VENV)/.stamp-$(DEMO_EXTRAS)
 	$(PY) -m refspec demo
+
+# the learning path's set-up (the demo's): every tutorial then runs as a script or in `make lab`.
+# A tutorial's first cell (refspec/harness/needs.py) stops with this command when it is missing;
+# when the venv lost a package after its stamp, the set-up runs again.
+tutorials: $(VENV)/.stamp-$(DEMO_EXTRAS)
+	@$(PY) -c "import sys; from refspec.harness.needs import missing; sys.exit(bool(missing('tutorials', 'real')))" \
+		|| { rm -f $<; $(MAKE) --no-print-directory $<; }
+	@echo "Set up for every tutorial. Start with 01 (the paged KV cache) and 03 (the forward modes):"
+	@echo "  $(PY) tutorials/01_paged_kv_cache.py"
+	@echo "  $(PY) tutorials/03_forward_modes.py"
+	@echo "or open them all in JupyterLab: make lab"
 
 # check / mutants need no extra: they reuse whichever set-up `make demo` or `make test` made (a
 # pip run only when pyproject.toml changed since), and make the demo's where neither ran
@@ -81,8 +92,9 @@ sweep: venv
 docs: venv
 	REFSPEC_DOCS_EXECUTE=true $(PY) -m mkdocs build --strict
 
+# the tutorials' set-up plus JupyterLab
 lab:
-	$(MAKE) venv EXTRAS=$(EXTRAS),lab
+	$(MAKE) venv EXTRAS=$(DEMO_EXTRAS),lab
 	$(VENV)/bin/jupyter lab tutorials/
 
 clean:

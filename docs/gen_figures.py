@@ -39,7 +39,7 @@ EXAMPLES = {
     "extend": dict(mode=M.EXTEND, lens=[0, 8, 3], extend_lens=[5, 4, 2]),
 }
 TITLES = {
-    "decode": "DECODE: one new token per request (seq_lens = L including it)",
+    "decode": "DECODE: one new token per request, at position L (seq_lens = L + 1)",
     "draft-decode": "draft decode, step s = 1: K = L + s + 1",
     "target-verify": "TARGET_VERIFY: N = 4 chained tokens per request, K = L + N",
     "draft-extend-v1": "DRAFT_EXTEND (v1): a = [2, 4, 1] accepted, packed; K = L + a;\n"

@@ -26,7 +26,9 @@
 # does not take `req_to_token`; it takes a **page table** with one page id per page. We will build
 # that table, see why it is only correct because rows are *page-contiguous*, and why one row per
 # request is enough only at top-k = 1 (one draft candidate per position; top-k > 1 drafts a tree
-# and is lesson 07's subject). Runs on CPU in a few seconds.
+# and is lesson 07's subject). Runs on a CPU.
+# Run time as a script on a shared 2-core CPU machine: 21 s wall, 8 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
 #
 # **Names used below** (SGLang's field names; units in brackets):
 #
@@ -43,6 +45,12 @@
 #
 # IDs such as `PA-001` name refspec's rules (`docs/spec/`); `python -m refspec cite PA-001` prints
 # one with its level, its upstream source and a test that shows it.
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import matplotlib.pyplot as plt

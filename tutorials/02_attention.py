@@ -30,6 +30,15 @@
 # Names: `b` a request, `q_b` its query rows, `K_b` its keys (tokens), `P` the page size, `H` /
 # `Hkv` query / KV heads. IDs such as `PA-004` are refspec's rules (`docs/spec/`):
 # `python -m refspec cite PA-004` prints one with its level, its upstream source and a test.
+#
+# Run time as a script on a shared 2-core CPU machine: 18 s wall, 8 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import matplotlib.pyplot as plt

@@ -16,7 +16,8 @@
 #
 # One speculative round with top-k = 1 runs several kinds of forward, and each needs different
 # attention metadata for the *same* requests. Symbols: `q_b` / `K_b` request `b`'s query rows /
-# the keys the kernel reads for it, `L` a request's committed length, `s` the
+# the keys the kernel reads for it, `L` a request's committed length before the forward (as in
+# every tutorial and the shape legend: DECODE's new token is not in it), `s` the
 # draft step (0, 1, ...), `Sd` the draft steps per round, `N` the tokens verified per request
 # (`N = Sd + 1`), `n` the drafts accepted, `a = n + 1` the tokens committed (the bonus token
 # included); v1 / v2 are SGLang's two EAGLE rounds (tutorial 01). IDs such as `MD-008` are
@@ -24,7 +25,7 @@
 #
 # | mode | who | query rows `q_b` | keys `K_b` |
 # |---|---|---|---|
-# | DECODE | target, no speculation | 1 | `L` (incl. the new token) |
+# | DECODE | target, no speculation | 1 | `L + 1` (the new token, at position `L`, included) |
 # | draft decode, step `s` | draft | 1 | `L + s + 1` |
 # | TARGET_VERIFY | target | `N` | `L + N` |
 # | DRAFT_EXTEND (v1) | draft | `a = n + 1`, packed | `L + a` |
@@ -36,6 +37,15 @@
 #
 # The batch: page size `P = 4`, `Sd = 3` draft steps, `N = 4`, three requests with committed
 # lengths `L = [5, 8, 12]`; the v1 round accepts `n = [1, 3, 0]` drafts, i.e. `a = [2, 4, 1]`.
+#
+# Run time as a script on a shared 2-core CPU machine: 27 s wall, 10 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import matplotlib.pyplot as plt
@@ -52,7 +62,7 @@ from refspec.harness.scenario import Scenario
 
 P, N, L, A = 4, 4, [5, 8, 12], [2, 4, 1]
 modes = {
-    "decode": dict(mode=M.DECODE, lens=[x + 1 for x in L]),  # DECODE's seq_lens includes the new token
+    "decode": dict(mode=M.DECODE, lens=[x + 1 for x in L]),  # DECODE's lens are seq_lens = L + 1 (the new token)
     "draft decode s=0": dict(mode=M.DECODE, lens=L, draft_step=0),
     "draft decode s=1": dict(mode=M.DECODE, lens=L, draft_step=1),
     "target verify": dict(mode=M.TARGET_VERIFY, lens=L),
@@ -78,7 +88,7 @@ for name, kw in modes.items():
 
 # %%
 expected = {
-    "decode":           ([6, 9, 13],   [0, 1, 2, 3]),     # K = L (incl. new token)
+    "decode":           ([6, 9, 13],   [0, 1, 2, 3]),     # K = L + 1 (the new token included)
     "draft decode s=0": ([6, 9, 13],   [0, 1, 2, 3]),     # K = L + 0 + 1
     "draft decode s=1": ([7, 10, 14],  [0, 1, 2, 3]),     # K = L + 1 + 1
     "target verify":    ([9, 12, 16],  [0, 4, 8, 12]),    # K = L + N, q = N

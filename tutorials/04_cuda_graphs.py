@@ -47,6 +47,15 @@
 # Rule IDs (`CG-001`, ...) are the rules of `docs/spec/`: `python -m refspec cite CG-006` prints one
 # with its level, upstream source and test. When a scenario breaks several rules, refspec's error
 # names the most specific one (the cause), and that is the ID to quote.
+#
+# Run time as a script on a shared 2-core CPU machine: 26 s wall, 10 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import matplotlib.pyplot as plt
@@ -161,6 +170,8 @@ assert frozen_error is not None and frozen_error.inv_id == "CG-006"
 #
 # Three wrong variants have shipped somewhere: v2's rule on v1 (Triton #19807), v1's rule on v2
 # (trtllm-mla #21987, trtllm-mha #25002, Triton #27545) and v1 built from `n` instead of `n + 1`.
+# The whole story in one place (why the two loops differ, the upstream bugs):
+# `docs/accept-length.md`, or `python -m refspec cite accept-length`.
 # Each strip below is one replay of the same live batch: colour = the request `cu_seqlens_q`
 # assigns a row to, text = the token that is really there.
 

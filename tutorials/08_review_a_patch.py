@@ -41,9 +41,17 @@
 #    `refspec/conformance/patches/pr26512-draft-extend-v2-double-count.diff`) against refspec's
 #    metadata, read the rule-named failure, and finish the review line with upstream's values.
 #
-# CPU only. Sections 1-5 take a few seconds; section 6 starts SGLang in a worker process (about
-# 20 s; the first time on a machine it installs SGLang 0.5.23 and its few real dependencies into
-# `.conformance/` with the same cached installer `make conformance` uses).
+# CPU only. Section 6 starts SGLang in a worker process; the first time on a machine it installs
+# SGLang 0.5.23 and its few real dependencies into `.conformance/` with the same cached installer
+# `make conformance` uses.
+# Run time as a script on a shared 2-core CPU machine: 75 s wall, 25 s of CPU (SGLang already
+# installed; `benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs("tutorials")  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import ast

@@ -33,7 +33,15 @@
 # 2. corrupts it the way two real upstream bugs did, and reads the `InvariantError`s;
 # 3. shows the lines to paste into SGLang to dump a forward of your own.
 #
-# CPU only, a few seconds.
+# CPU only.
+# Run time as a script on a shared 2-core CPU machine: 17 s wall, 6 s of CPU
+# (`benchmarks/results/cpu_learner_times.md`).
+
+# %%
+from refspec.harness.needs import needs
+
+needs()  # the set-up check: stops here, with the command to run, if something is missing
+
 
 # %%
 import copy

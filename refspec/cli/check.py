@@ -18,7 +18,8 @@ section is one more entry):
   graphed, k x P in 1, 4, 16, 64, and the tree loop (lossless, equal to the oracle tree loop).
 
 Each row: section, mode, page size P, provider, check, result (pass / FAIL / skip) and the worst
-error, as % of the T1 budget, or "bitwise" / the max difference for T0.  On CPU the provider is
+error, as % of the T1 budget, or "bitwise" / the max difference for T0; a legend saying so
+(:data:`LEGEND`, :func:`format_legend`) is printed once, above the table.  On CPU the provider is
 the emulator; on CUDA the eager and contract sections run the emulator and the real kernel, the
 graph section only the real kernel (the emulator syncs with the host, which a CUDA graph forbids).
 
@@ -37,6 +38,8 @@ from refspec.core.tolerance import T1_FLOOR, Verdict, t0, t1
 GRAPHED = ["DECODE", "DRAFT_DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2"]
 PAGE_SIZES = {"cpu": [1, 2, 3, 4, 16, 64, 128], "cuda": [1, 2, 3, 4, 16, 64, 128, 256]}
 QUICK_PAGE_SIZES = [1, 3, 16]
+#: rows of ``check --quick`` on a CPU (all sections), as its help says (tests/test_check_cli.py counts them)
+QUICK_CHECKS = 111
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -233,6 +236,33 @@ SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows,
 
 
 # ---------------------------------------------------------------------------- table
+#: what a section's rows check, for the legend printed above the table (one entry per section)
+LEGEND = {
+    "contract": "the FA3 kernel contract, probed directly (docs/fa3-contract.md). horizon (h-1)/2: q = 0 and\n"
+                "            V = key position, so a row that sees exactly its h keys 0..h-1 (the bottom-right rule\n"
+                "            PA-004, through the page table PA-002) returns their mean (h-1)/2. empty rows: a row\n"
+                "            with no visible key is exactly 0 (PA-005). slack columns: page-table columns past\n"
+                "            ceil(K_b / P) point at a NaN page, then at page 2e9: the output is bitwise the same\n"
+                "            (never read, PA-007)",
+    "eager": "every forward mode: the FA3 wing vs the fp32 oracle, eager",
+    "graph": "the graphed modes: 3 live requests replayed in a graph captured for 4 (one padded row)",
+    "loops": "the speculative loop end to end: its tokens == plain greedy == the oracle loop",
+    "tree": "top-k > 1: tree verify and draft decode (eager, graphed) and the whole tree loop",
+}
+
+
+def format_legend(sections) -> str:
+    """How to read the table: each run section's rows, the mode and worst columns (printed once, above it)."""
+    lines = ["How to read the table (one row per check; exit status 1 on any FAIL):"]
+    lines += [f"  {name + ':':<9} {LEGEND[name]}" for name in sections]
+    lines += ["  P:        page size; provider: the FA3 contract emulator (PyTorch) or the real kernel (Hopper)",
+              "  worst:    the row's worst case (in eager / graph: over dtypes and GQA groupings). N% of budget: the\n"
+              "            largest error as a share of the T1 budget (TOL-002: twice the oracle's own low-precision\n"
+              "            error, plus a floor per dtype); a row passes up to 100%.\n"
+              "            bitwise: exactly equal (T0, TOL-001)."]
+    return "\n".join(lines)
+
+
 COLUMNS = [("section", 9), ("mode", 16), ("P", 4), ("provider", 10), ("check", 20), ("result", 6), ("worst", 0)]
 
 
@@ -267,8 +297,9 @@ def _main(argv) -> int:
     ap.add_argument("--device", type=device_name, default="cpu",
                     help="cpu (default: the emulator) or cuda (the emulator and the real FA3 kernel)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4 (minutes on a CPU: "
-                         "5 min measured on a busy 2-core machine, over 20 min beside other test runs)")
+                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4: {QUICK_CHECKS} checks "
+                         "(measured on a shared 2-core CPU machine: 385 s wall, 147 s of CPU, "
+                         "benchmarks/results/cpu_learner_times.md)")
     ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
                     help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
                          f"{','.join(map(str, PAGE_SIZES['cpu']))} on cpu, "
@@ -279,6 +310,7 @@ def _main(argv) -> int:
     ns = ap.parse_args(argv)
     page_sizes = ns.page_sizes or (QUICK_PAGE_SIZES if ns.quick else PAGE_SIZES[ns.device])
     # row by row, flushed: a CI log (stdout piped) shows progress as the checks run
+    print(format_legend(ns.sections) + "\n", flush=True)
     print(format_header(), flush=True)
     rows = []
     for name in ns.sections:

@@ -17,7 +17,10 @@ For each ID it prints a block that reads well pasted into a GitHub review commen
 Lookups: ``cite --list`` prints every ID with its level and title; ``--level kernel`` (alone or
 with ``--list``) only that level's IDs; ``cite --grep TERM`` (or ``cite TERM`` for a token that
 is not an ID, e.g. ``cite page_table``) lists the rules whose title or spec entry mentions the
-term.  IDs are matched case-insensitively (``cg-004`` works); an unknown ID-like token is a
+term.  ``cite accept-length`` (a *topic*, :data:`TOPICS`) prints a story that spans several
+rules, told on one docs page (here v1's packed and v2's uniform draft-extend ``cu_seqlens_q``,
+CG-003 / CG-004); the entry of each of its rules ends with a "See also" line naming it.
+IDs are matched case-insensitively (``cg-004`` works); an unknown ID-like token is a
 one-line error naming the close matches, exit code 2.
 
 An instrument: a learner reading the reference can skip this module.
@@ -32,6 +35,7 @@ import re
 import sys
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 from refspec.cli._args import PROG, ArgumentParser, CLIError, run
 from refspec.core.invariants import RULES
@@ -76,6 +80,42 @@ def _url(s: Source, base_url: str) -> str:
     return f"{base_url.rstrip('/')}/{s.url}" if base_url and s.url.startswith("docs/") else s.url
 
 
+class Topic(NamedTuple):
+    """A story across several rules, told on one docs page."""
+
+    page: str  #: repo-relative, ``docs/...md``
+    ids: tuple[str, ...]  #: the rules it ties together; each one's entry points to it ("See also")
+    summary: str  #: one line, for the "See also" item
+
+
+#: ``cite TOPIC`` prints the page
+TOPICS = {"accept-length": Topic("docs/accept-length.md", ("CG-003", "CG-004"),
+                                 "v1 packs cumsum(a), CG-003; v2 keeps the stride W and row b * N + a_b - 1, "
+                                 "CG-004; why they differ; the upstream bugs")}
+
+
+def _docs_link(target: str, base_url: str) -> str:
+    """A link found on a ``docs/`` page, made repo-relative (``docs/...``) or absolute under ``base_url``."""
+    if re.match(r"^[a-z]+:|^#", target):
+        return target
+    path = "docs/" + target
+    return f"{base_url.rstrip('/')}/{path}" if base_url else path
+
+
+def render_topic(name: str, base_url: str = "") -> str:
+    """``TOPICS[name]``'s page as Markdown, its links repo-relative (or under ``base_url``), no images."""
+    page = TOPICS[name].page
+    text = (ROOT / page).read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if not line.startswith("![")]
+    body = re.sub(r"\]\(([^)\s]+)\)", lambda m: f"]({_docs_link(m.group(1), base_url)})", "\n".join(lines))
+    return f"{body.rstrip()}\n\n(from {_docs_link(page[len('docs/'):], base_url)})"
+
+
+def see_also(inv_id: str) -> list[str]:
+    """The topics whose story includes ``inv_id``."""
+    return [name for name, t in TOPICS.items() if inv_id in t.ids]
+
+
 def pick_tests(tests: list[str]) -> list[str]:
     """The tests in showing order: public-case and non-GPU tests first (both keep their order)."""
     return sorted(tests, key=lambda t: ("test_gpu_" in t, "case_B" not in t))
@@ -115,6 +155,11 @@ def render(inv_id: str, tests: list[str], fmt: str = "markdown", base_url: str =
     out.append(item("Rule page", link(code(spec_link(inv_id)), page) if md else page))
     if pages:
         out.append(item("Evidence", ", ".join(link(code(s.label), _url(s, base_url)) for s in pages)))
+    for topic in see_also(inv_id):
+        t = TOPICS[topic]
+        url = _docs_link(t.page[len("docs/"):], base_url)
+        out.append(item("See also", f"the {topic} story ({t.summary}): {code(f'python -m refspec cite {topic}')}, "
+                        f"{link(code(t.page), url) if md else url}"))
     shown = pick_tests(tests)
     if shown:
         more = len(shown) - 1
@@ -185,7 +230,8 @@ def _main(argv) -> int:
         description="Print an invariant's rule, conformance level, upstream sources and test, ready for a review "
                     "comment; or look rules up by level or by a term.")
     parser.add_argument("ids", nargs="*", metavar="ID",
-                        help="invariant IDs, e.g. CG-004 (case-insensitive); a term that is not an ID (page_table) "
+                        help="invariant IDs, e.g. CG-004 (case-insensitive); a topic "
+                             f"({', '.join(TOPICS)}) prints its story; a term that is not an ID (page_table) "
                              "lists the rules that mention it")
     parser.add_argument("--list", action="store_true", help="list every ID with its level and title")
     parser.add_argument("--level", choices=sorted(LEVEL_NAMES), help="only the IDs of this level (a listing)")
@@ -204,6 +250,9 @@ def _main(argv) -> int:
         return 0
     if not args.ids:
         raise CLIError("give an invariant ID (e.g. CG-004), a term (e.g. page_table), --grep TERM, --level or --list")
+    if len(args.ids) == 1 and args.ids[0].strip().lower() in TOPICS:
+        print(render_topic(args.ids[0].strip().lower(), args.base_url))
+        return 0
     if len(args.ids) == 1 and resolve(args.ids[0]) is None and not ID_LIKE.match(args.ids[0].strip()):
         return _print_grep(args.ids[0], level)
     resolved = []

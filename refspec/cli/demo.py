@@ -257,7 +257,20 @@ def _main(argv) -> int:
           f"finish: {r.finish_reason}, a per round {r.accepts}):")
     print(decode(r.tokens, skip_special=True))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s; {'all checks pass' if res.ok else 'SOME CHECKS FAILED'}")
+    print(next_steps())
     return 0 if res.ok else 1
+
+
+def next_steps() -> str:
+    """The demo's closing lines: where a learner goes next (the README's "Learn it"), as commands
+    for the Python that ran the demo (``.venv/bin/python`` under ``make demo``)."""
+    import sys
+
+    exe = os.path.relpath(sys.executable)
+    exe = sys.executable if exe.startswith("..") else exe
+    return (f"\nNext, the tutorials (README, \"Learn it\"; the set-up is `make demo`'s, or `make tutorials`):\n"
+            f"  {exe} tutorials/01_paged_kv_cache.py\n  {exe} tutorials/03_forward_modes.py\n"
+            "or open them all in JupyterLab: make lab")
 
 
 def default_jobs() -> int:
@@ -302,4 +315,5 @@ def _main_gpu(model, qs, prompts, max_new, page_sizes, versions, ns, load_s, t0)
     print(f"answer (production {versions[-1]}, P={page_sizes[-1]}, bf16, real FA3 + CUDA graphs):")
     print(decode(last.tokens[i], skip_special=True))
     print(f"\ntotal {time.perf_counter() - t0:.1f} s; {'all checks pass' if res.ok else 'SOME CHECKS FAILED'}")
+    print(next_steps())
     return 0 if res.ok else 1

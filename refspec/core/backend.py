@@ -13,6 +13,9 @@ attends with the metadata that ``init_forward_metadata`` built for the same batc
 
 The dense oracle (:class:`~refspec.oracle.dense.DenseBackend`) takes a ``DenseBatch``, not a
 ``ForwardBatch``, so it stands outside this contract on purpose.
+
+**First reading:** :class:`AttentionBackend`; :class:`GraphableBackend`'s hooks can wait for the
+CUDA-graph modules (14-16 of the reading order).
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ holds per-request *upper bounds* (``seq_lens_cpu_is_bound``), built by
 Host -> device: the builders here compute rows, lengths and positions on the host and send them
 in ONE pinned, non-blocking copy (:func:`refspec.core.transfer.h2d_many`), then gather
 ``out_cache_loc`` from ``req_to_token`` in one indexing op (no per-request device ops).
+
+**First reading:** the table, :class:`ForwardBatch`'s fields, ``_build`` and the builders from
+``decode_batch`` to ``draft_extend_v2_batch``; skip ``check_batch_shapes`` (argument checks), the
+overlap loop's ``seq_lens_cpu_is_bound``, the host -> device paragraph, and the last three functions
+(all draft-decode steps of a round in one batch: read them with module 20, the round).
 """
 
 from __future__ import annotations

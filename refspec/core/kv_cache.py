@@ -22,6 +22,11 @@ host for the same reason (``Req.kv_allocated_len`` / ``kv_committed_len``,
 the device entries in one pinned, non-blocking copy and one scatter.  Whoever writes the device
 ``req_to_token`` directly (a test poking a bad slot) must write the mirror too;
 :meth:`KVCache.check_mirror` compares them (the engine's audit does).
+
+**First reading:** :class:`KVCache` (``alloc_req``, ``alloc_extend``, ``free_tail``,
+``free_req``, ``check_page_contiguous``) and :class:`PagedAllocator`; skip the host-mirror
+paragraph above and ``check_mirror``, ``stacked_halves`` (a fused-write detail) and
+``backup_state`` / ``restore_state`` (v1's transient draft slots, met again in the engine).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ docs/modes/draft-extend-v1.md and docs/modes/draft-extend-v2.md give both modes'
 Mirrors ``model_executor/forward_batch_info.py`` (the ``include_v2`` helpers of #11398
 ``20a6c0a63``, simplified in #11874 ``0bfe1d145``).  Only the modes EAGLE uses (chains and trees)
 are here, with the predicates refspec calls; MIXED / SPLIT_PREFILL are out of scope.
+
+**First reading:** the six members and the v1 / v2 paragraph; the ``is_*`` predicates are
+one-line comparisons to skim (only ``is_draft_extend``'s ``include_v2`` default carries a rule).
 """
 
 from __future__ import annotations

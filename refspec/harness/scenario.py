@@ -9,8 +9,8 @@ fill a prefix, run mode X through the oracle and the FA3 path" is one obvious ca
     out = built.run_fa3()             # eager FA3 path (emulator on CPU, real kernel on Hopper)
     out_g = built.run_fa3_graph()     # the same through a captured (emulated) CUDA graph
 
-``lens`` means per mode (tokens): DECODE, L including the new token; draft decode, committed L
-(``draft_step`` s writes L + s); EXTEND, the prefix (``extend_lens`` new tokens); TARGET_VERIFY,
+``lens`` means per mode (tokens): DECODE, ``seq_lens`` = L + 1 (the new token included); draft
+decode, committed L (``draft_step`` s writes L + s); EXTEND, the prefix (``extend_lens`` new tokens); TARGET_VERIFY,
 committed L; DRAFT_EXTEND, committed L before accept (``num_accept_tokens`` a); DRAFT_EXTEND_V2,
 committed L before the round; IDLE, ``lens=[]`` (the empty batch: eager only, outputs
 ``[0, H, D]``).  Every request gets slots for all its K_b keys; the keys before

@@ -17,6 +17,10 @@ Both then apply the same three rules:
 * a row that sees no key outputs exactly 0 (PA-005);
 * query head h reads KV head ``h // (H / Hkv)`` (PA-006);
 * scores ``s = scale * q.k``, softcap ``c * tanh(s / c)`` when ``c > 0``, softmax, weighted V.
+
+**First reading:** the two functions' bodies; skip ``_check_kernel_args`` (the argument contract,
+PA-011) and, on a first pass, the window and softcap options (only sliding-window and softcapped
+layers set them: tests/test_window.py).
 """
 
 from __future__ import annotations

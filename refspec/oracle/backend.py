@@ -33,6 +33,10 @@ form over the latent rows (:func:`refspec.oracle.mla.absorbed_attention`), or, f
 prefill (``fb.attn_attend_prefix_cache is False``, ML-010), plain attention over the ragged
 per-head k / v the model passes: request b's keys are the next ``last position + 1`` rows of k,
 in request order.
+
+**First reading:** :class:`OracleBackend` (``forward``: store, then attend by position),
+``rows_per_request`` and ``oracle_metadata``; skip the body of ``check_tail``, the checks that
+refuse a wrong builder (INV-TAIL, MD-012), until one fires.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The same paged KV cache, FA3 backend and CUDA-graph runner as the speculative engine, with one
 token per request per step: prefill (EXTEND, eager), then DECODE steps replayed from a graph
-captured per batch size (padded, CG-007), ``seq_lens`` L including the token being decoded
-(written at position L - 1).  A request leaves the batch after ``max_new_tokens`` or right after
+captured per batch size (padded, CG-007), ``seq_lens`` = L + 1 including the token being decoded
+(written at position L).  A request leaves the batch after ``max_new_tokens`` or right after
 emitting ``eos``; its pages are freed (KV-006 holds at the end).
 
 This is the number a user compares speculative decoding with: "graph greedy" in
