@@ -1,8 +1,10 @@
-"""Draft models: what runs the draft forwards (EAGLE head, early-exit self-draft, small LM).
+"""Draft models: what runs the draft forwards (EAGLE head, EAGLE-3 head, early-exit self-draft, small LM).
 
 Every draft has one interface, used identically by the oracle loop and the production loop::
 
-    logits [T, V], hidden_out [T, E] | None = draft.forward(input_ids [T], hidden [T, E] | None, fb, backend)
+    logits [T, V], hidden_out [T, E] | None = draft.forward(input_ids [T], hidden [T, W] | None, fb, backend)
+
+(W = E, or for EAGLE-3's draft prefill / extend the width of the target's aux states, below)
 
 with its own KV pool of ``draft.num_layers`` layers (``num_kv_heads``, ``head_dim``).  The
 EAGLE position rule (SD-007, :mod:`refspec.speculative.engine`) applies to all of them: draft KV index

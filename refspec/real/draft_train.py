@@ -32,8 +32,10 @@ answers (:func:`self_distilled_rows`).
    ``y_(j+1)``, plus ``hidden_weight`` x smooth-L1 between RMS-normalised ``g^0_j`` and
    ``h_(j+1)`` (SmolLM2's residual stream has outlier dimensions that an unnormalised
    regression lets dominate the loss).  This is EAGLE-3's training-time test (the draft fed
-   its own outputs for several steps, SafeAILab/EAGLE ``eagle/traineagle3/cnets.py``) with each
-   step's keys exactly those of the decode step it stands for.
+   its own outputs for several steps, ``Model.forward`` in
+   `eagle/traineagle3/cnets.py <https://github.com/SafeAILab/EAGLE/blob/9666a8182d9bed8b5b637fd4a126c90d9b9c3db2/eagle/traineagle3/cnets.py>`_,
+   step weights ``0.8^s`` in its ``main.py``), with each step's keys exactly those of the decode
+   step it stands for (EAGLE-3 keeps every step of a chain in one column, at one position).
 3. **Evaluation** (:func:`evaluate`): teacher-forced top-1 agreement per step on held-out rows.
 4. **Output** (:func:`save_head`): the head's parameters as bf16 safetensors, its SHA-256, and a
    JSON card (data, recipe, steps, seed, metrics, commit, time); the file's metadata names the
@@ -523,10 +525,11 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
 
 
 def _same_recipe(saved: dict, recipe: Recipe, checkpoint) -> None:
-    """ValueError naming the settings where a checkpoint's recipe differs from the run resuming it."""
+    """ValueError naming the settings where a checkpoint's recipe differs from the run resuming it
+    (a setting the checkpoint predates is not compared)."""
     now = dataclasses.asdict(recipe)
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - torch.save keeps tuples, JSON not
-    diff = sorted(k for k in now if norm(saved.get(k)) != norm(now[k]))
+    diff = sorted(k for k in now if k in saved and norm(saved[k]) != norm(now[k]))
     if diff:
         what = ", ".join(f"{k}: {saved.get(k)!r} there, {now[k]!r} here" for k in diff)
         raise ValueError(f"{checkpoint}: written by a different recipe ({what}); resume with the same settings "
