@@ -87,10 +87,13 @@ def test_demo_main_prints_table_and_answer(capsys):
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("path"))
     assert all(h in lines[head] for h in demo.HEADER)
-    rows = [l.split() for l in lines[head + 2: head + 7]]
-    assert [r[0] for r in rows] == ["greedy", "oracle", "oracle", "production", "production"]
-    assert [r[-2:] for r in rows[3:]] == [["yes", "yes"]] * 2
-    assert [r[1:4] for r in rows[3:]] == [["4", "2", "v1"], ["4", "2", "v2"]]
+    rows = [l.split() for l in lines[head + 2: head + 8]]
+    assert [r[0] for r in rows] == ["greedy", "graph", "oracle", "oracle", "production", "production"]
+    assert [r[-2:] for r in rows[4:]] == [["yes", "yes"]] * 2
+    assert [r[1:4] for r in rows[4:]] == [["4", "2", "v1"], ["4", "2", "v2"]]
+    assert rows[1][1:5] == ["greedy", "4", "2", "-"] and rows[1][-3:] == ["1.00", "yes", "-"]  # the speed baseline
+    assert all(float(r[-3]) > 0 for r in rows[4:])  # x graph greedy (refspec.cli._timing.speedup)
+    assert "the bench's timing" in out
     assert "KV accounting audited" in out
     assert decode(baseline((5, 3))[0], skip_special=True) in out, "the printed answer is not the greedy answer"
 

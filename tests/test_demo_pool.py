@@ -56,7 +56,7 @@ def test_two_processes_give_the_serial_table(model):
     serial = run_matrix(model, PROMPTS, BUDGETS, jobs=1, bar=bars[0], **MATRIX)
     parallel = run_matrix(model, PROMPTS, BUDGETS, jobs=2, bar=bars[1], **MATRIX)
     assert _table(parallel) == _table(serial)
-    n_runs = 1 + 2 + 2 * 2 + 2 * (1 + 2)  # greedy, oracle per version, production per (v, P), tree rows
+    n_runs = 2 + 2 + 2 * 2 + 2 * (1 + 2)  # greedy x 2, oracle per version, production per (v, P), tree rows
     assert [r.path for r in parallel.rows].count("production tree") == 4 and len(parallel.rows) == n_runs
     assert serial.ok and parallel.rounds_audited > 0
     # the bar: each run tops up to the batch's budget, whichever process ran it
@@ -100,7 +100,7 @@ def test_a_workers_other_error_is_raised_again_with_its_traceback(model):
 def test_longest_runs_go_first():
     runs = plan_runs((1, 4), ("v1", "v2"))
     order = [runs[i].path for i in longest_first(runs)]
-    assert order == ["oracle loop"] * 2 + ["production"] * 4 + ["greedy"]
+    assert order == ["oracle loop"] * 2 + ["production"] * 4 + ["greedy", "graph greedy"]
     assert [runs[i].label for i in longest_first(runs)][:3] == ["oracle loop v1", "oracle loop v2", "production v1 P=1"]
 
 

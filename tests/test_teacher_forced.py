@@ -24,7 +24,7 @@ def _model(seed):
 
 @pytest.mark.spec("SD-001", "SD-004", "SD-005")
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("draft", ["eagle", "early-exit:1"])
+@pytest.mark.parametrize("draft", ["eagle", "eagle3", "early-exit:1"])
 @pytest.mark.parametrize("Sd", [1, 3, 4])
 def test_teacher_forced_accepts_are_the_oracle_loops(seed, draft, Sd):
     m = _model(seed)

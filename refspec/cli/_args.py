@@ -114,12 +114,22 @@ def positive_int(least: int = 1) -> Callable[[str], int]:
 
 
 def draft_spec(text: str) -> str:
-    """An argparse ``type`` for ``--draft``: ``eagle``, ``early-exit`` or ``early-exit:K`` (K >= 1)."""
+    """An argparse ``type`` for ``--draft``: ``eagle``, ``eagle3`` (random init), ``eagle:PATH`` /
+    ``eagle3:PATH`` (a head file ``train-draft`` wrote; it must exist), ``early-exit`` or
+    ``early-exit:K`` (K >= 1)."""
+    from pathlib import Path
+
     name, colon, arg = text.partition(":")
-    ok = (name == "eagle" and not colon) or (name == "early-exit" and (not colon or (arg.isdigit() and int(arg) >= 1)))
+    if name in ("eagle", "eagle3") and colon and arg:
+        if not Path(arg).is_file():
+            raise argparse.ArgumentTypeError(f"{text!r}: no head file {arg!r} "
+                                             f"(python -m refspec train-draft writes one)")
+        return text
+    ok = (name in ("eagle", "eagle3") and not colon) or (
+        name == "early-exit" and (not colon or (arg.isdigit() and int(arg) >= 1)))
     if not ok:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose eagle, early-exit or early-exit:K "
-                                         f"(K = draft layers, an int >= 1)")
+        raise argparse.ArgumentTypeError(f"{text!r}: choose eagle, eagle3, eagle:PATH / eagle3:PATH (a trained head), "
+                                         f"early-exit or early-exit:K (K = draft layers, an int >= 1)")
     return text
 
 
@@ -130,11 +140,19 @@ def budget_spec(text: str) -> str:
 
 
 def check_draft(spec: str, model) -> None:
-    """CLIError unless ``early-exit:K`` fits the loaded model (1 <= K <= its layers)."""
+    """CLIError unless ``early-exit:K`` fits the loaded model (1 <= K <= its layers) and a head
+    file (``eagle:PATH`` / ``eagle3:PATH``) holds that kind of head for this model."""
     name, _, arg = spec.partition(":")
     layers = model.config.num_hidden_layers
     if name == "early-exit" and not 1 <= int(arg or 1) <= layers:
         raise CLIError(f"--draft {spec}: K must lie in 1..{layers} (the target has {layers} layers)")
+    if name in ("eagle", "eagle3") and arg:
+        from refspec.real.eagle_head import HeadMismatch, real_draft
+
+        try:
+            real_draft(spec, model)
+        except HeadMismatch as e:
+            raise CLIError(f"--draft {spec}: {e}") from None
 
 
 def check_tree_flags(ns) -> None:

@@ -15,14 +15,16 @@ The section measures, in one process, at B = 1, 4 and 16 on the same prompts and
 (``PEER_NEW`` tokens per request, no EOS stop): the peer and refspec's graph greedy
 (:func:`~refspec.speculative.greedy.production_greedy`, the fused model, FA3, P = 16), each
 timed on its second run (compilation and capture in the first), decode only (prefill excluded
-on both sides: ``PeerRun.decode_seconds``, ``GreedyRun.decode_seconds``), and checks refspec's
+on both sides: ``PeerRun.decode_seconds``; graph greedy's decode window,
+:func:`~refspec.cli._timing.time_greedy`), and checks refspec's
 tokens against the peer's under T2 (TOL-003, the peer's own top-2 margins; in bf16 with the
 demo's measured delta, 2 x the largest |bf16 - fp32| logit difference of a teacher-forced pass
 over the prompts, :func:`~refspec.traces.replay.teacher_forced_err`).  Then (``peer spec``
 rows, CUDA, B = 1 and 16) spec v2 against the same peer figure: the perfect drafter and the best
 real draft (:func:`_spec_rows`), each the median of ``SPEC_REPEATS`` measurements in the
-process; the tree row's ``x_chain`` is its tok/s over the chain row of the same draft (issue 24's
-tree target).  Every spec round at B = 1 is host-bound, so its time
+process, with ``x_graph_greedy``: :func:`~refspec.cli._timing.speedup` over graph greedy's window
+at the same B (the demo's "x graph greedy"); the tree row's ``x_chain`` is its tok/s over the
+chain row of the same draft (issue 24's tree target).  Every spec round at B = 1 is host-bound, so its time
 depends on the host's speed: the ``peer host`` row (:func:`host_speed`) measures that host in
 the same process (one eager kernel launch, one empty Python loop iteration), to compare runs
 made on different machines.  CPU ``--quick``:
@@ -163,7 +165,7 @@ def bench_peer(device, quick):
     from refspec.core.tolerance import T2_DELTA, t2
     from refspec.traces.replay import teacher_forced_err
     from refspec.model.fused import FusedLlama
-    from refspec.speculative.greedy import production_greedy
+    from refspec.cli._timing import time_greedy
 
     if quick:
         from refspec.model.llama import LlamaModel, init_random_, tiny_config
@@ -185,20 +187,20 @@ def bench_peer(device, quick):
         S = -(-(max(map(len, prompts)) + M) // 64) * 64
         peer = PeerGreedy(model, B, S, compile=None if device.type == "cuda" else False)
         cap = capture_sizes(B)
-        for _ in range(2):  # the second run of each is timed
+        for _ in range(2):  # the second run is timed
             pr = peer.generate(prompts, M)
-            g = production_greedy(fast if device.type == "cuda" else model, prompts, [M] * B, page_size=16,
-                                  validate=False, capture_bs=cap)
+        g, g_time = time_greedy(fast if device.type == "cuda" else model, prompts, [M] * B, page_size=16,
+                                capture_bs=cap, warmup=1)
         verdicts = [t2(g.tokens[b], pr.tokens[b], pr.margins[b], delta=delta) for b in range(B)]
         decode_tokens = B * (M - 1)
-        peer_tps, ours = decode_tokens / pr.decode_seconds, decode_tokens / g.decode_seconds
+        peer_tps, ours = decode_tokens / pr.decode_seconds, g_time.tok_per_s
         rows.append({"section": "peer", "workload": label, "B": B, "tokens": M,
                      "peer_tok_per_s": peer_tps, "graph_greedy_tok_per_s": ours, "x_peer": ours / peer_tps,
                      "t2_vs_peer": f"{sum(ok for ok, _ in verdicts)}/{B} pass", "t2_delta": delta,
                      "t2_notes": "; ".join(sorted({why for _, why in verdicts}))[:160]})
         del peer
         if not quick and B in (1, 16):
-            rows += _spec_rows(model, fast, prompts, g, peer_tps, label)
+            rows += _spec_rows(model, fast, prompts, g, peer_tps, label, g_time)
     return rows
 
 
@@ -208,7 +210,7 @@ def bench_peer(device, quick):
 SPEC_REPEATS = 3
 
 
-def _spec_rows(model, fast, prompts, g, peer_tps, label):
+def _spec_rows(model, fast, prompts, g, peer_tps, label, g_time):
     """Spec v2 (overlap, FA3, graphs, P = 16) against the peer at this B: the perfect drafter
     (the ceiling: a 1-layer draft forward whose proposals are the target's own greedy tokens,
     ``g``, so a = Sd + 1) at Sd = 3, 5, 7 (B = 1; B = 16: Sd = 3), and the best real draft (the trained EAGLE head with
@@ -218,6 +220,7 @@ def _spec_rows(model, fast, prompts, g, peer_tps, label):
     host-bound (the GPU waits for the host's launches)."""
     from refspec.cli._bench_eagle import _head
     from refspec.cli._bench_profile import profile_config
+    from refspec.cli import _timing
 
     B = len(prompts)
     own = {i: list(p) + list(t) for i, (p, t) in enumerate(zip(prompts, g.tokens))}
@@ -241,11 +244,13 @@ def _spec_rows(model, fast, prompts, g, peer_tps, label):
         r = reps[0]
         mid = {k: statistics.median(x[k] for x in reps) for k in ("wall_ms", "host_ms", "wait_ms", "tok_per_s")
                if all(x.get(k) is not None for x in reps)}
+        median_timed = sorted((x["timed"] for x in reps), key=lambda t: t.tok_per_s)[len(reps) // 2]
         same = sum(a[:len(b)] == b[:len(a)] for a, b in zip(r["text"], g.tokens))
         rows.append({"section": "peer spec", "workload": label, "B": B, "config": f"spec v2 {name}",
                      "accept_length": r["accept_length"], "wall_ms_per_round": mid["wall_ms"],
                      "host_ms": mid.get("host_ms"), "wait_ms": mid.get("wait_ms"), "tok_per_s": mid["tok_per_s"],
-                     "x_peer": mid["tok_per_s"] / peer_tps, "same_text_as_graph_greedy": f"{same}/{B}",
+                     "x_peer": mid["tok_per_s"] / peer_tps, "x_graph_greedy": _timing.speedup(median_timed, g_time),
+                     "same_text_as_graph_greedy": f"{same}/{B}",
                      "x_peer_repeats": ", ".join(f"{x['tok_per_s'] / peer_tps:.3g}" for x in reps),
                      "same_over_repeats": all(x["text"] == r["text"] for x in reps)})
     chain = [r for r in rows if r.get("config") == "spec v2 trained EAGLE head Sd=3" and "tok_per_s" in r]

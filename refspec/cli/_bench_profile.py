@@ -8,9 +8,9 @@ Graphs on, validation off, Sd = 3, ``max_new_tokens`` 48 per request.
 
 Per configuration (draft, version, B):
 
-* ``wall_ms``: wall time per round over the steady state (from the first round after the last
-  join to the end; one device synchronize at each end only, so an overlapped engine keeps
-  overlapping), prefill and capture excluded;
+* ``wall_ms``: wall time per round over the decode window of :mod:`refspec.cli._timing` (from
+  the first prefill to the end, one device synchronize at each end only, so an overlapped engine
+  keeps overlapping; prefill and capture excluded), the window every "x graph greedy" uses;
 * ``gpu_busy_ms``: per round, the union of the GPU kernel intervals the CUDA profiler saw over
   the same rounds of a second, profiled run (the profiler inflates wall time, not kernel time);
   ``wall/busy`` is the ratio the issue targets (<= 1.2);
@@ -24,7 +24,9 @@ Per configuration (draft, version, B):
   the graphs, :func:`refspec.audits.launch.host_ops` (a third run);
 * ``draft/verify/extend_ms``: per-phase GPU time between CUDA events recorded at the engine's
   phase events (idle GPU time inside a phase included);
-* ``tok_per_s`` and ``accept_length``; and two greedy baselines measured in the same run:
+* ``tok_per_s`` (the window's, :class:`~refspec.cli._timing.Timed`; the row keeps it as ``timed``
+  for :func:`~refspec.cli._timing.speedup`) and ``accept_length``; and two greedy baselines
+  measured in the same run:
   graph greedy (:func:`~refspec.speculative.greedy.production_greedy`: paged KV, FA3 DECODE
   replayed from a CUDA graph, the same fused model) and eager greedy (the dense oracle loop).
 
@@ -39,8 +41,9 @@ import time
 
 import torch
 
+from refspec.cli import _timing
+from refspec.cli._timing import DecodeWindow, time_greedy
 from refspec.speculative import generate
-from refspec.speculative.greedy import production_greedy
 
 MAX_NEW = 48
 PHASES = ("draft_decode", "verify", "draft_extend")
@@ -155,20 +158,22 @@ class HostTimers:
 
 def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profiled=False, count_ops=False,
                    num_steps=3, max_new=MAX_NEW, **kw) -> dict:
-    """One steady-state measurement (module doc); ``profiled`` runs under the CUDA profiler
+    """One measurement over the decode window (module doc); ``profiled`` runs under the CUDA profiler
     (CPU + CUDA activities), ``count_ops`` under :func:`~refspec.audits.launch.host_ops`.
     An unprofiled run also reports :class:`HostTimers` per round: ``replay_host_ms`` and
-    ``wait_ms`` (``host_ms`` = ``wall_ms - wait_ms``: the host's own time per round)."""
+    ``wait_ms`` (``host_ms`` = ``wall_ms - wait_ms``: the host's own time per round).  The row's
+    ``timed`` is the window (:class:`~refspec.cli._timing.Timed`; not JSON: pop it before saving)."""
     from refspec.audits.launch import host_ops
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
-    st = dict(t0=None, t1=None, r0=0, r1=0, ev=[], prof=None, ops=None, timers=None, h0=(0.0, 0.0))
+    st = dict(t0=None, r0=0, r1=0, ev=[], prof=None, ops=None, timers=None, h0=(0.0, 0.0))
     timers = HostTimers() if cuda and not profiled and not count_ops else None
+    window = DecodeWindow(dev)
 
     def observer(event, eng, **info):
-        if event == "round_end" and st["t0"] is None and not info["trace"].joined and not eng.waiting:
-            _sync(dev)
-            st["t0"], st["r0"] = time.perf_counter(), len(eng.trace)
+        if event == "prefill" and st["t0"] is None:
+            window.observer(event, eng)  # synchronizes, then starts the clock
+            st["t0"], st["r0"] = window.t0, len(eng.trace)
             if timers is not None:
                 st["h0"] = (timers.replay, timers.wait)
             if profiled and cuda:
@@ -191,17 +196,14 @@ def profile_config(model, prompts, *, version, draft, drafter=None, P=16, profil
                        capture_bs=capture_sizes(len(prompts)), **kw)
         if st["ops"] is not None:
             st["ops"].__exit__(None, None, None)
-        _sync(dev)
-        t1 = time.perf_counter()
+        timed = window.stop(res.tokens)
     rounds = max(st["r1"] - st["r0"], 1)
-    row = dict(rounds=rounds, wall_ms=1e3 * (t1 - st["t0"]) / rounds if st["t0"] else float("nan"),
-               accept_length=res.accept_length)
+    row = dict(rounds=rounds, wall_ms=1e3 * timed.seconds / rounds, accept_length=res.accept_length)
     if timers is not None and st["t0"]:
         row["replay_host_ms"] = 1e3 * (timers.replay - st["h0"][0]) / rounds
         row["wait_ms"] = 1e3 * (timers.wait - st["h0"][1]) / rounds
         row["host_ms"] = row["wall_ms"] - row["wait_ms"]
-    steady_tokens = sum(sum(r.emitted[-rounds:]) for r in res.requests if r.emitted)
-    row["tok_per_s"] = steady_tokens / (t1 - st["t0"]) if st["t0"] else float("nan")
+    row["tok_per_s"], row["timed"] = timed.tok_per_s, timed
     if st["prof"] is not None:
         st["prof"].stop()
         busy, n = _gpu_busy_ms(st["prof"])
@@ -230,23 +232,24 @@ def bench_profile(device, quick):
         model, prompts, label = _workload(B)
         fast = FusedLlama(model)
         budgets = [MAX_NEW] * B
-        production_greedy(fast, prompts[:1], [4], page_size=16)  # compile once, outside the timings
-        for name, fn in (("graph greedy", lambda: production_greedy(fast, prompts, budgets, page_size=16,
-                                                                   validate=False, capture_bs=(B,))),
-                         ("eager greedy", lambda: [greedy(model, p, MAX_NEW) for p in prompts])):
-            _sync(device)
-            t = time.perf_counter()
-            out = fn()
-            _sync(device)
-            toks = sum(len(x) for x in (out.tokens if hasattr(out, "tokens") else [g.tokens for g in out]))
-            rows.append(dict(section="profile baselines", workload=label, B=B, what=name,
-                             tok_per_s=toks / (time.perf_counter() - t)))
+        # graph greedy over the decode window (refspec.cli._timing, its second run timed); eager
+        # greedy (the dense oracle loop, one request at a time) over its whole run
+        _, g_time = time_greedy(fast, prompts, budgets, page_size=16, capture_bs=(B,))
+        rows.append(dict(section="profile baselines", workload=label, B=B, what="graph greedy",
+                         tok_per_s=g_time.tok_per_s))
+        _sync(device)
+        t = time.perf_counter()
+        toks = sum(len(greedy(model, p, MAX_NEW).tokens) for p in prompts)
+        _sync(device)
+        rows.append(dict(section="profile baselines", workload=label, B=B, what="eager greedy (whole run)",
+                         tok_per_s=toks / (time.perf_counter() - t)))
         for draft, drafter in (("early-exit:25", None),):  # the issue's configuration; other drafts: bench_drafts
             for version in ("v1", "v2"):
                 for profiled in (False, True):
                     r = profile_config(fast, prompts, version=version, draft=draft, drafter=drafter,
                                        profiled=profiled)
                     r.pop("text")
+                    r.pop("timed")
                     r.pop("kernels", None)
                     if not profiled:
                         base = dict(section="profile", workload=label, B=B,
@@ -282,6 +285,7 @@ def bench_seed(device, quick):
             for v in ("v1", "v2"):
                 r = profile_config(fast, prompts, version=v, draft="early-exit:25", P=P)
                 r.pop("text")
+                r.pop("timed")
                 res[(P, v)] = r
                 rows.append({"section": "seed", "workload": label, "B": B, "P": P, "version": v,
                              "tok_per_s": r["tok_per_s"], "accept_length": r["accept_length"],
@@ -309,19 +313,17 @@ def bench_drafts(device, quick):
     from refspec.model.fused import FusedLlama
     model, prompts, label = _workload(1)
     fast = FusedLlama(model)
-    g = production_greedy(fast, prompts, [MAX_NEW], page_size=16, validate=False, capture_bs=(1,))
-    g = production_greedy(fast, prompts, [MAX_NEW], page_size=16, validate=False, capture_bs=(1,))
-    greedy_tps = sum(map(len, g.tokens)) / g.seconds
+    g, g_time = time_greedy(fast, prompts, [MAX_NEW], page_size=16, capture_bs=(1,))
     # the perfect drafter's reference is this path's own greedy text: the dense readable model's
     # bf16 greedy leaves it after a few tokens, and proposals scripted from that stop matching
     own = {i: list(p) + list(t) for i, (p, t) in enumerate(zip(prompts, g.tokens))}
     rows = [{"section": "drafts", "workload": label, "draft": "(graph greedy, no speculation)", "accept_length": 1.0,
-             "tok_per_s": greedy_tps, "x_graph_greedy": 1.0}]
+             "tok_per_s": g_time.tok_per_s, "x_graph_greedy": 1.0}]
     L = model.config.num_hidden_layers
     for draft, drafter in [(f"early-exit:{k}", None) for k in (4, 10, 16, 25) if k < L] + [("early-exit:1", "perfect")]:
         r = profile_config(fast, prompts, version="v2", draft=draft, drafter=drafter,
                            **({"reference": own} if drafter else {}))
         rows.append({"section": "drafts", "workload": label, "draft": draft + (" +perfect drafter" if drafter else ""),
                      "accept_length": r["accept_length"], "wall_ms": r["wall_ms"], "tok_per_s": r["tok_per_s"],
-                     "x_graph_greedy": r["tok_per_s"] / greedy_tps})
+                     "x_graph_greedy": _timing.speedup(r["timed"], g_time)})
     return rows

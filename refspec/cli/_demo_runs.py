@@ -1,11 +1,12 @@
 """The demo's table as a list of independent runs, and one run executed on its own.
 
-``python -m refspec demo`` decodes one batch several times: plain greedy, the oracle loop per
-version, the production loop per (version, page size), and with ``--topk`` the oracle tree loop
-and the production tree loop.  No run reads another's output: each is a function of (model,
-prompts, budgets, draft, its own settings), so they can run in any order, in any process
-(:mod:`refspec.cli._demo_pool`).  The comparisons of the table (spec == greedy, production ==
-oracle) are made afterwards, by :func:`refspec.cli.demo.run_matrix`, once every run is back.
+``python -m refspec demo`` decodes one batch several times: plain greedy, graph greedy (the
+production path's greedy, the speed baseline), the oracle loop per version, the production loop
+per (version, page size), and with ``--topk`` the oracle tree loop and the production tree loop.
+No run reads another's output: each is a function of (model, prompts, budgets, draft, its own
+settings), so they can run in any order, in any process (:mod:`refspec.cli._demo_pool`).  The
+comparisons of the table (spec == greedy, production == oracle, x graph greedy) are made
+afterwards, by :func:`refspec.cli.demo.run_matrix`, once every run is back.
 
 * :class:`DemoRun`: what one run is (its table ``path``, version, page size, tree shape).
 * :func:`plan_runs`: the runs of a table, in table order.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from refspec.cli._timing import Timed, time_greedy, time_spec
 from refspec.oracle.loop import greedy
 from refspec.real.run import TokenBar, capture_sizes
 from refspec.speculative import generate
@@ -31,9 +33,9 @@ from refspec.speculative.metrics import GenerateResult
 class DemoRun:
     """One run of the table.
 
-    ``path``: ``"greedy"``, ``"oracle loop"``, ``"production"``, ``"oracle tree"`` or
-    ``"production tree"`` (the table's first column); ``version`` "v1" / "v2" (None for greedy);
-    ``page_size`` P in tokens per page (production runs only); ``topk`` / ``num_draft_tokens``
+    ``path``: ``"greedy"``, ``"graph greedy"``, ``"oracle loop"``, ``"production"``, ``"oracle tree"``
+    or ``"production tree"`` (the table's first column); ``version`` "v1" / "v2" (None for greedy);
+    ``page_size`` P in tokens per page (graph greedy and production runs); ``topk`` / ``num_draft_tokens``
     k and N of the tree runs (1 / None for the chain).
     """
 
@@ -65,10 +67,11 @@ class DemoRun:
 
 def plan_runs(page_sizes=(1, 4), versions=("v1", "v2"), topk: int = 1,
               num_draft_tokens: int | None = None) -> list[DemoRun]:
-    """The table's runs in table order: greedy; the oracle loop per version; production per page
-    size, then per version; with ``topk`` > 1, per version the oracle tree and production tree per
-    page size (N defaults to 2k)."""
-    runs = [DemoRun("greedy")] + [DemoRun("oracle loop", v) for v in versions]
+    """The table's runs in table order: greedy; graph greedy at the largest page size; the oracle
+    loop per version; production per page size, then per version; with ``topk`` > 1, per version
+    the oracle tree and production tree per page size (N defaults to 2k)."""
+    runs = [DemoRun("greedy"), DemoRun("graph greedy", page_size=max(page_sizes))]
+    runs += [DemoRun("oracle loop", v) for v in versions]
     runs += [DemoRun("production", v, P) for P in page_sizes for v in versions]
     if topk > 1:
         N = num_draft_tokens or 2 * topk
@@ -80,12 +83,12 @@ def plan_runs(page_sizes=(1, 4), versions=("v1", "v2"), topk: int = 1,
 
 #: Measured CPU seconds of the default demo's runs (benchmarks/results/cpu_demo_profile.md): the
 #: oracle loops (one request at a time) ~27, production ~20, greedy ~8.  Higher = handed out first.
-_COST = {"oracle tree": 4, "oracle loop": 3, "production tree": 2, "production": 1, "greedy": 0}
+_COST = {"oracle tree": 4, "oracle loop": 3, "production tree": 2, "production": 1, "greedy": 0, "graph greedy": 0}
 
 
 def longest_first(runs: list[DemoRun]) -> list[int]:
-    """Indices of ``runs``, the longest first (oracle, then production, greedy last), so that the
-    last run to start is a short one and the workers finish at about the same time."""
+    """Indices of ``runs``, the longest first (oracle, then production, the greedy runs last), so
+    that the last run to start is a short one and the workers finish at about the same time."""
     return sorted(range(len(runs)), key=lambda i: -_COST[runs[i].path])
 
 
@@ -95,9 +98,11 @@ class RunOutcome:
 
     ``tokens``: B lists of generated token ids, prompt order.  ``result``: the full
     :class:`~refspec.speculative.metrics.GenerateResult` (accepts, requests with
-    ``finish_reason``, ``free_pages``, the per-round trace); None for greedy.  ``seconds``: the
-    run's own wall time (prefill and graph capture included).  ``rounds_audited``: production
-    rounds checked by ``audit_kv`` (0 for greedy and the oracle loops).
+    ``finish_reason``, ``free_pages``, the per-round trace); None for the greedy runs.  ``seconds``:
+    the run's own wall time (prefill and graph capture included).  ``timed``: the graph-greedy and
+    production runs' decode window (:mod:`refspec.cli._timing`, the bench's timing: prefill,
+    capture and the bar / KV audit excluded), None for the others.  ``rounds_audited``:
+    production rounds checked by ``audit_kv`` (0 for greedy and the oracle loops).
     """
 
     run: DemoRun
@@ -105,6 +110,7 @@ class RunOutcome:
     result: GenerateResult | None
     seconds: float
     rounds_audited: int = 0
+    timed: Timed | None = None
 
     @property
     def accept_length(self) -> float:
@@ -140,8 +146,13 @@ def execute_run(model, run: DemoRun, prompts, max_new, *, draft, num_steps, eos=
 
     bar.start_run(run.label)
     t = time.perf_counter()
-    res = None
-    if run.path == "greedy":
+    res = window = None
+    if run.path == "graph greedy":  # validated as the production runs are
+        g, window = time_greedy(model, prompts, max_new, page_size=run.page_size, eos=eos,
+                                capture_bs=capture_sizes(len(prompts)), validate=True)
+        tokens = g.tokens
+        bar.add(sum(map(len, tokens)))
+    elif run.path == "greedy":
         tokens = []
         for p, m in zip(prompts, max_new):
             tokens.append(greedy(model, p, m, eos).tokens)
@@ -157,9 +168,10 @@ def execute_run(model, run: DemoRun, prompts, max_new, *, draft, num_steps, eos=
     elif run.path == "oracle tree":
         res = generate(model, prompts, backend="oracle", **kw)
         bar.add(sum(map(len, res.tokens)))
-    else:  # production, production tree
-        res = generate(model, prompts, backend="fa3", page_size=run.page_size, graphs=True, observer=observer,
-                       capture_bs=capture_sizes(len(prompts)), **kw)
+    else:  # production, production tree: the bar and the KV audit run with the window's clock paused
+        res, window = time_spec(model, prompts, max_new, instrument=observer, page_size=run.page_size, graphs=True,
+                                capture_bs=capture_sizes(len(prompts)),
+                                **{k: v for k, v in kw.items() if k != "max_new_tokens"})
     seconds = time.perf_counter() - t
     bar.finish_run(sum(max_new))
-    return RunOutcome(run, tokens if res is None else res.tokens, res, seconds, audited[0])
+    return RunOutcome(run, tokens if res is None else res.tokens, res, seconds, audited[0], window)

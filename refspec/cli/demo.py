@@ -5,7 +5,9 @@ One batch of ChatML-formatted MT-Bench first turns (default 4, round-robin over 
 with its own ``max_new_tokens`` and EOS ``<|im_end|>`` so requests leave at different rounds, is
 decoded by
 
-1. plain greedy decoding (the baseline, :func:`refspec.oracle.loop.greedy`, dense KV);
+1. plain greedy decoding (the baseline, :func:`refspec.oracle.loop.greedy`, dense KV), and graph
+   greedy (:func:`~refspec.speculative.greedy.production_greedy`: the production path's greedy,
+   the speed baseline);
 2. the oracle speculative loop, v1 and v2 (dense, one request at a time);
 3. the production loop (:func:`refspec.speculative.generate`, ``backend="fa3"``): paged KV, the FA3
    wing with CUDA graphs -- the real kernel and ``torch.cuda.CUDAGraph`` on Hopper, the contract
@@ -15,15 +17,17 @@ decoded by
 The draft is the trained EAGLE head that ships with refspec (:mod:`refspec.real.eagle_head`:
 one decoder layer over the target's embedding and hidden states, real rejections), Sd = 3;
 ``--draft early-exit:K`` drafts with the model's own first K of 30 layers instead.  Printed: a
-progress bar, the table (page size, batch, version, accept length, tokens/s, spec == greedy?,
-production == oracle?), one answer in full.  On a CPU
-speculation buys no speed (see the README); the table shows acceptance and exactness.  Exit
-status 1 if any check fails.
+progress bar, the table (page size, batch, version, accept length, tokens/s, x graph greedy,
+spec == greedy?, production == oracle?), one answer in full.  The graph-greedy and production
+rows' tokens/s and their "x graph greedy" are the bench's (:mod:`refspec.cli._timing`: over the
+decode window, prefill, capture and the bar / KV audit excluded); the greedy and oracle rows'
+tokens/s are over their whole run.  On a CPU speculation buys no speed (see the README); the
+table shows acceptance and exactness.  Exit status 1 if any check fails.
 
 The runs are independent (:mod:`refspec.cli._demo_runs`); on a CPU they run in ``--jobs``
 worker processes (default min(2, cores), :mod:`refspec.cli._demo_pool`), two at a time with one
 core each on a 2-core machine, and are compared once all are back.  A row's tokens/s is that
-run's own tokens over its own wall time, as in a serial run (``--jobs 1``): running beside
+run's own tokens over its own time, as in a serial run (``--jobs 1``): running beside
 another single-threaded run on the other core does not slow it down.
 
 ``--bug NAME`` (e.g. ``seed-page-table``) runs :mod:`refspec.cli._demo_bug` instead.
@@ -41,17 +45,20 @@ from dataclasses import dataclass
 from refspec.cli._args import (PROG, ArgumentParser, budget_spec, choice_list, device_name, real_workload,
                                draft_spec, int_list, positive_int, run)
 from refspec.cli._demo_runs import RunOutcome, execute_run, longest_first, plan_runs
+from refspec.cli import _timing
 from refspec.fa3.kernel import select_provider
 from refspec.core.invariants import InvariantError
 from refspec.real.run import (DEFAULT_DRAFT, DEFAULT_NUM_STEPS, TokenBar, capture_sizes, set_threads)
 
-HEADER = ("path", "page size", "batch", "version", "accept length", "tokens/s", "spec == greedy?",
-          "production == oracle?")
+HEADER = ("path", "page size", "batch", "version", "accept length", "tokens/s", "x graph greedy",
+          "spec == greedy?", "production == oracle?")
 
 
 @dataclass
 class Row:
-    """One line of the table; ``spec_eq_greedy`` / ``prod_eq_oracle`` None where not applicable."""
+    """One line of the table; ``spec_eq_greedy`` / ``prod_eq_oracle`` / ``x_graph`` None where not
+    applicable.  ``tokens`` / ``seconds``: the decode window's where the run has one
+    (:attr:`~refspec.cli._demo_runs.RunOutcome.timed`), else the whole run's."""
 
     path: str
     page_size: int | None
@@ -62,11 +69,13 @@ class Row:
     seconds: float
     spec_eq_greedy: bool | None = None
     prod_eq_oracle: bool | None = None
+    x_graph: float | None = None  #: :func:`~refspec.cli._timing.speedup` over the graph-greedy run
 
     def cells(self) -> list[str]:
         yn = lambda b, na: na if b is None else ("yes" if b else "NO")
         return [self.path, "-" if self.page_size is None else str(self.page_size), str(self.batch),
                 self.version or "-", f"{self.accept_length:.2f}", f"{self.tokens / self.seconds:.1f}",
+                "-" if self.x_graph is None else f"{self.x_graph:.2f}",
                 yn(self.spec_eq_greedy, "(baseline)"), yn(self.prod_eq_oracle, "-")]
 
 
@@ -94,12 +103,13 @@ def format_table(rows: list[Row]) -> str:
 def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v2"), draft=DEFAULT_DRAFT,
                num_steps=DEFAULT_NUM_STEPS, eos=None, bar: TokenBar | None = None, topk: int = 1,
                num_draft_tokens: int | None = None, jobs: int = 1, threads: int = 1) -> DemoResult:
-    """Greedy, the oracle loop per version, the production loop per (page size, version).
+    """Greedy, graph greedy, the oracle loop per version, the production loop per (page size, version).
 
-    Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s counts
-    completion tokens over each run's wall time (prefill and graph capture included, as
-    ``send_one.py``'s "Speed").  ``topk`` > 1 adds the EAGLE tree (N = ``num_draft_tokens``), per
-    version: the oracle tree loop and the production tree loop per page size (docs/spec/tree.md).
+    Shapes: ``prompts`` B lists of token ids; ``max_new`` B budgets (tokens).  tokens/s: the
+    decode window of :mod:`refspec.cli._timing` for graph greedy and the production runs (the
+    bench's timing), each run's whole wall time for greedy and the oracle loops.  ``topk`` > 1
+    adds the EAGLE tree (N = ``num_draft_tokens``), per version: the oracle tree loop and the
+    production tree loop per page size (docs/spec/tree.md).
     The runs are independent (:mod:`refspec.cli._demo_runs`): ``jobs`` = 1 runs them here, one
     after the other; ``jobs`` > 1 in that many worker processes of ``threads`` torch threads each
     (:mod:`refspec.cli._demo_pool`; the model's tensors move to shared memory).  Either way the
@@ -121,14 +131,20 @@ def run_matrix(model, prompts, max_new, *, page_sizes=(1, 4), versions=("v1", "v
 
 def compare_runs(done: list[RunOutcome]) -> DemoResult:
     """The table from the runs' outcomes (table order, greedy first): spec == greedy for every
-    speculative row; production == oracle (same tokens, same accept count every round) against
-    the oracle run of the same version and tree shape; KV-006 for every production run."""
+    speculative row (and graph greedy); production == oracle (same tokens, same accept count every
+    round) against the oracle run of the same version and tree shape; x graph greedy
+    (:func:`~refspec.cli._timing.speedup` of the decode windows) for every production row;
+    KV-006 for every production run."""
     base = done[0].tokens
     oracle = {o.run.table_version: o.result for o in done if o.run.path.startswith("oracle")}
+    graph = next((o.timed for o in done if o.run.path == "graph greedy"), None)
     rows, outputs = [], {}
     for o in done:
         r, B = o.run, len(o.tokens)
-        row = Row(r.path, r.page_size, B, r.table_version, o.accept_length, sum(map(len, o.tokens)), o.seconds)
+        tokens, seconds = (o.timed.tokens, o.timed.seconds) if o.timed else (sum(map(len, o.tokens)), o.seconds)
+        row = Row(r.path, r.page_size, B, r.table_version, o.accept_length, tokens, seconds)
+        if o.timed is not None and graph is not None:
+            row.x_graph = _timing.speedup(o.timed, graph)
         if r.path != "greedy":
             row.spec_eq_greedy = o.tokens == base
         if r.path.startswith("production"):
@@ -188,8 +204,9 @@ def _main(argv) -> int:
     ap.add_argument("--versions", type=choice_list(["v1", "v2"], "versions"), default=["v1", "v2"],
                     metavar="V[,V...]", help="speculative-decoding versions, comma-separated (default v1,v2)")
     ap.add_argument("--draft", type=draft_spec, metavar="SPEC", default=DEFAULT_DRAFT,
-                    help="the draft: eagle (default: the trained head, refspec/real/heads) or early-exit:K "
-                         "(the target's first K of 30 layers)")
+                    help="the draft: eagle (default: the trained head, refspec/real/heads), eagle3:PATH (an EAGLE-3 "
+                         "head trained by train-draft --kind eagle3) or early-exit:K (the target's first K of 30 "
+                         "layers)")
     ap.add_argument("--num-steps", type=positive_int(), metavar="SD", default=DEFAULT_NUM_STEPS,
                     help="draft steps per round, Sd (default 3)")
     ap.add_argument("--topk", type=positive_int(), metavar="K", default=1,
@@ -243,7 +260,9 @@ def _main(argv) -> int:
     bar.close()
     print()
     print(format_table(res.rows))
-    print(f"\nKV accounting audited after each of {res.rounds_audited} production rounds (PA-001, KV-002, "
+    print("\ntokens/s of graph greedy and production: after the prefill, capture, progress bar and KV audit "
+          "excluded, the bench's timing (refspec.cli._timing); greedy and oracle loop: their whole run.")
+    print(f"KV accounting audited after each of {res.rounds_audited} production rounds (PA-001, KV-002, "
           f"KV-004/005, SD-008); every page freed at the end (KV-006): {'yes' if res.kv_ok else 'NO'}; "
           f"FA3 metadata validated before every kernel call.")
     for line in tree_round_lines(res.outputs):

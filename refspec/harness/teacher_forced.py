@@ -45,6 +45,7 @@ import torch
 from einops import einsum, repeat
 
 from refspec.core.args import tree_args
+from refspec.model.drafts import aux_layers
 from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
 from refspec.oracle.tree import Acceptance, Candidates, Tree, build_tree, expand, greedy_accept, root_children, select
 
@@ -104,7 +105,7 @@ def _extend(target, draft, text: Sequence[int], first: int, num_steps: int):
     ids = torch.tensor(list(text), dtype=torch.long, device=dev)
     c = target.config
     tkv = DenseKV(c.num_hidden_layers, T, c.num_key_value_heads, c.head_dim, dtype=p.dtype, device=dev)
-    _, h = target(ids[:T - 1], DenseBatch.span(0, T - 1, dev), DenseBackend(tkv))
+    _, h = target(ids[:T - 1], DenseBatch.span(0, T - 1, dev), DenseBackend(tkv), aux=aux_layers(draft))
     dkv = DenseKV(draft.num_layers, T, draft.num_kv_heads, draft.head_dim, dtype=p.dtype, device=dev)
     use_h = draft.uses_hidden
     logits, g = draft.forward(ids[1:T], h if use_h else None, DenseBatch.span(0, T - 1, dev), DenseBackend(dkv))

@@ -1,8 +1,10 @@
-"""Draft models: what runs the draft forwards (EAGLE head, early-exit self-draft, small LM).
+"""Draft models: what runs the draft forwards (EAGLE head, EAGLE-3 head, early-exit self-draft, small LM).
 
 Every draft has one interface, used identically by the oracle loop and the production loop::
 
-    logits [T, V], hidden_out [T, E] | None = draft.forward(input_ids [T], hidden [T, E] | None, fb, backend)
+    logits [T, V], hidden_out [T, E] | None = draft.forward(input_ids [T], hidden [T, W] | None, fb, backend)
+
+(W = E, or for EAGLE-3's draft prefill / extend the width of the target's aux states, below)
 
 with its own KV pool of ``draft.num_layers`` layers (``num_kv_heads``, ``head_dim``).  The
 EAGLE position rule (SD-007, :mod:`refspec.speculative.engine`) applies to all of them: draft KV index
@@ -18,9 +20,20 @@ p consumes token t_(p+1) (and, for EAGLE, the target hidden h_p).
   an upstream EAGLE checkpoint does not load into it as is.  In draft extend ``hidden`` is the target's
   hidden at the same row; in draft decode step s it is the draft's own ``hidden_out`` of the
   previous step (or of the kept draft-extend row for step 0).
+* :class:`Eagle3Draft`: EAGLE-3's head (SGLang's ``LlamaForCausalLMEagle3``): it reads the
+  target's hidden states at several depths (``aux_layers``, low / middle / high), concatenated
+  and projected by ``fc``, and its own hidden when drafting.
 * :class:`EarlyExitDraft`: the first k target layers + the target's final norm and head
   (LayerSkip-style self-speculation); ignores ``hidden``.  Its KV pool has k layers.
 * :class:`LMDraft`: any :class:`~refspec.model.llama.LlamaModel` with the target's vocabulary.
+
+**What the target hands a draft.**  ``uses_hidden`` says whether a draft reads a hidden state at
+all; ``aux_layers`` (:func:`aux_layers`) which one: None = the target's last hidden ``[T, E]``
+(EAGLE), a tuple = those hidden states concatenated ``[T, len * E]`` (EAGLE-3; the loops pass it
+to the target's forward as ``aux``).  A draft's own ``hidden_out`` is always ``[T, E]``.
+
+:func:`make_draft` builds a draft from a name through :data:`DRAFT_KINDS` (name -> builder), so
+a new kind is one entry there.
 """
 
 from __future__ import annotations
@@ -28,7 +41,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from refspec.model.llama import LlamaConfig, LlamaDecoderLayer, LlamaModel, RMSNorm, init_random_
+from collections.abc import Callable
+
+from refspec.model.llama import LlamaConfig, LlamaDecoderLayer, LlamaModel, RMSNorm, check_aux, init_random_
 
 
 class EagleDraft(nn.Module):
@@ -40,6 +55,7 @@ class EagleDraft(nn.Module):
     """
 
     uses_hidden = True
+    aux_layers = None  #: reads the target's last hidden
 
     def __init__(self, target: LlamaModel, seed: int = 1):
         super().__init__()
@@ -62,10 +78,98 @@ class EagleDraft(nn.Module):
         return nn.functional.linear(self.norm(h), t.lm_head_weight), h
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high hidden states for a target of ``num_layers`` L layers:
+    upstream's ``[2, L // 2, L - 3]`` (``set_eagle3_layers_to_capture``,
+    `models/llama.py@v0.5.12.post1 L805 <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/models/llama.py#L805>`_;
+    (2, 15, 27) for SmolLM2-135M's 30) when those are three distinct indices (L >= 7); for a
+    shallower target (the 2-layer test model) the embeddings, the middle and the last output,
+    ``(0, L // 2, L)`` without repeats, so there are always at least two."""
+    L = num_layers
+    if 2 < L // 2 < L - 3:
+        return (2, L // 2, L - 3)
+    return tuple(sorted({0, L // 2, L}))
+
+
+class Eagle3DecoderLayer(LlamaDecoderLayer):
+    """EAGLE-3's one decoder layer: attention over ``[input_layernorm(embed); hidden_norm(h)]``
+    (q / k / v projections from 2E), the residual stream ``h``, then the Llama MLP.
+
+    Shapes: ``embeds, h [T, E]`` -> ``[T, E]`` (pre-norm).  Upstream: the input layer of
+    ``llama_eagle3.LlamaDecoderLayer``
+    (`models/llama_eagle3.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/llama_eagle3.py#L46>`_).
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__(cfg, layer_id=0)
+        E, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        a = self.self_attn
+        a.q_proj = nn.Linear(2 * E, H * D, bias=False)
+        a.k_proj = nn.Linear(2 * E, Hkv * D, bias=False)
+        a.v_proj = nn.Linear(2 * E, Hkv * D, bias=False)
+        self.hidden_norm = RMSNorm(E, cfg.rms_norm_eps)
+
+    def forward(self, embeds, h, cos, sin, fb, backend):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
+        h = h + self.self_attn(x, cos, sin, fb, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 draft head over ``aux_layers`` of the target (random init unless trained weights are loaded).
+
+    ``forward(input_ids, hidden, fb, backend)``: ``hidden`` is either the target's aux hidden
+    states ``[T, len(aux_layers) * E]`` (draft prefill and draft extend; projected to E by ``fc``)
+    or the draft's own ``hidden_out`` ``[T, E]`` (draft decode), told apart by width as upstream
+    does (``hidden_states.shape[-1] != embeds.shape[-1]``, ``llama_eagle3.LlamaModel.forward``,
+    `L237 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/llama_eagle3.py#L237>`_).
+    Then :class:`Eagle3DecoderLayer`, RMSNorm and the LM head.  Returns ``logits [T, V]`` and
+    ``hidden_out [T, E]`` (the layer's pre-norm output, upstream's ``hidden_states_to_aux``).
+
+    Differences from upstream, as for :class:`EagleDraft`: the LM head is the target's (tied,
+    shared), where EAGLE-3 trains its own over a reduced draft vocabulary (``d2t``); ``fc`` has
+    no bias (upstream's default); no ``fc_norm`` / ``norm_before_fc`` options.
+
+    Args: ``aux_layers``: strictly increasing hidden-state indices of the target, at least two
+    (i = the input of decoder layer i; default :func:`default_aux_layers`).
+    Raises ValueError for fewer than two or a bad index.
+    """
+
+    uses_hidden = True
+
+    def __init__(self, target: LlamaModel, aux_layers: tuple[int, ...] | None = None, seed: int = 1):
+        super().__init__()
+        cfg: LlamaConfig = target.config
+        layers = default_aux_layers(cfg.num_hidden_layers) if aux_layers is None else aux_layers
+        self.aux_layers = check_aux(layers, cfg.num_hidden_layers)
+        if len(self.aux_layers) < 2:  # one state of width E could not be told from the draft's own
+            raise ValueError(f"EAGLE-3 reads at least two target hidden states, got aux_layers={self.aux_layers}")
+        self._target = [target]
+        E = cfg.hidden_size
+        self.fc = nn.Linear(len(self.aux_layers) * E, E, bias=False)
+        self.layer = Eagle3DecoderLayer(cfg)
+        self.norm = RMSNorm(E, cfg.rms_norm_eps)
+        init_random_(self, seed=seed)
+        p = next(target.parameters())
+        self.to(device=p.device, dtype=p.dtype)
+        self.num_layers, self.num_kv_heads, self.head_dim = 1, cfg.num_key_value_heads, cfg.head_dim
+        self.hidden_size = E
+
+    def forward(self, input_ids, hidden, fb, backend):
+        t = self._target[0]
+        embeds = t.model.embed_tokens(input_ids)
+        if hidden.shape[-1] != embeds.shape[-1]:  # the target's aux states (extend), not the draft's own (decode)
+            hidden = self.fc(hidden)
+        cos, sin = t.rope(fb.positions, hidden.dtype)
+        h = self.layer(embeds, hidden, cos, sin, fb, backend)
+        return nn.functional.linear(self.norm(h), t.lm_head_weight), h
+
+
 class EarlyExitDraft:
     """The first ``k`` layers of the target, then its final norm and head (ignores ``hidden``)."""
 
     uses_hidden = False
+    aux_layers = None
 
     def __init__(self, target: LlamaModel, k: int = 1):
         cfg = target.config
@@ -83,6 +187,7 @@ class LMDraft:
     """A separate small language model as the draft (same vocabulary; ignores ``hidden``)."""
 
     uses_hidden = False
+    aux_layers = None
 
     def __init__(self, lm: LlamaModel):
         cfg = lm.config
@@ -94,24 +199,61 @@ class LMDraft:
         return self.lm.forward(input_ids, fb, backend)
 
 
+def aux_layers(draft) -> tuple[int, ...] | None:
+    """The target hidden states ``draft`` reads (module doc): its ``aux_layers`` (EAGLE-3), or None
+    for the target's last hidden (EAGLE; also a draft object without the attribute)."""
+    return getattr(draft, "aux_layers", None) if draft.uses_hidden else None
+
+
+def target_hidden_size(draft, target: LlamaModel) -> int:
+    """Width of the target hidden a draft's extend reads: ``len(aux_layers) * E``, else E."""
+    aux = aux_layers(draft)
+    return target.config.hidden_size * (len(aux) if aux else 1)
+
+
+def _eagle(target, arg: str, seed: int):
+    if arg:
+        raise ValueError(f"draft 'eagle:{arg}': eagle takes no argument (a trained head: refspec.real.eagle_head)")
+    return EagleDraft(target, seed=seed)
+
+
+def _eagle3(target, arg: str, seed: int):
+    if arg:
+        raise ValueError(f"draft 'eagle3:{arg}': a random-init eagle3 takes no argument; a trained head file "
+                         f"(eagle3:PATH) is loaded by refspec.real.eagle_head.real_draft")
+    return Eagle3Draft(target, seed=seed)
+
+
+def _early_exit(target, arg: str, seed: int):
+    if not (arg == "" or (arg.isascii() and arg.isdigit())):
+        raise ValueError(f"draft 'early-exit:{arg}': early-exit:k needs an int k (layers of the target)")
+    return EarlyExitDraft(target, int(arg or 1))
+
+
+#: draft kinds by name: ``name -> builder(target, arg, seed)`` for the spec ``"name"`` / ``"name:arg"``
+DRAFT_KINDS: dict[str, Callable[[LlamaModel, str, int], object]] = {
+    "eagle": _eagle,
+    "eagle3": _eagle3,
+    "early-exit": _early_exit,
+}
+
+
 def make_draft(spec, target: LlamaModel, seed: int = 1):
-    """A draft from a spec: ``"eagle"``, ``"early-exit"`` / ``"early-exit:k"`` (default k = 1),
-    a :class:`LlamaModel` (small-LM draft), or an object that already has the draft interface."""
+    """A draft from a spec: a name of :data:`DRAFT_KINDS` (``"eagle"``, ``"eagle3"``,
+    ``"early-exit"`` / ``"early-exit:k"``, default k = 1), a :class:`LlamaModel` (small-LM
+    draft), or an object that already has the draft interface.  Raises ValueError naming the
+    spec otherwise."""
     if isinstance(spec, str):
         name, _, arg = spec.partition(":")
-        if name == "eagle":
-            return EagleDraft(target, seed=seed)
-        if name == "early-exit":
-            if not (arg == "" or (arg.isascii() and arg.isdigit())):
-                raise ValueError(f"draft {spec!r}: early-exit:k needs an int k (layers of the target)")
-            return EarlyExitDraft(target, int(arg or 1))
-        raise ValueError(f"unknown draft {spec!r} (eagle, early-exit[:k], or a model)")
+        if name not in DRAFT_KINDS:
+            raise ValueError(f"unknown draft {spec!r} ({', '.join(DRAFT_KINDS)}, or a model)")
+        return DRAFT_KINDS[name](target, arg, seed)
     if isinstance(spec, LlamaModel):
         if spec.config.vocab_size != target.config.vocab_size:
             raise ValueError("a small-LM draft must share the target's vocabulary")
         return LMDraft(spec)
     if not (callable(getattr(spec, "forward", None)) and all(hasattr(spec, a) for a in
                                                              ("num_layers", "num_kv_heads", "head_dim"))):
-        raise ValueError(f"draft must be 'eagle', 'early-exit[:k]', a LlamaModel or a draft object (forward, "
-                         f"num_layers, num_kv_heads, head_dim), got {type(spec).__name__} {spec!r}")
+        raise ValueError(f"draft must be one of {', '.join(DRAFT_KINDS)}, a LlamaModel or a draft object "
+                         f"(forward, num_layers, num_kv_heads, head_dim), got {type(spec).__name__} {spec!r}")
     return spec

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from refspec.model.llama import LlamaModel
+from refspec.model.llama import LlamaModel, capture_states, check_aux
 
 
 #: inductor options of the compiled regions.  ``pattern_matcher`` off: inductor's post-grad
@@ -146,13 +146,19 @@ class FusedLlama(LlamaModel):
         """Final norm + LM head, compiled: ``[T, E]`` -> ``[T, V]``."""
         return self._head(hidden, self.model.norm.weight, self.lm_head_weight)
 
-    def forward(self, input_ids, fb, backend, num_layers: int | None = None):
-        """As :meth:`LlamaModel.forward` (``num_layers`` k: the first k layers, an early-exit draft)."""
+    def forward(self, input_ids, fb, backend, num_layers: int | None = None, aux: tuple[int, ...] | None = None):
+        """As :meth:`LlamaModel.forward` (``num_layers`` k: the first k layers, an early-exit draft;
+        ``aux``: the concatenated hidden states an EAGLE-3 draft reads, :func:`~refspec.model.llama.capture_states`)."""
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        if aux is not None:
+            check_aux(aux, len(layers))
+        states = []
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(fb.positions, h.dtype)
         q, kv = self._pre(h, layers[0].input_layernorm.weight, self.wqkv[0], cos, sin)
         for i, lay in enumerate(layers):
+            if aux is not None and i in aux:
+                states.append(h)
             o = backend.forward(q, kv[0], kv[1], lay.self_attn.layer, fb)
             w = (h, o, lay.self_attn.o_proj.weight, lay.post_attention_layernorm.weight, self.wgu[i],
                  lay.mlp.down_proj.weight)
@@ -160,4 +166,4 @@ class FusedLlama(LlamaModel):
                 h, q, kv = self._post_pre(*w, layers[i + 1].input_layernorm.weight, self.wqkv[i + 1], cos, sin)
             else:
                 h = self._post(*w)
-        return self.logits(h), h
+        return self.logits(h), (h if aux is None else capture_states(states, h, aux, len(layers)))

@@ -189,18 +189,59 @@ class LlamaModel(nn.Module):
             h = layer(h, cos, sin, fb, backend)
         return h
 
-    def forward(self, input_ids, fb, backend, num_layers: int | None = None):
+    def forward(self, input_ids, fb, backend, num_layers: int | None = None, aux: tuple[int, ...] | None = None):
         """One forward over the batch ``fb``.
 
         Shapes: ``input_ids [T]`` int64 (request-major, as ``fb.out_cache_loc``);
         returns ``logits [T, V]`` and ``hidden [T, E]`` (the last run layer's output *before*
-        the final norm: what an EAGLE draft consumes).
+        the final norm: what an EAGLE draft consumes), or with ``aux`` ``[T, len(aux) * E]``.
         Args: ``num_layers`` k runs only the first k layers, then the final norm and head (an
-        early-exit self-draft; its KV pool then has k layers).
+        early-exit self-draft; its KV pool then has k layers).  ``aux``: strictly increasing
+        hidden-state indices i in ``0..k`` whose states are returned concatenated instead
+        (:func:`capture_states`; an EAGLE-3 draft's input, :class:`~refspec.model.drafts.Eagle3Draft`).
         """
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        h = self.run_layers(self.model.embed_tokens(input_ids), fb, backend, layers)
-        return self.logits(h), h
+        h = self.model.embed_tokens(input_ids)
+        if aux is None:
+            h = self.run_layers(h, fb, backend, layers)
+            return self.logits(h), h
+        check_aux(aux, len(layers))
+        cos, sin = self.rope(fb.positions, h.dtype)
+        states = []
+        for i, layer in enumerate(layers):
+            if i in aux:
+                states.append(h)
+            h = layer(h, cos, sin, fb, backend)
+        return self.logits(h), capture_states(states, h, aux, len(layers))
+
+
+def check_aux(aux, num_layers: int) -> tuple[int, ...]:
+    """``aux`` as a tuple; ValueError unless it is a non-empty, strictly increasing sequence of
+    hidden-state indices in ``0..num_layers`` (the order the states are concatenated in)."""
+    aux = tuple(aux)
+    if not aux or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux) \
+            or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 0 or aux[-1] > num_layers:
+        raise ValueError(f"aux hidden states {aux!r}: need strictly increasing indices in 0..{num_layers} "
+                         f"(i = the input of decoder layer i; {num_layers} = the last layer's output)")
+    return aux
+
+
+def capture_states(states: list[torch.Tensor], last: torch.Tensor, aux: tuple[int, ...],
+                   num_layers: int) -> torch.Tensor:
+    """The aux hidden states concatenated on the last dim, ``[T, len(aux) * E]``.
+
+    Hidden-state index i is the residual stream entering decoder layer i (0 = the embeddings),
+    HuggingFace's ``hidden_states[i]``; ``num_layers`` is the last layer's output (pre-norm).
+    ``states``: the inputs of the layers whose index is in ``aux``, in order; ``last``: the last
+    layer's output.  Upstream captures ``hidden_states + residual`` before layer i for every i in
+    ``layers_to_capture``, default ``[2, L // 2, L - 3]``
+    (``LlamaModel.forward``,
+    `models/llama.py@v0.5.12.post1 L394 <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/models/llama.py#L394>`_;
+    ``set_eagle3_layers_to_capture``, `L798 <https://github.com/sgl-project/sglang/blob/v0.5.12.post1/python/sglang/srt/models/llama.py#L798>`_).
+    """
+    if aux[-1] == num_layers:
+        states = [*states, last]
+    return torch.cat(states, dim=-1)
 
 
 def init_random_(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module:

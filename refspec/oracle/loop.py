@@ -129,10 +129,13 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     tkv = _target_backend(target, max_len)
     dkv = _backend(draft.num_layers, max_len, draft.num_kv_heads, draft.head_dim, next(target.parameters()))
     use_h = draft.uses_hidden
+    # the target hidden states the draft reads: None = the last (EAGLE), else EAGLE-3's layers
+    # (the oracle reads the attribute itself: it imports nothing above the core)
+    aux = getattr(draft, "aux_layers", None) if draft.uses_hidden else None
 
     # prefill: target KV 0..p-1 on t_0..t_(p-1); its last row gives t_p (emitted)
     p = L = len(prompt)
-    logits, h = target(_ids(prompt, dev), DenseBatch.span(0, p, dev), tkv)
+    logits, h = target(_ids(prompt, dev), DenseBatch.span(0, p, dev), tkv, aux=aux)
     tokens = list(prompt) + [int(logits[-1].argmax())]  # t_0..t_L, t_L = the root
     res = OracleSpecResult(tokens=[])
     _, done = _emit(res.tokens, tokens[-1:], max_new_tokens, eos)
@@ -151,7 +154,7 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
             hid = hid[0]
             drafts.append(forced[s + 1] if forced else int(dl[0].argmax()))
         # 2. verify
-        vl, vh = target(_ids([tokens[L]] + drafts, dev), DenseBatch.span(L, N, dev), tkv)
+        vl, vh = target(_ids([tokens[L]] + drafts, dev), DenseBatch.span(L, N, dev), tkv, aux=aux)
         pred = vl.argmax(-1).tolist()
         # 3. accept
         n = 0

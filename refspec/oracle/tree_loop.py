@@ -175,13 +175,16 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
     dkv = SlotKV(draft.num_layers, max_len + k * Sd, draft.num_kv_heads, draft.head_dim, like.dtype, dev)
     tbe, dbe = SlotBackend(tkv), SlotBackend(dkv)
     use_h = draft.uses_hidden
+    # the target hidden states the draft reads: None = the last (EAGLE), else EAGLE-3's layers
+    # (the oracle reads the attribute itself: it imports nothing above the core)
+    aux = getattr(draft, "aux_layers", None) if draft.uses_hidden else None
 
     def ids(xs):
         return torch.as_tensor(xs, dtype=torch.long, device=dev)
 
     # prefill: target KV 0..p-1; its last row gives t_p (emitted, the first root)
     p = L = len(prompt)
-    logits, h = target(ids(prompt), SlotBatch.causal(0, p, dev), tbe)
+    logits, h = target(ids(prompt), SlotBatch.causal(0, p, dev), tbe, aux=aux)
     tokens = list(prompt) + [int(logits[-1].argmax())]
     res = TreeSpecResult(tokens=[])
     _, done = _emit(res.tokens, tokens[-1:], max_new_tokens, eos)
@@ -211,7 +214,7 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
         # 3. verify: node i at slot L + i, position L + depth(i), keys prefix + ancestors + self
         node_slots = [L + i for i in range(N)]
         fb = SlotBatch(ids(tree.positions), node_slots, verify_key_slots(tree, prefix, node_slots))
-        vl, vh = target(ids(tree.tokens), fb, tbe)
+        vl, vh = target(ids(tree.tokens), fb, tbe, aux=aux)
         predict = vl.argmax(-1).tolist()
         acc = greedy_accept(tree, predict)
         # 4. commit the path (TR-007): target KV to L..L+a-1, then the draft extend

@@ -13,7 +13,9 @@ MT-Bench, the evaluation set, is never used for training.
   tokens cut into consecutive rows of ``row_len`` tokens (a last piece shorter than
   ``min_len`` is dropped; a shorter one is padded with ``<|endoftext|>`` and masked by
   :func:`row_lengths`);
-* :func:`save_rows` / :func:`load_rows`: an ``.npz`` file (rows, lengths, source and version).
+* :func:`save_rows` / :func:`load_rows`: an ``.npz`` file (rows, lengths, source and version);
+* :func:`first_turn_prompts`: the conversations' first user turns, as prompts, read back out of
+  the rows (for :func:`refspec.real.draft_train.self_distilled_rows`: the target's own answers).
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -139,3 +141,30 @@ def load_rows(*paths: str | Path) -> tuple[np.ndarray, np.ndarray]:
     if len({r.shape[1] for r in rs}) > 1:
         raise ValueError(f"token-row files of different row lengths: {[r.shape[1] for r in rs]}")
     return np.concatenate(rs), np.concatenate(ls)
+
+
+def first_turn_prompts(rows: np.ndarray, lengths: np.ndarray, *, prefix: Sequence[int], turn_end: Sequence[int],
+                       cue: Sequence[int], limit: int | None = None) -> list[list[int]]:
+    """The first user turn of every conversation that starts a row, as a prompt.
+
+    A row starts a conversation when it begins with ``prefix`` (the system turn,
+    :func:`conversation_ids` of no turns); its first user turn ends at the first ``turn_end``
+    (``<|im_end|>\n``) after the prefix; the prompt is the row up to there plus ``cue``
+    (``<|im_start|>assistant\n``).  A turn that does not end inside its row is skipped.
+    Shapes: ``rows [R, T]``, ``lengths [R]`` (:func:`token_rows`) -> at most ``limit`` lists of ids,
+    in row order.
+    """
+    prefix, turn_end, cue = list(prefix), list(turn_end), list(cue)
+    p, e = len(prefix), len(turn_end)
+    out: list[list[int]] = []
+    for row, n in zip(rows, lengths):
+        if limit is not None and len(out) >= limit:
+            break
+        r = row[:n].tolist()
+        if r[:p] != prefix:
+            continue
+        for j in range(p, n - e + 1):
+            if r[j:j + e] == turn_end:
+                out.append(r[:j + e] + cue)
+                break
+    return out

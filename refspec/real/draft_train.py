@@ -1,13 +1,28 @@
 """Training an EAGLE head for SmolLM2-135M (``python -m refspec train-draft``).
 
-What is trained is :class:`refspec.model.drafts.EagleDraft` exactly as the speculative loops run
-it: ``fc`` over ``[embed(t_(j+1)); h_j]``, one Llama decoder layer, RMSNorm, the target's tied
-LM head (frozen, shared).  Data: ChatML token rows (:mod:`refspec.real.draft_data`).
+What is trained is the draft exactly as the speculative loops run it, of one of two kinds
+(``Recipe.kind``):
 
-1. **Features** (:func:`extract_features`): one target forward per batch of rows (bf16 on the
-   GPU, dense causal attention, :class:`RowsBackend`); per position j the pre-norm last hidden
-   ``h_j`` and the target's greedy token ``y_j = argmax logits(h_j)`` (the token the target
-   would emit after ``t_0..t_j``: the label, never the text's own next token).
+* ``"eagle"`` (the committed head): :class:`refspec.model.drafts.EagleDraft`, ``fc`` over
+  ``[embed(t_(j+1)); h_j]``, one Llama decoder layer, RMSNorm, the target's tied LM head
+  (frozen, shared);
+* ``"eagle3"``: :class:`refspec.model.drafts.Eagle3Draft`, EAGLE-3's recipe adapted to
+  SmolLM2-135M: the target's hidden states at ``aux_layers`` (low / middle / high, default
+  (2, 15, 27)) concatenated and projected by ``fc``, attention over ``[embed; hidden]``, the
+  same tied head; trained with EAGLE-3's training-time test (item 2, step weights ``0.8^s``) and
+  no feature regression (its hidden is no longer a target feature).
+
+Data: ChatML token rows (:mod:`refspec.real.draft_data`), optionally the target's own greedy
+answers (:func:`self_distilled_rows`).
+
+1. **Features** (:func:`extract_features`, :class:`Features`): one target forward per batch of
+   rows (bf16 on the GPU, dense causal attention, :class:`RowsBackend`); per position j the
+   pre-norm last hidden ``h_j`` (``"eagle3"``: the concatenated aux hidden states) and the
+   target's greedy token ``y_j = argmax logits(h_j)`` (the token the target would emit after
+   ``t_0..t_j``: the label, never the text's own next token).  ``"eagle"`` extracts them for
+   every row once; ``"eagle3"`` runs the target inside each training step (online, as
+   SpecForge's online mode), because three states per token do not fit on one GPU for the
+   whole set (62,816 rows x 512 x 3 x 576 x 2 bytes = 111 GB in bf16).
 2. **Training with the draft's own hidden** (:func:`draft_losses`, "training-time test"):
    step 0 at draft KV index j reads ``(t_(j+1), h_j)`` as draft extend does and is scored on
    ``y_(j+1)``.  Step s >= 1 at index j reads ``(t_(j+1), g^(s-1)_(j-1))``, the draft's own
@@ -16,11 +31,17 @@ LM head (frozen, shared).  Data: ChatML token rows (:mod:`refspec.real.draft_dat
    ``j - r`` (r < s) from step ``s - r``.  Loss: sum over steps of ``w_s`` x cross-entropy on
    ``y_(j+1)``, plus ``hidden_weight`` x smooth-L1 between RMS-normalised ``g^0_j`` and
    ``h_(j+1)`` (SmolLM2's residual stream has outlier dimensions that an unnormalised
-   regression lets dominate the loss).
+   regression lets dominate the loss).  This is EAGLE-3's training-time test (the draft fed
+   its own outputs for several steps, ``Model.forward`` in
+   `eagle/traineagle3/cnets.py <https://github.com/SafeAILab/EAGLE/blob/9666a8182d9bed8b5b637fd4a126c90d9b9c3db2/eagle/traineagle3/cnets.py>`_,
+   step weights ``0.8^s`` in its ``main.py``), with each step's keys exactly those of the decode
+   step it stands for (EAGLE-3 keeps every step of a chain in one column, at one position).
 3. **Evaluation** (:func:`evaluate`): teacher-forced top-1 agreement per step on held-out rows.
 4. **Output** (:func:`save_head`): the head's parameters as bf16 safetensors, its SHA-256, and a
-   JSON card (data, recipe, steps, seed, metrics, commit, time).  Checkpoints
-   (:func:`save_checkpoint`) let a run stop at a time bound and resume.
+   JSON card (data, recipe, steps, seed, metrics, commit, time); the file's metadata names the
+   kind and the aux layers (:func:`refspec.real.eagle_head.load_head` reads them).  Checkpoints
+   (:func:`save_checkpoint`) let a run stop at a time bound and resume to the same result as
+   an uninterrupted run (bitwise on the CPU).
 
 How the recipe was chosen (measured, with numbers): ``docs/eagle-head.md``.
 
@@ -42,13 +63,22 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from refspec.model.drafts import EagleDraft
-from refspec.model.llama import LlamaModel
+from refspec.model.drafts import Eagle3Draft, EagleDraft, default_aux_layers
+from refspec.model.llama import LlamaModel, check_aux
+
+KINDS = ("eagle", "eagle3")  #: what :class:`Recipe` ``kind`` may be
 
 
 @dataclass
 class Recipe:
-    """Training settings (units: rows of ``row_len`` tokens, optimizer steps, seconds)."""
+    """Training settings (units: rows of ``row_len`` tokens, optimizer steps, seconds).
+
+    ``kind`` (module doc) sets the defaults of ``step_weights`` (``"eagle"``: 1, 0.8, 0.6;
+    ``"eagle3"``: ``0.8^s``, EAGLE-3's) and ``hidden_weight`` (0.1; ``"eagle3"``: 0, and nothing
+    else is accepted).  ``aux_layers`` (``"eagle3"`` only): the target's hidden-state indices,
+    default :func:`~refspec.model.drafts.default_aux_layers` of the target (filled in by
+    :func:`train`).  Raises ValueError naming the setting.
+    """
 
     steps: int = 3000  #: optimizer steps (the LR schedule's length)
     batch_rows: int = 48  #: rows per step
@@ -58,12 +88,29 @@ class Recipe:
     final_lr: float = 0.1
     clip: float = 1.0
     unroll: int = 3  #: draft steps trained (step 0 = draft extend, then unroll - 1 decode steps)
-    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6)
-    hidden_weight: float = 0.1
+    step_weights: tuple[float, ...] | None = None
+    hidden_weight: float | None = None
     heldout_rows: int = 256  #: rows kept out of training for :func:`evaluate`
     seed: int = 0
+    kind: str = "eagle"
+    aux_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        eagle3 = self.kind == "eagle3"
+        if self.step_weights is None:
+            self.step_weights = tuple(0.8 ** s for s in range(self.unroll)) if eagle3 else (1.0, 0.8, 0.6)
+        self.step_weights = tuple(float(w) for w in self.step_weights)
+        if self.hidden_weight is None:
+            self.hidden_weight = 0.0 if eagle3 else 0.1
+        if eagle3 and self.hidden_weight:
+            raise ValueError(f"hidden_weight must be 0 for kind eagle3 (EAGLE-3 regresses no feature), "
+                             f"got {self.hidden_weight}")
+        if self.aux_layers is not None:
+            if not eagle3:
+                raise ValueError(f"aux_layers is for kind eagle3, got kind {self.kind!r}")
+            self.aux_layers = tuple(self.aux_layers)
         if self.unroll < 1 or len(self.step_weights) < self.unroll:
             raise ValueError(f"unroll={self.unroll} needs that many step_weights, got {self.step_weights}")
         if self.steps < 1 or self.batch_rows < 1:
@@ -139,25 +186,51 @@ class UnrollBackend:
 
 # ------------------------------------------------------------------ features
 @torch.no_grad()
-def extract_features(target: LlamaModel, rows: torch.Tensor, batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's pre-norm last hidden and greedy token at every position of every row.
+def extract_features(target: LlamaModel, rows: torch.Tensor, batch: int = 64,
+                     aux: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's pre-norm last hidden (or its ``aux`` hidden states) and greedy token at every
+    position of every row.
 
-    Shapes: ``rows [R, T]`` int (token ids, on the target's device) -> ``hidden [R, T, E]`` in
-    the target's dtype, ``greedy [R, T]`` int32 (``greedy[r, j]`` = argmax of the logits after
-    ``rows[r, :j+1]``).  Padded positions get values too; the training masks them.
+    Shapes: ``rows [R, T]`` int (token ids, on the target's device) -> ``hidden [R, T, W]`` in
+    the target's dtype (W = E, or ``len(aux) * E``: the states ``aux`` concatenated, as the
+    loops hand them to an EAGLE-3 draft, :func:`~refspec.model.llama.capture_states`),
+    ``greedy [R, T]`` int32 (``greedy[r, j]`` = argmax of the logits after ``rows[r, :j+1]``).
+    Padded positions get values too; the training masks them.
     """
     R, T = rows.shape
-    E = target.config.hidden_size
+    W = target.config.hidden_size * (1 if aux is None else len(aux))
     dt = next(target.parameters()).dtype
-    hidden = torch.empty(R, T, E, dtype=dt, device=rows.device)
+    hidden = torch.empty(R, T, W, dtype=dt, device=rows.device)
     greedy = torch.empty(R, T, dtype=torch.int32, device=rows.device)
     for a in range(0, R, batch):
         ids = rows[a:a + batch].long()
         fb = RowsBatch(ids.shape[0], T, device=rows.device)
-        logits, h = target(ids.reshape(-1), fb, RowsBackend())
-        hidden[a:a + batch] = h.view(ids.shape[0], T, E)
+        logits, h = target(ids.reshape(-1), fb, RowsBackend(), aux=aux)
+        hidden[a:a + batch] = h.view(ids.shape[0], T, W)
         greedy[a:a + batch] = logits.argmax(-1).view(ids.shape[0], T).to(torch.int32)
     return hidden, greedy
+
+
+class Features:
+    """The target's features of the rows ``ids [R, T]`` (module doc, item 1): ``features(idx)``
+    -> ``(hidden [B, T, W], greedy [B, T])`` of rows ``idx [B]`` (int64, the rows' device).
+
+    ``online`` False: :func:`extract_features` over every row at construction, then indexed;
+    True: the target runs over the B rows at each call (no state kept, so a resumed run sees
+    the same features as an uninterrupted one).  ``aux``: the hidden states returned (None =
+    the last).
+    """
+
+    def __init__(self, target: LlamaModel, ids: torch.Tensor, *, aux=None, online: bool = False, batch: int = 64):
+        self.target, self.ids, self.aux, self.online, self.batch = target, ids, aux, online, batch
+        self.hidden = self.greedy = None
+        if not online:
+            self.hidden, self.greedy = extract_features(target, ids, batch=batch, aux=aux)
+
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.online:
+            return extract_features(self.target, self.ids[idx], batch=idx.numel(), aux=self.aux)
+        return self.hidden[idx], self.greedy[idx]
 
 
 # ------------------------------------------------------------------ the losses
@@ -227,9 +300,13 @@ def lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * (1.0 - (1.0 - recipe.final_lr) * min(1.0, frac))
 
 
-def new_head(target: LlamaModel, seed: int) -> EagleDraft:
-    """An :class:`EagleDraft` on the target's device with fp32 master weights."""
-    head = EagleDraft(target, seed=seed + 1)
+def new_head(target: LlamaModel, seed: int, recipe: Recipe | None = None) -> EagleDraft | Eagle3Draft:
+    """The head of ``recipe.kind`` (default ``"eagle"``: an :class:`EagleDraft`; ``"eagle3"``: an
+    :class:`Eagle3Draft` over ``recipe.aux_layers``) on the target's device with fp32 master weights."""
+    if recipe is not None and recipe.kind == "eagle3":
+        head = Eagle3Draft(target, aux_layers=recipe.aux_layers, seed=seed + 1)
+    else:
+        head = EagleDraft(target, seed=seed + 1)
     init = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # HF-style small init (init_random_'s gain-2 init is for stable random tokens)
         for _, p in head.named_parameters():
@@ -241,17 +318,19 @@ def new_head(target: LlamaModel, seed: int) -> EagleDraft:
 
 
 @torch.no_grad()
-def evaluate(head: EagleDraft, ids, lengths, hidden, greedy, recipe: Recipe, batch: int = 32) -> dict:
-    """Held-out teacher-forced top-1 agreement per draft step (token-weighted): ``{"top1": [...], "ce": [...]}``."""
+def evaluate(head, ids, lengths, features: Features, rows: torch.Tensor, recipe: Recipe, batch: int = 32) -> dict:
+    """Held-out teacher-forced top-1 agreement per draft step (token-weighted) over ``rows``
+    (indices into ``ids`` / ``lengths``): ``{"top1": [...], "ce": [...]}``."""
     was = head.training
     head.eval()
     sums = np.zeros((2, recipe.unroll))
     count = 0
     dev = ids.device
-    for a in range(0, ids.shape[0], batch):
-        sl = slice(a, a + batch)
+    for a in range(0, rows.numel(), batch):
+        sl = rows[a:a + batch]
+        hidden, greedy = features(sl)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            _, st = draft_losses(head, ids[sl], lengths[sl], hidden[sl], greedy[sl], recipe)
+            _, st = draft_losses(head, ids[sl], lengths[sl], hidden, greedy, recipe)
         st = host_stats(st)
         w = int((lengths[sl] - 1).clamp(min=0).sum())
         sums += np.array([st["top1"], st["ce"]]) * w
@@ -261,7 +340,7 @@ def evaluate(head: EagleDraft, ids, lengths, hidden, greedy, recipe: Recipe, bat
 
 
 # ------------------------------------------------------------------ files
-def head_state(head: EagleDraft, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def head_state(head: EagleDraft | Eagle3Draft, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """The head's own parameters (not the shared embedding / LM head) as contiguous CPU tensors."""
     return {k: v.detach().to("cpu", dtype).contiguous() for k, v in head.state_dict().items()}
 
@@ -275,14 +354,22 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def save_head(head: EagleDraft, path: str | Path, card: dict) -> dict:
-    """Write the head as bf16 safetensors at ``path`` and its card (``card`` + sha256, bytes)
-    as ``path`` with suffix ``.json``; returns the card written."""
+def head_metadata(head: EagleDraft | Eagle3Draft) -> dict[str, str]:
+    """The safetensors metadata that says which draft a head file holds: ``structure``
+    (``refspec EagleDraft`` / ``refspec Eagle3Draft``) and, for EAGLE-3, ``aux_layers`` ("2,15,27")."""
+    if isinstance(head, Eagle3Draft):
+        return {"format": "pt", "structure": "refspec Eagle3Draft", "aux_layers": ",".join(map(str, head.aux_layers))}
+    return {"format": "pt", "structure": "refspec EagleDraft"}
+
+
+def save_head(head: EagleDraft | Eagle3Draft, path: str | Path, card: dict) -> dict:
+    """Write the head as bf16 safetensors at ``path`` (metadata: :func:`head_metadata`) and its
+    card (``card`` + sha256, bytes) as ``path`` with suffix ``.json``; returns the card written."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(head_state(head), str(path), metadata={"format": "pt", "structure": "refspec EagleDraft"})
+    save_file(head_state(head), str(path), metadata=head_metadata(head))
     card = dict(card, file=path.name, sha256=sha256_file(path), bytes=path.stat().st_size)
     path.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
     return card
@@ -294,24 +381,61 @@ def save_checkpoint(path: str | Path, head, opt, step: int, order: np.ndarray, r
                 "recipe": dataclasses.asdict(recipe), "log": log}, path)
 
 
+# ------------------------------------------------------------------ self-distilled data
+@torch.no_grad()
+def self_distilled_rows(target: LlamaModel, prompts: list[list[int]], *, max_new_tokens: int, eos: int | None,
+                        batch: int = 256, page_size: int = 16, row_len: int = 512, min_len: int = 64,
+                        progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """The target's own greedy answers to ``prompts`` as training rows (module doc: self-distilled data).
+
+    Each prompt is answered by :func:`~refspec.speculative.greedy.production_greedy` (paged KV,
+    the FA3 wing: the real kernel on Hopper, the emulator elsewhere; eager, ``batch`` prompts at a
+    time) for at most ``max_new_tokens`` tokens, stopping after ``eos``; prompt + answer is one
+    conversation for :func:`~refspec.real.draft_data.token_rows`.  On such a row the text *is*
+    the target's greedy continuation, so every unrolled step's input token is the one the
+    draft would see when all its earlier drafts were accepted.
+    Shapes: ``prompts`` lists of token ids -> ``rows uint16 [R, row_len]``, ``lengths [R]``.
+    ``progress(done)`` is called after each batch.  Raises ValueError for an empty prompt list.
+    """
+    from refspec.real.draft_data import token_rows
+    from refspec.speculative.greedy import production_greedy
+
+    if not prompts:
+        raise ValueError("self_distilled_rows needs at least one prompt")
+    convs = []
+    for a in range(0, len(prompts), batch):
+        chunk = prompts[a:a + batch]
+        run = production_greedy(target, chunk, [max_new_tokens] * len(chunk), page_size=page_size, eos=eos,
+                                graphs=False, validate=False)
+        convs += [list(p) + list(t) for p, t in zip(chunk, run.tokens)]
+        if progress is not None:
+            progress(len(convs))
+    return token_rows(convs, row_len=row_len, min_len=min_len)
+
+
 # ------------------------------------------------------------------ the run
 CALIBRATION_STEPS = 30  #: warm-up steps timed by ``train_seconds`` (the warm-up LR does not depend on ``steps``)
 
 
 def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Recipe, *,
           checkpoint: str | Path | None = None, resume: bool = False, max_seconds: float | None = None,
-          train_seconds: float | None = None, progress=None, feature_batch: int = 64) -> dict:
+          train_seconds: float | None = None, progress=None, feature_batch: int = 64,
+          stop_at: int | None = None) -> dict:
     """Extract features, train (or resume), evaluate.
 
     Args: ``target`` on its device (bf16 on CUDA); ``rows uint16 [R, T]`` / ``lengths [R]``
-    (:mod:`refspec.real.draft_data`); ``checkpoint`` path written at the end and at the time
-    bound ``max_seconds`` (then ``finished`` is False and a rerun with ``resume`` continues);
-    ``progress(step, stats)`` is called every 10 steps.  ``train_seconds``: the step count is
-    fixed after :data:`CALIBRATION_STEPS` steps (still in the warm-up, whose learning rate does
-    not depend on it) from their speed, so that training takes about that long; the result's
-    ``recipe`` has it (``steps``), and a rerun with that ``steps`` repeats the run.
-    Returns ``{"head", "finished", "step", "metrics", "log", "seconds": {...}, "tokens": n}``.
-    Raises ``ValueError`` if there are fewer rows than ``heldout_rows + batch_rows``.
+    (:mod:`refspec.real.draft_data`); ``checkpoint`` path written at the end and when the run
+    stops early: at the time bound ``max_seconds`` or at optimizer step ``stop_at`` (then
+    ``finished`` is False and a rerun with ``resume`` continues; the resumed run ends with the
+    same head, bitwise on the CPU, as one that never stopped); ``progress(step, stats)`` is called
+    every 10 steps.  ``train_seconds``: the step count is fixed after :data:`CALIBRATION_STEPS`
+    steps (still in the warm-up, whose learning rate does not depend on it) from their speed, so
+    that training takes about that long; the result's ``recipe`` has it (``steps``), the
+    checkpoint keeps it for a resume, and a rerun with that ``steps`` repeats the run.
+    A ``"eagle3"`` recipe without ``aux_layers`` gets :func:`~refspec.model.drafts.default_aux_layers`.
+    Returns ``{"head", "finished", "step", "metrics", "log", "recipe", "seconds": {...}, "tokens": n}``.
+    Raises ``ValueError`` if there are fewer rows than ``heldout_rows + batch_rows``, for bad
+    ``aux_layers``, or when resuming a checkpoint written by a different recipe.
     """
     t0 = time.perf_counter()
     dev = next(target.parameters()).device
@@ -319,16 +443,19 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
     if R < recipe.heldout_rows + recipe.batch_rows:
         raise ValueError(f"{R} rows: need at least heldout_rows + batch_rows = "
                          f"{recipe.heldout_rows + recipe.batch_rows}")
+    if recipe.kind == "eagle3":
+        L = target.config.num_hidden_layers
+        recipe = dataclasses.replace(recipe, aux_layers=check_aux(recipe.aux_layers or default_aux_layers(L), L))
     perm = np.random.default_rng(recipe.seed).permutation(R)
     held, train_idx = perm[:recipe.heldout_rows], perm[recipe.heldout_rows:]
     ids = torch.from_numpy(rows.astype(np.int64)).to(dev)
     lens = torch.from_numpy(lengths.astype(np.int64)).to(dev)
-    hidden, greedy = extract_features(target, ids, batch=feature_batch)
+    features = Features(target, ids, aux=recipe.aux_layers, online=recipe.kind == "eagle3", batch=feature_batch)
     _sync(dev)
     t_feat = time.perf_counter() - t0
 
     torch.manual_seed(recipe.seed)
-    head = new_head(target, recipe.seed)
+    head = new_head(target, recipe.seed, recipe)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=recipe.lr, betas=recipe.betas,
                             weight_decay=0.0)
     step, log = 0, []
@@ -336,13 +463,18 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
     planned = recipe.steps if train_seconds is None else max(recipe.steps, 100_000)
     order = np.concatenate([rng.permutation(train_idx) for _ in range(
         math.ceil(planned * recipe.batch_rows / len(train_idx)) + 1)])
-    if train_seconds is not None:
+    calibrate = train_seconds is not None
+    if calibrate:
         if recipe.warmup < CALIBRATION_STEPS:
             raise ValueError(f"train_seconds needs warmup >= {CALIBRATION_STEPS} steps, got {recipe.warmup}")
         recipe = dataclasses.replace(recipe, steps=max(recipe.steps, CALIBRATION_STEPS + 1))
         t_cal = None
     if resume and checkpoint and Path(checkpoint).exists():
         ck = torch.load(checkpoint, map_location=dev, weights_only=False)
+        if calibrate:  # the step count fixed by the run that wrote the checkpoint
+            recipe = dataclasses.replace(recipe, steps=ck["recipe"]["steps"])
+            calibrate = False
+        _same_recipe(ck["recipe"], recipe, checkpoint)
         head.load_state_dict(ck["head"])
         opt.load_state_dict(ck["opt"])
         step, order, log = ck["step"], ck["order"], ck["log"]
@@ -351,20 +483,22 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
     finished = True
     head.train()
     while step < recipe.steps:
-        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+        if (max_seconds is not None and time.perf_counter() - t0 > max_seconds) or (stop_at is not None
+                                                                                    and step >= stop_at):
             finished = False
             break
         b = order_dev[step * recipe.batch_rows:(step + 1) * recipe.batch_rows]
         for gparam in opt.param_groups:
             gparam["lr"] = lr_at(step, recipe)
+        hidden, greedy = features(b)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss, st = draft_losses(head, ids[b], lens[b], hidden[b], greedy[b], recipe)
+            loss, st = draft_losses(head, ids[b], lens[b], hidden, greedy, recipe)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(head.parameters(), recipe.clip)
         opt.step()
         step += 1
-        if train_seconds is not None and not resume:
+        if calibrate:
             if step == 10:
                 _sync(dev)
                 t_cal = time.perf_counter()
@@ -382,8 +516,21 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
     t_train = time.perf_counter() - t1
     if checkpoint:
         save_checkpoint(checkpoint, head, opt, step, order, recipe, log)
-    metrics = evaluate(head, ids[held], lens[held], hidden[held], greedy[held], recipe) if finished else {}
+    held_dev = torch.from_numpy(held).to(dev)
+    metrics = evaluate(head, ids, lens, features, held_dev, recipe) if finished else {}
     return {"head": head, "finished": finished, "step": step, "metrics": metrics, "log": log, "recipe": recipe,
             "tokens": int(lengths[train_idx].sum()), "heldout_tokens": int(lengths[held].sum()),
             "seconds": {"features": round(t_feat, 1), "train": round(t_train, 1),
                         "total": round(time.perf_counter() - t0, 1)}}
+
+
+def _same_recipe(saved: dict, recipe: Recipe, checkpoint) -> None:
+    """ValueError naming the settings where a checkpoint's recipe differs from the run resuming it
+    (a setting the checkpoint predates is not compared)."""
+    now = dataclasses.asdict(recipe)
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - torch.save keeps tuples, JSON not
+    diff = sorted(k for k in now if k in saved and norm(saved[k]) != norm(now[k]))
+    if diff:
+        what = ", ".join(f"{k}: {saved.get(k)!r} there, {now[k]!r} here" for k in diff)
+        raise ValueError(f"{checkpoint}: written by a different recipe ({what}); resume with the same settings "
+                         f"or start afresh")

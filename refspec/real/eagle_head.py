@@ -8,8 +8,12 @@ recipe, the steps, the seed, the held-out metrics and the commit it was trained 
 
 :func:`load_eagle_head` checks the file's SHA-256 against :data:`HEAD_SHA256` before loading, so a
 changed or truncated file is refused by name rather than drafting silently worse.
+:func:`load_head` loads any head ``train-draft`` wrote (the file's metadata names its kind:
+:class:`~refspec.model.drafts.EagleDraft` or, with ``--kind eagle3``,
+:class:`~refspec.model.drafts.Eagle3Draft` and its ``aux_layers``).
 :func:`real_draft` is what the real-weights commands call: ``"eagle"`` with the real model means
-this head; every other spec is returned unchanged for :func:`refspec.model.drafts.make_draft`.
+the committed head, ``"eagle3:PATH"`` (or ``"eagle:PATH"``) the head file at PATH; every other
+spec is returned unchanged for :func:`refspec.model.drafts.make_draft`.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -20,7 +24,7 @@ import json
 from pathlib import Path
 
 
-from refspec.model.drafts import EagleDraft
+from refspec.model.drafts import Eagle3Draft, EagleDraft
 from refspec.real.draft_train import sha256_file
 
 HEAD_FILE = Path(__file__).with_name("heads") / "smollm2-135m-eagle.safetensors"
@@ -71,8 +75,58 @@ def load_eagle_head(target, path: str | Path = HEAD_FILE, sha256: str | None = H
     return head.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
 
 
+def head_kind(path: str | Path) -> tuple[str, tuple[int, ...] | None]:
+    """``("eagle", None)`` or ``("eagle3", aux_layers)`` from a head file's safetensors metadata
+    (:func:`refspec.real.draft_train.head_metadata`).  Raises :class:`HeadMismatch` for a file
+    whose metadata names no refspec head, ``FileNotFoundError`` when it is absent."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such head file (python -m refspec train-draft writes one)")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    structure = meta.get("structure")
+    if structure == "refspec EagleDraft":
+        return "eagle", None
+    if structure == "refspec Eagle3Draft" and meta.get("aux_layers"):
+        return "eagle3", tuple(int(x) for x in meta["aux_layers"].split(","))
+    raise HeadMismatch(f"{path}: not a refspec head file (metadata structure {structure!r})")
+
+
+def load_head(target, path: str | Path, sha256: str | None = None) -> EagleDraft | Eagle3Draft:
+    """Any head file ``train-draft`` wrote, as the draft its metadata names (:func:`head_kind`), on
+    ``target``'s device and dtype.  ``sha256``: the file's expected hash (None: checked against
+    its card beside it, when there is one).  Raises :class:`HeadMismatch` for a hash that differs,
+    or a head whose shapes do not fit ``target`` (naming the file); ``FileNotFoundError``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    kind, aux = head_kind(path)
+    got = sha256_file(path)
+    want = sha256 or head_card(path).get("sha256")
+    if want is not None and got != want:
+        raise HeadMismatch(f"{path}: sha256 {got} is not {want} ({'given' if sha256 else 'its card'}'s)")
+    try:
+        head = Eagle3Draft(target, aux_layers=aux) if kind == "eagle3" else EagleDraft(target)
+        p = next(target.parameters())
+        head.load_state_dict({k: v.to(p.dtype) for k, v in load_file(str(path)).items()}, strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise HeadMismatch(f"{path}: this {kind} head does not fit the target "
+                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return head.to(device=p.device, dtype=p.dtype).eval().requires_grad_(False)
+
+
 def real_draft(spec, target):
-    """``"eagle"`` with the real model -> :func:`load_eagle_head`; anything else unchanged."""
+    """``"eagle"`` with the real model -> :func:`load_eagle_head`; ``"eagle3:PATH"`` /
+    ``"eagle:PATH"`` -> :func:`load_head` of that file (which must hold that kind); anything else
+    unchanged.  Raises :class:`HeadMismatch` for a file of the other kind."""
     if spec == "eagle" and is_real_target(target):
         return load_eagle_head(target)
+    name, colon, arg = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if name in ("eagle", "eagle3") and arg:
+        kind, _ = head_kind(arg)
+        if kind != name:
+            raise HeadMismatch(f"{arg}: holds an {kind} head, not {name} (use --draft {kind}:{arg})")
+        return load_head(target, arg)
     return spec

@@ -7,7 +7,9 @@ captured per batch size (padded, CG-007), ``seq_lens`` = L + 1 including the tok
 emitting ``eos``; its pages are freed (KV-006 holds at the end).
 
 This is the number a user compares speculative decoding with: "graph greedy" in
-``python -m refspec demo --device cuda``.
+``python -m refspec demo --device cuda``.  ``observer(event, run)`` sees ``prefill`` right after
+the prefill forward is launched, as :class:`~refspec.speculative.engine.Engine`'s observer does
+(so a timer can start both loops at the same point).
 
 **Overlapped like SGLang's overlap scheduler.**  Step i + 1 is launched *before* the host
 reads step i's tokens: its input ids are step i's device output, and its lengths and slots
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refspec.core.args import count
 from refspec.core.batch import decode_batch, extend_batch
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.modes import ForwardMode
@@ -56,16 +59,18 @@ class GreedyRun:
 @torch.no_grad()
 def production_greedy(target, prompts: list[list[int]], max_new_tokens: list[int], *, page_size: int = 1,
                       eos: int | None = None, graphs: bool = True, capture_bs=(1, 2, 4, 8), provider=None,
-                      validate: bool = True) -> GreedyRun:
+                      validate: bool = True, observer=None) -> GreedyRun:
     """Greedy decoding of every prompt at once (module doc).
 
     Shapes: ``prompts`` B lists of token ids; ``max_new_tokens`` B budgets (tokens).
-    Returns: :class:`GreedyRun`.  Raises: ValueError for empty prompts or budgets < 1;
-    InvariantError from the FA3 validation (``validate``) or the allocator (KV-003).
+    Returns: :class:`GreedyRun`.  Raises: ValueError for empty prompts, budgets < 1 or a
+    ``page_size`` that is not an int >= 1; InvariantError from the FA3 validation (``validate``)
+    or the allocator (KV-003).
     """
     if not prompts or any(not p for p in prompts) or len(max_new_tokens) != len(prompts) \
             or any(m < 1 for m in max_new_tokens):
         raise ValueError("production_greedy needs non-empty prompts and one budget >= 1 per prompt")
+    count("page_size", page_size, 1)
     p0 = next(target.parameters())
     c, B, P = target.config, len(prompts), page_size
     ctx = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
@@ -95,6 +100,8 @@ def production_greedy(target, prompts: list[list[int]], max_new_tokens: list[int
     last = h2d([sum(lens[:b + 1]) - 1 for b in range(B)], p0.device)
     nxt = target.forward(ids, fb, be)[0][last].argmax(-1)
     run = GreedyRun([[] for _ in range(B)])
+    if observer is not None:
+        observer("prefill", run)
     fed = [0] * B  # generated tokens of request b whose KV is written (fed back as inputs)
     done: set[int] = set()
     pending = (list(range(B)), ResultCopy(nxt))  # the last launched step's rows and tokens, not yet read

@@ -44,6 +44,7 @@ from collections import Counter
 import torch
 
 from refspec.core.batch import draft_step_view
+from refspec.model.drafts import aux_layers, target_hidden_size
 from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
 from refspec.graphs.runner import GraphRunner
 from refspec.core.modes import ForwardMode
@@ -75,6 +76,7 @@ class SpecRunners:
                  graphs=False, capture_bs=(1, 2, 4, 8), provider=None, validate=True, syncs=None,
                  forced_drafts=False):
         self.target, self.draft, self.kv = target, draft, kv
+        self.aux = aux_layers(draft)  #: the target hidden states the draft reads (None: the last)
         self.forced_drafts = forced_drafts
         self.Sd, self.N, self.version = num_steps, num_steps + 1, version
         if attention == "fa3":
@@ -97,7 +99,9 @@ class SpecRunners:
 
     def _capture(self, capture_bs, dtype):
         ids, E, N, Sd = ((), torch.long), self.target.config.hidden_size, self.N, self.Sd
+        # draft decode reads the draft's own hidden [E]; draft extend the target's (EAGLE-3: [len(aux) * E])
         hidden = {"hidden": ((E,), dtype)} if self.draft.uses_hidden else {}
+        features = {"hidden": ((target_hidden_size(self.draft, self.target),), dtype)} if self.draft.uses_hidden else {}
         forced = {"forced": ids} if self.forced_drafts else {}
         kv = self.kv
         self.graph["verify"] = GraphRunner(ForwardMode.TARGET_VERIFY, [self.target_be], self._verify_fn, kv=kv,
@@ -111,7 +115,7 @@ class SpecRunners:
         mode = ForwardMode.DRAFT_EXTEND if self.version == "v1" else ForwardMode.DRAFT_EXTEND_V2
         self.graph["draft_extend"] = GraphRunner(mode, [self.draft_be], self._draft_extend_fn, kv=kv,
                                                  capture_bs=capture_bs, tokens_per_req=N,
-                                                 inputs={"ids": ids, **hidden}, num_draft_tokens=N)
+                                                 inputs={"ids": ids, **features}, num_draft_tokens=N)
 
     # ---- the forward functions (shared by eager and graphed runs) ----
     def _head(self, logits: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,7 @@ class SpecRunners:
         return logits.argmax(-1) if self.head == "argmax" else logits
 
     def _verify_fn(self, fb, x):
-        logits, hidden = self.target.forward(x["ids"], fb, self.target_be)
+        logits, hidden = self.target.forward(x["ids"], fb, self.target_be, aux=self.aux)
         return self._head(logits), (hidden if self.draft.uses_hidden else None)  # only an EAGLE draft reads it
 
     def _draft_extend_fn(self, fb, x):
@@ -154,7 +158,7 @@ class SpecRunners:
         """Prefill (EXTEND), eager: ``ids [T]`` -> ``logits [T, V]``, ``hidden [T, E]``."""
         self.counts[("prefill", "eager")] += 1
         self.target_be.init_forward_metadata(fb)
-        return self.target.forward(ids, fb, self.target_be)
+        return self.target.forward(ids, fb, self.target_be, aux=self.aux)
 
     def draft_prefill(self, ids, hidden, fb):
         """Draft prefill (EXTEND on the draft pool), eager: -> ``logits [T, V]``, ``hidden [T, E]``."""

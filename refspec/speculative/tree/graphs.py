@@ -64,6 +64,7 @@ from refspec.fa3.tree_backend import TreeDraftBatch, TreeVerifyBatch
 from refspec.graphs.capture import make_graph
 from refspec.fa3.graph_metadata import check_table_width, replay_page_table
 from refspec.graphs.runner import GraphRunner, copy_rows, fill_source, padded_cpu
+from refspec.model.drafts import target_hidden_size
 
 
 def replay_draft_expand_table(page_table: torch.Tensor, cache_seqlens: torch.Tensor, draft_cache_loc, seq_lens,
@@ -349,8 +350,10 @@ def capture_tree_graphs(runners, capture_bs, dtype) -> None:
     v2 ``DRAFT_EXTEND_V2`` at N = ``num_draft_tokens`` rows (the whole verify window, TR-021;
     upstream captures it with ``num_tokens_per_req = speculative_num_draft_tokens``).
     """
-    ids, E = ((), torch.long), runners.target.config.hidden_size
-    hidden = {"hidden": ((E,), dtype)} if runners.draft.uses_hidden else {}
+    # the draft extend reads the target's hidden (EAGLE-3: its aux states, [len(aux) * E])
+    ids = ((), torch.long)
+    hidden = ({"hidden": ((target_hidden_size(runners.draft, runners.target),), dtype)}
+              if runners.draft.uses_hidden else {})
     runners.graph["tree_verify"] = TreeGraphRunner(runners, "verify", capture_bs, dtype)
     if runners.Sd > 1:
         runners.graph["tree_draft"] = TreeGraphRunner(runners, "draft", capture_bs, dtype)

@@ -118,7 +118,7 @@ class TreeRunners(SpecRunners):
         (:func:`~refspec.speculative.tree.v2.compact_accept_to_front`).  v1 returns them per node
         and compacts after its host read (:func:`~refspec.speculative.tree.kv.compact_accepted_path`)."""
         N = self.num_draft_tokens
-        logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be)
+        logits, hidden = self.target.forward(x["ids"], fb, self.tree_verify_be, aux=self.aux)
         target_predict = logits.argmax(-1)
         B = target_predict.shape[0] // N
         ridx = torch.arange(B * N, device=target_predict.device).view(B, N)
