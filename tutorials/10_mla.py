@@ -33,7 +33,7 @@
 #
 # The math and the picture are also on the docs page "MLA: one latent cache, two views"
 # (`docs/mla.md`); the rules are `docs/spec/mla.md` (`python -m refspec cite ML-003` prints one). CPU only (the FA3 wing is the contract
-# emulator). Run time as a script on a shared 2-core CPU machine: 22 s wall, 9 s of CPU
+# emulator). Run time as a script on a shared 2-core CPU machine: 19 s wall, 8 s of CPU
 # (`benchmarks/results/cpu_learner_times.md`).
 #
 # **Symbols used below**: `R`, `Dr`, `Dn`, `Dv` as above; `D = R + Dr` (576) the cached row; `H`

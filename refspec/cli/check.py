@@ -314,7 +314,7 @@ def _main(argv) -> int:
     ap.add_argument("--quick", action="store_true",
                     help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))} (MLA's 1,16), one dtype, GQA 4: "
                          f"{QUICK_CHECKS} checks "
-                         "(measured on a shared 2-core CPU machine: 385 s wall, 147 s of CPU, "
+                         "(measured on a shared 2-core CPU machine: 387 s wall, 155 s of CPU, "
                          "benchmarks/results/cpu_learner_times.md)")
     ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
                     help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
