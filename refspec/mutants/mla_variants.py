@@ -85,8 +85,8 @@ MLA_VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "flashattention_backend.py#L1944); a near miss, the two agree for every DeepSeek layer",
             "right for every DeepSeek config (kv_lora_rank = v_head_dim = 512), so no DeepSeek run shows it; "
             "where they differ (the probe's layer reads a 512 / 64 split of a 576-wide row that the pool "
-            "declares as 500 + 76) the views no longer match q and qv: the emulator refuses the qv call "
-            "(ML-005), a real kernel would read the wrong columns as the key's RoPE half",
+            "declares as 500 + 76) the views no longer match q and qv and the call is refused (the "
+            "emulator names ML-005; FA3's host shape checks raise too): a crash where upstream runs",
             ("ML-003", "ML-005")),
     Variant("mla-scale-fa3-default", fa3_mla.qv_call, qv_call_default_scale,
             "the absorbed qv call passes no softmax_scale: FA3's default (D + Dv)^-0.5 = 576^-0.5 instead "
