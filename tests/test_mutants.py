@@ -18,6 +18,7 @@ from refspec.mutants import runner as mutants
 from refspec.mutants.checks import Symptom
 from refspec.mutants.probes import PROBES, Probe
 from refspec.mutants.replace import NoCallSite, replaced
+from refspec.mutants.mla_variants import MLA_VARIANTS
 from refspec.mutants.tree_variants import TREE_VARIANTS
 
 #: IDs of ``caught_by`` that only a real kernel can show (the emulator refuses the input first)
@@ -198,10 +199,70 @@ def test_tree_variant_is_listed_applied_and_caught(report, name, validated, symp
         assert row.startswith(name[:29]) and r.caught_by.first_id in row and row.endswith("pass")
 
 
-def test_tree_variants_count_in_the_caught_line(report):
+def test_tree_and_mla_variants_count_in_the_caught_line(report):
     text = mutants.format_report(report)
-    assert set(TREE_VARIANTS) <= set(report.caught) and report.total == len(variants.CHAIN_VARIANTS) + 8
-    assert text.splitlines()[-1] == f"caught {len(variants.CHAIN_VARIANTS) + 8}/{len(variants.CHAIN_VARIANTS) + 8}"
+    n = len(variants.CHAIN_VARIANTS) + 8 + 5  # 8 top-k > 1 variants, 5 MLA variants
+    assert set(TREE_VARIANTS) | set(MLA_VARIANTS) <= set(report.caught) and report.total == n
+    assert text.splitlines()[-1] == f"caught {n}/{n}"
+
+
+# ---- the MLA variants (refspec.mutants.mla_variants), in the same run ------------------------
+
+@pytest.mark.spec("ML-002", "ML-003", "ML-005", "ML-007")
+@pytest.mark.parametrize("name,validated,symptoms", [
+    ("mla-split-at-kv-lora-rank", {"ML-003"}, {"ML-003", "ML-005"}),
+    ("mla-scale-fa3-default", {"ML-007"}, {"ML-007", "TOL-002"}),
+    ("mla-views-as-contiguous", {"ML-003"}, {"ML-003", "TOL-002"}),
+    ("mla-qv-dropped", {"ML-005"}, {"ML-005", "TOL-002"}),
+    ("mla-store-writes-slot-0", {"ML-002"}, {"ML-002"}),
+])
+def test_mla_variant_is_caught_by_the_rule_it_breaks(report, name, validated, symptoms):
+    """Each MLA variant is named, with validation on, by the ML- rule it breaks (the recorded kernel
+    call, or the store), before the output comparison or the emulator's own refusal."""
+    assert variants.VARIANTS[name] is MLA_VARIANTS[name]
+    assert all(r.probe.label.startswith("MLA ") for r in results(report, name))
+    assert_caught(report, name, validated, symptoms)
+
+
+@pytest.mark.spec("ML-002")
+def test_mla_store_writing_slot_0_leaves_the_real_rows_right(report):
+    """#36003's symptom is not in this batch's outputs (no real row reads slot 0) but in the pool:
+    only the store check sees it."""
+    (r,) = results(report, "mla-store-writes-slot-0")
+    assert [(s.kind, s.inv_id) for s in r.symptom.symptoms] == [("check", "ML-002")] and r.symptom.error is None
+
+
+@pytest.mark.spec("ML-003")
+def test_the_split_variant_is_invisible_where_kv_lora_rank_is_v_head_dim():
+    """Why its probe needs a layer whose v_head_dim differs from the pool's kv_lora_rank: on a
+    DeepSeek layer (both 512) the variant runs (its seam is called) and changes nothing."""
+    from refspec.mutants.mla_probes import VERIFY, eager_probe
+
+    obs = mutants.observe(Probe("DeepSeek verify", eager_probe(VERIFY)), mutants.Env(), True,
+                          "mla-split-at-kv-lora-rank")
+    assert obs.calls >= 1 and not obs.detected, obs.describe()
+
+
+@pytest.mark.spec("ML-003", "ML-005", "ML-007")
+def test_the_mla_call_checks_refuse_a_copy_a_missing_qv_and_the_default_scale():
+    """Negative controls for the probes' recorded-call check, no variant involved: the right call
+    passes; a ``.contiguous()`` copy of a view (right values, not the pool), a call without ``qv``
+    and FA3's default scale are each named by their rule."""
+    from refspec.fa3.mla import mla_kv_views
+    from refspec.mutants.mla_probes import VERIFY, check_call
+
+    env = mutants.Env()
+    b = VERIFY.build(env)
+    k, v = mla_kv_views(b.pool, b.layer)
+    good = dict(q=b.q_rope, k_cache=k, v_cache=v, qv=b.q, softmax_scale=VERIFY.scale())
+    found = []
+    check_call(found, good, b, VERIFY.scale())
+    assert found == [] and abs(VERIFY.scale() - 0.1352) < 5e-5
+    for bad, inv in ((dict(v_cache=v.contiguous()), "ML-003"), (dict(qv=None), "ML-005"),
+                     (dict(softmax_scale=None), "ML-007")):
+        found = []
+        check_call(found, {**good, **bad}, b, VERIFY.scale())
+        assert [s.inv_id for s in found] == [inv], (bad.keys(), found)
 
 
 # ---- reach: each variant's replacement ran in the run that caught it (issue 42) -------------
@@ -426,11 +487,17 @@ def test_engine_probes_say_why_they_do_not_run_in_bf16():
 
 @pytest.mark.gpu
 def test_every_variant_is_caught_on_cuda_with_real_fa3_and_cuda_graphs():
+    from refspec.fa3.kernel import mla_kernel_problem
+
     rep = mutants.run("cuda")
     text = mutants.format_report(rep, verbose=True)
     ran = [r for r in rep.results if not r.skipped]
     assert ran and all(r.baseline_ok for r in ran), text
-    # the only probes that do not run on CUDA are the fp32 tree-loop ones, and they say why
+    # the probes that do not run on CUDA are the fp32 tree-loop ones and, on an FA3 build without the
+    # hdim 64 / 512 kernel, the MLA ones (refused by ML-013); each says why
+    mla_refused = mla_kernel_problem("fa3", "qv") is not None
     skipped = [r for r in rep.results if r.skipped]
-    assert all(r.probe.label.startswith("TREE_LOOP") and "fp32" in r.skipped for r in skipped), text
-    assert sorted(rep.caught) == sorted(variants.VARIANTS), text
+    assert all((r.probe.label.startswith("TREE_LOOP") and "fp32" in r.skipped)
+               or (mla_refused and r.variant.name in MLA_VARIANTS and "ML-013" in r.skipped) for r in skipped), text
+    expected = [n for n in variants.VARIANTS if not (mla_refused and n in MLA_VARIANTS)]
+    assert sorted(rep.caught) == sorted(expected), text

@@ -16,6 +16,10 @@ section is one more entry):
   per version x page size x eager / graphs.
 * ``tree``: top-k > 1 (:mod:`refspec.cli._check_tree`): tree verify and draft decode, eager and
   graphed, k x P in 1, 4, 16, 64, and the tree loop (lossless, equal to the oracle tree loop).
+* ``mla``: MLA, DeepSeek's latent attention (:mod:`refspec.cli._check_mla`, docs/mla.md): every
+  mode eager and the graphed ones replayed, top-k 1 and 2, P in 1, 4, 16, 64, the FA3 wing's MLA
+  branch against the MLA oracle; on CUDA the real kernel's rows skip with the ML-013 refusal where
+  the FA3 build lacks the hdim 64 / 512 kernel.
 
 Each row: section, mode, page size P, provider, check, result (pass / FAIL / skip) and the worst
 error, as % of the T1 budget, or "bitwise" / the max difference for T0; a legend saying so
@@ -39,7 +43,7 @@ GRAPHED = ["DECODE", "DRAFT_DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXT
 PAGE_SIZES = {"cpu": [1, 2, 3, 4, 16, 64, 128], "cuda": [1, 2, 3, 4, 16, 64, 128, 256]}
 QUICK_PAGE_SIZES = [1, 3, 16]
 #: rows of ``check --quick`` on a CPU (all sections), as its help says (tests/test_check_cli.py counts them)
-QUICK_CHECKS = 111
+QUICK_CHECKS = 159
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -231,8 +235,15 @@ def tree_rows(device, page_sizes, quick):
     yield from rows(device, page_sizes, quick, row=_row, guard=_guard, providers=providers)
 
 
+def mla_rows(device, page_sizes, quick):
+    """MLA: every mode, graphs, top-k 1 and 2, against the MLA oracle (:mod:`refspec.cli._check_mla`)."""
+    from refspec.cli._check_mla import mla_rows as rows
+
+    yield from rows(device, page_sizes, quick, row=_row, guard=_guard, providers=providers)
+
+
 SECTIONS = {"contract": contract_rows, "eager": eager_rows, "graph": graph_rows, "loops": loops_rows,
-            "tree": tree_rows}
+            "tree": tree_rows, "mla": mla_rows}
 
 
 # ---------------------------------------------------------------------------- table
@@ -248,6 +259,10 @@ LEGEND = {
     "graph": "the graphed modes: 3 live requests replayed in a graph captured for 4 (one padded row)",
     "loops": "the speculative loop end to end: its tokens == plain greedy == the oracle loop",
     "tree": "top-k > 1: tree verify and draft decode (eager, graphed) and the whole tree loop",
+    "mla": "MLA (docs/mla.md): the FA3 wing's MLA branch (the qv call on the two strided views of the\n"
+           "            latent pool) vs the MLA oracle: every mode (EXTEND: the non-absorbed prefill, ML-010),\n"
+           "            the graphed modes replayed padded (slot 0 never written, ML-002), top-k 2 (ML-011);\n"
+           "            P 1, 4, 16, 64 (--quick: 1, 16)",
 }
 
 
@@ -297,13 +312,15 @@ def _main(argv) -> int:
     ap.add_argument("--device", type=device_name, default="cpu",
                     help="cpu (default: the emulator) or cuda (the emulator and the real FA3 kernel)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))}, one dtype, GQA 4: {QUICK_CHECKS} checks "
-                         "(measured on a shared 2-core CPU machine: 385 s wall, 147 s of CPU, "
+                    help=f"page sizes {','.join(map(str, QUICK_PAGE_SIZES))} (MLA's 1,16), one dtype, GQA 4: "
+                         f"{QUICK_CHECKS} checks "
+                         "(measured on a shared 2-core CPU machine: 387 s wall, 155 s of CPU, "
                          "benchmarks/results/cpu_learner_times.md)")
     ap.add_argument("--page-sizes", type=int_list(1, "page sizes"), metavar="P[,P...]",
                     help="page sizes to test, comma-separated, e.g. 1,4,16 (default: "
                          f"{','.join(map(str, PAGE_SIZES['cpu']))} on cpu, "
-                         f"{','.join(map(str, PAGE_SIZES['cuda']))} on cuda)")
+                         f"{','.join(map(str, PAGE_SIZES['cuda']))} on cuda; the tree and mla sections keep "
+                         "their own 1,4,16,64, or 1,16 with --quick)")
     ap.add_argument("--sections", type=choice_list(list(SECTIONS), "sections"), default=list(SECTIONS),
                     metavar="NAME[,NAME...]",
                     help=f"which parts to run, comma-separated, from {','.join(SECTIONS)} (default: all)")

@@ -158,6 +158,18 @@ def paged_view(flat: torch.Tensor, page_size: int) -> torch.Tensor:
                            (flat.stride(0) * page_size, flat.stride(0), *flat.stride()[1:]))
 
 
+def store_rows_keep_slot_0(buf: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """ML-002's store: ``buf[loc[i]] = rows[i]`` for every token whose slot is not 0; a token at
+    slot 0 (a padded graph row, CG-005) writes slot 0's own current row back, so slot 0 keeps its
+    bytes.  No data-dependent shape (graph-safe, no host sync).
+
+    Shapes: ``buf [S, 1, W]`` (one layer's rows), ``loc [T]`` int64 (slots), ``rows [T, 1, W]`` in
+    ``buf``'s dtype.  Upstream: ``set_mla_kv_buffer_kernel``'s ``is_valid = loc != reserved_skip_index``
+    (`mla_buffer.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/kernels/ops/kvcache/mla_buffer.py#L42>`_,
+    sglang#36003); v0.5.12.post1's writer stores every row."""
+    buf[loc] = torch.where((loc != 0)[:, None, None], rows, buf[loc])
+
+
 class MLAKVPool:
     """The MLA KV pool: ONE latent row per slot and layer, ``[NP*P, 1, kv_lora_rank + qk_rope_head_dim]``.
 
@@ -232,8 +244,8 @@ class MLAKVPool:
         ``k_rope [T, 1, Dr]``.  Upstream: ``MLATokenToKVPool.set_mla_kv_buffer`` ->
         ``set_mla_kv_buffer_triton(..., reserved_skip_index=0)`` (v0.5.23; sglang#36003), whose
         kernel masks the store of a ``loc == 0`` row.  Here the same rule without a
-        data-dependent shape (graph-safe, no host sync): a ``loc == 0`` token writes slot 0's own
-        current row back, so slot 0 keeps its bytes.
+        data-dependent shape (graph-safe, no host sync, :func:`store_rows_keep_slot_0`): a
+        ``loc == 0`` token writes slot 0's own current row back, so slot 0 keeps its bytes.
         Raises: InvariantError ML-002 on shapes (T, one head, R / Dr wide) or a non-integer ``loc``.
         """
         buf = self.get_key_buffer(layer_id)
@@ -247,8 +259,7 @@ class MLAKVPool:
                 f"{tuple(k_rope.shape)}; the pool wants [T, 1, kv_lora_rank = {self.kv_lora_rank}] and "
                 f"[T, 1, qk_rope_head_dim = {self.qk_rope_head_dim}]")
         row = torch.cat([k_nope.to(buf.dtype), k_rope.to(buf.dtype)], dim=-1)  # [T, 1, R + Dr]
-        loc = loc.long()
-        buf[loc] = torch.where((loc != 0)[:, None, None], row, buf[loc])  # loc 0: its own bytes back
+        store_rows_keep_slot_0(buf, loc.long(), row)
 
     def get_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows at slots ``loc [n]`` split back into ``(k_nope [n, 1, R], k_rope [n, 1, Dr])``

@@ -18,7 +18,7 @@ from __future__ import annotations
 from refspec.core.batch import ForwardBatch
 from refspec.fa3 import kernel
 from refspec.fa3.graph_metadata import GraphMetadataMixin
-from refspec.fa3.mla import MLAForwardMixin, check_mla_provider, is_mla_pool, qv_call
+from refspec.fa3.mla import MLAForwardMixin, check_mla_provider, is_mla_pool, mla_kv_views, qv_call
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
 from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.core.invariants import require
@@ -117,7 +117,7 @@ class FlashAttentionBackend(GraphMetadataMixin, MLAForwardMixin):
 
     def mla_attend(self, q, q_rope, layer: AttentionLayer, fb: ForwardBatch):
         """MLA's attend step (top-k = 1): one ``qv`` call on this backend's metadata, causal (ML-005)."""
-        k_rope_cache, c_kv_cache = self.pool.paged_views(layer.layer_id, layer.v_head_dim)
+        k_rope_cache, c_kv_cache = mla_kv_views(self.pool, layer)  # ML-003
         return qv_call(q, q_rope, k_rope_cache, c_kv_cache, self.forward_metadata, layer, causal=True,
                        return_lse=False, provider=self.provider)
 

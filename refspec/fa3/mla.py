@@ -56,6 +56,16 @@ def check_mla_provider(provider: str) -> None:
     kernel.require_mla_kernel(provider, "qv")
 
 
+def mla_kv_views(pool: MLAKVPool, layer: AttentionLayer, page_size: int | None = None):
+    """ML-003: the absorbed call's two cache operands, ``(k_rope_cache [NP, P, 1, D - Dv], c_kv_cache
+    [NP, P, 1, Dv])``: the pool's rows split at the *layer's* ``v_head_dim`` Dv (not at the pool's
+    ``kv_lora_rank``; the two agree for every DeepSeek layer), paged by ``page_size`` (default the
+    pool's P; 1 for a table of token slots, ML-011), strided views of the pool, never copies.
+    Upstream: ``k_rope = kv_cache[:, :, layer.v_head_dim:]``, ``c_kv = kv_cache[:, :, :layer.v_head_dim]``
+    (`forward_extend@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/flashattention_backend.py#L1944>`_)."""
+    return pool.paged_views(layer.layer_id, layer.v_head_dim, page_size)
+
+
 def qv_call(q_nope, q_rope, k_rope_cache, c_kv_cache, md: FlashAttentionMetadata, layer: AttentionLayer, *,
             causal: bool, return_lse: bool, provider: str, window=(-1, -1)):
     """ONE absorbed kernel call on metadata ``md`` (ML-005): ``q=q_rope``, ``qv=q_nope``, the two

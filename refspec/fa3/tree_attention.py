@@ -30,7 +30,7 @@ import torch
 
 from refspec.fa3 import kernel, merge_kernel
 from refspec.fa3.metadata import FlashAttentionMetadata
-from refspec.fa3.mla import qv_call
+from refspec.fa3.mla import mla_kv_views, qv_call
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
@@ -99,15 +99,15 @@ def mla_cascade_attention(q_nope, q_rope, pool, prefix: FlashAttentionMetadata, 
     """The MLA cascade (ML-011): prefix ``qv`` call + expand ``qv`` call + merge (TR-012).
 
     ``q_nope [T, H, Dv]`` (absorbed), ``q_rope [T, H, D - Dv]``; ``pool`` an MLA pool whose rows
-    the two calls read through :meth:`~refspec.core.kv_cache.MLAKVPool.paged_views`, the expand
+    the two calls read through :func:`~refspec.fa3.mla.mla_kv_views` (ML-003), the expand
     call through the page-size-1 views when ``expand_page1`` (TARGET_VERIFY: its table holds token
     slots), else the paged ones (draft decode: its table holds pages).  Returns ``[T, H, Dv]``.
     Raises: InvariantError PA-003 / PA-010 / PA-011 / ML-005 from the kernel's argument checks.
     """
-    views = pool.paged_views(layer.layer_id, layer.v_head_dim)
+    views = mla_kv_views(pool, layer)
     o, lse, *_ = qv_call(q_nope, q_rope, *views, prefix, layer, causal=False, return_lse=True, provider=provider)
     if expand_page1:  # the table holds token slots: page id == slot (upstream's MLA branch passes the P-paged views)
-        views = pool.paged_views(layer.layer_id, layer.v_head_dim, page_size=1)
+        views = mla_kv_views(pool, layer, page_size=1)
     o_exp, lse_exp, *_ = qv_call(q_nope, q_rope, *views, expand, layer, causal=False, return_lse=True,
                                  provider=provider)
     out, _ = merge_state(o, lse.T, o_exp, lse_exp.T)

@@ -33,11 +33,12 @@ import torch
 from refspec.core import batch as B
 from refspec.core.kv_cache import KVCache, MLAKVPool
 from refspec.core.layer import AttentionLayer
-from refspec.core.mla import MLADims, mla_attention_layers, mla_softmax_scale
+from refspec.core.mla import MLADims, expand_latent, mla_attention_layers, mla_softmax_scale, split_kv_b_proj
 from refspec.core.modes import ForwardMode
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.tree_backend import TreeDraftBatch
 from refspec.graphs.runner import GraphRunner
+from refspec.harness.modes import mode_scenarios
 from refspec.harness.scenario import SENTINEL, Scenario
 from refspec.harness.tree_scenario import random_parents, tree_batch
 from refspec.oracle.backend import OracleBackend
@@ -170,6 +171,41 @@ class MLABuilt:
         """Replay through a (given or new) graph runner: ``[T, H, R]`` real rows."""
         runner = runner or self.graph_runner(**kw)
         return runner.replay(self.fb, dict(q=self.q, q_rope=self.q_rope, k=self.k, k_rope=self.k_rope))
+
+    def mha_pass_inputs(self, seed: int = 0):
+        """The model's side of the non-absorbed prefill (ML-010) of this EXTEND batch, written out:
+        random ``kv_b_proj`` weights, the latent rows ``[k | k_rope]`` stored at ``out_cache_loc``
+        (the model writes them, the backend stores nothing), every key of every request expanded
+        from its latent row (the prefix gathered back from the pool: MHA_ONE_SHOT), a random
+        ``q_nope``.  Returns ``(q [T, H, Dn + Dr], k [sum K, H, Dn + Dr], v [sum K, H, Dv], fb)``,
+        ``fb`` the batch with ``attn_attend_prefix_cache=False`` (the MHA pass).
+        Raises ValueError for a batch that is not EXTEND."""
+        fb, d, H = self.fb, self.sc.dims, self.sc.num_heads
+        if fb.forward_mode != ForwardMode.EXTEND:
+            raise ValueError(f"the MHA pass is a prefill's: mode {fb.forward_mode.name} is not EXTEND (ML-009)")
+        g = torch.Generator().manual_seed(seed)
+        dev, dt = self.q.device, self.q.dtype
+        kv_b = torch.randn(H * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank, generator=g) / d.kv_lora_rank ** 0.5
+        w_kc, w_vc = split_kv_b_proj(kv_b.to(dev), H, d.qk_nope_head_dim)
+        self.pool.set_mla_kv_buffer(0, fb.out_cache_loc, self.k, self.k_rope)
+        slots = torch.cat([self.kv.req_to_token[r, :K].long() for r, K in zip(fb.req_pool_indices.tolist(), self.K)])
+        c, k_pe = self.pool.get_mla_kv_buffer(0, slots)
+        k, v = expand_latent(c[:, 0].float(), k_pe[:, 0].float(), w_kc, w_vc)
+        q_nope = torch.randn(fb.num_tokens, H, d.qk_nope_head_dim, generator=g).to(dev)
+        q = torch.cat([q_nope, self.q_rope.float()], dim=-1)
+        return q.to(dt), k.to(dt), v.to(dt), fb.replace(attn_attend_prefix_cache=False)
+
+
+def mla_mode_scenarios(page_size: int, num_draft_tokens: int = 4, **kw) -> dict[str, MLAScenario]:
+    """One 3-request :class:`MLAScenario` per label of :data:`refspec.harness.modes.MODES`, with the
+    lens, accept lengths and extends of :func:`~refspec.harness.modes.mode_scenarios` (keys at page
+    boundaries); ``kw`` goes to every MLAScenario (dims, heads, dtype, device, seed, ...)."""
+    out = {}
+    for label, sc in mode_scenarios(page_size, num_draft_tokens).items():
+        out[label] = MLAScenario(sc.mode, page_size, list(sc.lens), num_draft_tokens=num_draft_tokens,
+                                 num_accept_tokens=sc.num_accept_tokens, extend_lens=sc.extend_lens,
+                                 draft_step=sc.draft_step, **kw)
+    return out
 
 
 # ---- top-k > 1 (the MLA cascade, ML-011): the tree scenarios of refspec.harness.tree_scenario on a latent pool ----

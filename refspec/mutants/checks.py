@@ -28,6 +28,10 @@ from refspec.harness.scenario import Built, Scenario
 from refspec.core.tolerance import t1
 
 
+class ProbeUnavailable(RuntimeError):
+    """A probe cannot run here (the runner reports it as "not run" with this reason, never as a pass)."""
+
+
 @dataclass
 class Symptom:
     """One detection by a suite-side check.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from refspec.mutants import variants
-from refspec.mutants.checks import Env, Symptom
+from refspec.mutants.checks import Env, ProbeUnavailable, Symptom
 from refspec.mutants.probes import Probe
 from refspec.real.run import first_diff
 
@@ -31,7 +31,7 @@ DRAFT = "early-exit:2"  #: accepts 1..N, mixed
 NUM_STEPS = 3
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(ProbeUnavailable):
     """The engine cannot run here (a probe reports this as 'not run')."""
 
 

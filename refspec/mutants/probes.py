@@ -1,5 +1,6 @@
 """The probes: for each wrong variant of :data:`refspec.variants.VARIANTS`, the scenario(s) that expose it
-(the top-k > 1 variants' probes live in :mod:`refspec.mutants.tree_probes` and join :data:`PROBES` here).
+(the top-k > 1 variants' probes live in :mod:`refspec.mutants.tree_probes`, the MLA ones in
+:mod:`refspec.mutants.mla_probes`; both join :data:`PROBES` here).
 
 A probe is ``run(env, found, validate)``: it drives the production wing (eager FA3 metadata,
 or a :class:`~refspec.graphs.runner.GraphRunner` replay; the KV allocator for the accounting
@@ -29,6 +30,7 @@ from refspec.mutants import replacements as R
 from refspec.mutants.audit_probes import grown, paired_probe, replay_validation_probe, window_probe
 from refspec.mutants.checks import (Case, Env, Symptom, check_buffers, check_frozen_q, check_kv_writes,
                                     check_metadata, check_padding, compare, kv_snapshot, live)
+from refspec.mutants.mla_probes import MLA_PROBES
 from refspec.mutants.tree_probes import TREE_PROBES
 
 
@@ -273,4 +275,5 @@ PROBES: dict[str, list[Probe]] = {
                             Probe("grown rows v2 P=16 DECODE: both wings on one batch",
                                   paired_probe(grown(M.DECODE, 16, version="v2")))],
 }
-PROBES.update({name: [Probe(label, run) for label, run in runs] for name, runs in TREE_PROBES.items()})
+PROBES.update({name: [Probe(label, run) for label, run in runs]
+               for name, runs in (*TREE_PROBES.items(), *MLA_PROBES.items())})

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 from refspec.mutants import variants
 from refspec.core.invariants import InvariantError
-from refspec.mutants.checks import Env, Symptom
-from refspec.mutants.engine_probes import ENGINE_PROBES, EngineUnavailable
+from refspec.mutants.checks import Env, ProbeUnavailable, Symptom
+from refspec.mutants.engine_probes import ENGINE_PROBES
 from refspec.mutants.probes import PROBES, Probe
 
 
@@ -116,7 +116,7 @@ def observe(probe: Probe, env: Env, validate: bool, variant: str | None) -> Obse
     try:
         with variants.enabled(*([variant] if variant else [])) as reach:
             probe.run(env, obs.symptoms, validate)
-    except EngineUnavailable as e:
+    except ProbeUnavailable as e:  # EngineUnavailable, or an MLA probe on a build without the MLA kernel
         obs.skipped = str(e)
     except Exception as e:  # noqa: BLE001 - a crash is an observation
         obs.error = e

@@ -16,7 +16,8 @@ names bound at import (:data:`refspec.mutants.replacements._orig`): :mod:`refspe
 in a run that called its replacement (:mod:`refspec.mutants.reach`: ``enabled`` counts every call).
 
 :data:`CHAIN_VARIANTS` are the seams of the chain (top-k = 1) path, defined here;
-:data:`VARIANTS`, the whole zoo, adds the FA3 top-k > 1 ones of :mod:`refspec.mutants.tree_variants`.
+:data:`VARIANTS`, the whole zoo, adds the FA3 top-k > 1 ones of :mod:`refspec.mutants.tree_variants`
+and the MLA ones of :mod:`refspec.mutants.mla_variants`.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -35,6 +36,7 @@ from refspec.fa3 import graph_metadata as gm
 from refspec.fa3 import metadata as md
 from refspec.graphs import runner as graph_runner
 from refspec.mutants import replacements as R
+from refspec.mutants.mla_variants import MLA_VARIANTS
 from refspec.mutants.reach import Reach, counted
 from refspec.mutants.replace import replaced
 from refspec.mutants.tree_variants import TREE_VARIANTS
@@ -175,8 +177,9 @@ CHAIN_VARIANTS: dict[str, Variant] = {v.name: v for v in [
             ("MD-005", "TOL-002")),
 ]}
 
-#: the whole zoo: the chain variants, then the FA3 top-k > 1 ones (:mod:`refspec.mutants.tree_variants`)
-VARIANTS: dict[str, Variant] = {**CHAIN_VARIANTS, **TREE_VARIANTS}
+#: the whole zoo: the chain variants, then the FA3 top-k > 1 ones (:mod:`refspec.mutants.tree_variants`),
+#: then the MLA ones (:mod:`refspec.mutants.mla_variants`)
+VARIANTS: dict[str, Variant] = {**CHAIN_VARIANTS, **TREE_VARIANTS, **MLA_VARIANTS}
 
 @dataclass
 class _On:
