@@ -21,6 +21,8 @@ p consumes token t_(p+1) (and, for EAGLE, the target hidden h_p).
 * :class:`EarlyExitDraft`: the first k target layers + the target's final norm and head
   (LayerSkip-style self-speculation); ignores ``hidden``.  Its KV pool has k layers.
 * :class:`LMDraft`: any :class:`~refspec.model.llama.LlamaModel` with the target's vocabulary.
+* ``"mtp"``: DeepSeek's multi-token-prediction layer for a DeepSeek (MLA) target
+  (:class:`~refspec.model.deepseek_nextn.MTPDraft`; its pool is MLA too: ``mla_dims``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from refspec.model.deepseek import DeepseekModel
+from refspec.model.deepseek_nextn import MTPDraft
 from refspec.model.llama import LlamaConfig, LlamaDecoderLayer, LlamaModel, RMSNorm, init_random_
 
 
@@ -96,16 +100,24 @@ class LMDraft:
 
 def make_draft(spec, target: LlamaModel, seed: int = 1):
     """A draft from a spec: ``"eagle"``, ``"early-exit"`` / ``"early-exit:k"`` (default k = 1),
-    a :class:`LlamaModel` (small-LM draft), or an object that already has the draft interface."""
+    ``"mtp"`` (DeepSeek's MTP layer, for a :class:`~refspec.model.deepseek.DeepseekModel` target:
+    :class:`~refspec.model.deepseek_nextn.MTPDraft`), a :class:`LlamaModel` (small-LM draft), or an
+    object that already has the draft interface.  Raises ValueError naming the spec otherwise (a
+    named draft that does not fit the target's architecture too)."""
     if isinstance(spec, str):
         name, _, arg = spec.partition(":")
+        if name == "mtp" or isinstance(target, DeepseekModel):
+            if name != "mtp" or arg:
+                raise ValueError(f"draft {spec!r}: a DeepSeek (MLA) target takes draft 'mtp' (its MTP layer), and "
+                                 "'mtp' takes no argument")
+            return MTPDraft(target, seed=seed)
         if name == "eagle":
             return EagleDraft(target, seed=seed)
         if name == "early-exit":
             if not (arg == "" or (arg.isascii() and arg.isdigit())):
                 raise ValueError(f"draft {spec!r}: early-exit:k needs an int k (layers of the target)")
             return EarlyExitDraft(target, int(arg or 1))
-        raise ValueError(f"unknown draft {spec!r} (eagle, early-exit[:k], or a model)")
+        raise ValueError(f"unknown draft {spec!r} (eagle, early-exit[:k], mtp, or a model)")
     if isinstance(spec, LlamaModel):
         if spec.config.vocab_size != target.config.vocab_size:
             raise ValueError("a small-LM draft must share the target's vocabulary")
