@@ -113,7 +113,9 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     """EAGLE top-k = 1 speculative decoding of one request (module doc for the round).
 
     Args:
-        target: a :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
+        target: a :class:`~refspec.model.llama.LlamaModel` or :class:`~refspec.model.deepseek.DeepseekModel`
+            (its dense cache: :func:`~refspec.oracle.dense.target_kv_dims`); draft: a draft
+            (:mod:`refspec.model.drafts`).
         num_steps: Sd draft tokens per round (N = Sd + 1 verified).  version: "v1" or "v2".
         drafter: optional :class:`~refspec.speculative.drafters.Drafter` overriding d_1..d_Sd.
         accept: optional ``(rid, k) -> a | None`` forcing the k-th round's a (scripted hook).

@@ -104,7 +104,9 @@ class Engine:
     """Continuous-batching EAGLE top-k = 1 engine over a paged KV cache (module doc).
 
     Args:
-        target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
+        target: :class:`~refspec.model.llama.LlamaModel` or :class:`~refspec.model.deepseek.DeepseekModel`;
+            draft: a draft (:mod:`refspec.model.drafts`).  Each gets the pool of its attention arch
+            (:func:`kv_pool`: an MLA model's is an ``MLAKVPool``).
         version: "v1" or "v2".  num_steps: Sd >= 1 (N = Sd + 1).  page_size: P.
         max_context: bound on prompt + max_new_tokens (tokens); ``req_to_token`` rows get
             4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window
