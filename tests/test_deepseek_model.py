@@ -124,6 +124,10 @@ def test_config_from_a_deepseek_v3_config_dict():
         tiny_deepseek_config(qk_rope_head_dim=15)
     with pytest.raises(ValueError, match="num_attention_heads"):
         tiny_deepseek_config(num_attention_heads=0)
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        tiny_deepseek_config(q_lora_rank=0)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        tiny_deepseek_config(kv_lora_rank=2.5)
 
 
 # ---------------------------------------------------------------- the forward
@@ -152,6 +156,8 @@ def test_forward_matches_naive_float64_mla(kw):
         assert hidden.shape == (13, 64)
         err = float((out.double() - ref).abs().max())
         assert err < 1e-4 * float(ref.abs().max()), err
+    with pytest.raises(ValueError, match="aux"):
+        m(torch.tensor(ids), DenseBatch.span(0, 13), _dense(m), aux=(1, 2))
 
 
 def _cache(model, P, num_pages=24, seed=3):

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from refspec.core.args import count
 from refspec.core.batch import ForwardBatch
 from refspec.core.mla import (
     DEEPSEEK_V3_ROPE_SCALING,
@@ -86,7 +87,8 @@ class DeepseekConfig:
     -> ``q_b_proj``.  ``rope_scaling``: None or HF's dict (DeepSeek-V3: YaRN, :data:`DEEPSEEK_V3_ROPE_SCALING`).
     ``rope_interleave`` True: RoPE rotates adjacent pairs (DeepSeek's layout, SGLang
     ``is_neox_style=False``).  ``num_nextn_predict_layers``: the MTP layers the checkpoint ships
-    (1 for DeepSeek-V3; :mod:`refspec.model.deepseek_nextn`).  Raises ValueError for a dim < 1.
+    (1 for DeepSeek-V3; :mod:`refspec.model.deepseek_nextn`).  Raises ValueError naming the field for
+    a size that is not an int >= 1 (``q_lora_rank``: or None) and for an odd ``qk_rope_head_dim``.
     """
 
     hidden_size: int = 64
@@ -109,9 +111,11 @@ class DeepseekConfig:
 
     def __post_init__(self):
         _ = self.mla_dims  # validates the four MLA dims
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"DeepseekConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                     "max_position_embeddings"):
+            count(f"DeepseekConfig.{name}", getattr(self, name), 1)
+        if self.q_lora_rank is not None:
+            count("DeepseekConfig.q_lora_rank (or None)", self.q_lora_rank, 1)
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepseekConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got "
                              f"{self.qk_rope_head_dim}")
@@ -348,9 +352,15 @@ class DeepseekModel(nn.Module):
         ang = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
         return ang.cos() * mscale, ang.sin() * mscale
 
-    def forward(self, input_ids, fb, backend):
+    def forward(self, input_ids, fb, backend, aux=None):
         """One forward over the batch ``fb``: ``input_ids [T]`` int64 (request-major) ->
-        ``logits [T, V]`` and ``hidden [T, E]``, the final norm's output (what the MTP draft reads)."""
+        ``logits [T, V]`` and ``hidden [T, E]``, the final norm's output (what the MTP draft reads).
+
+        ``aux``: the target's intermediate hidden states an EAGLE-3 draft reads (the Llama model's
+        ``aux``); a DeepSeek target's draft is its MTP layer, which reads the final hidden: only None.
+        Raises ValueError for another ``aux``."""
+        if aux is not None:
+            raise ValueError(f"aux={aux!r}: a DeepSeek target returns its final hidden only (its draft is 'mtp')")
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(fb.positions)
         for layer in self.model.layers:
