@@ -47,9 +47,11 @@ def _params(cases, default, ids):
 
 
 def run(**kw) -> object:
+    """One production run over all five prompts; the latent pools start as NaN (a row read before it
+    is written would poison the output)."""
     version, overlap = MODES[kw.pop("mode")]
     return generate(target(), PROMPTS, draft=draft(), max_new_tokens=BUDGETS, reference=reference(),
-                    version=version, overlap=overlap, **kw)
+                    version=version, overlap=overlap, pool_fill=float("nan"), **kw)
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,7 +44,7 @@ The scale is ML-007's (``mla_softmax_scale``: ``(Dn + Dr)^-0.5``, times YaRN's `
 :meth:`DeepseekModel.forward` returns the logits and the hidden state **after** the final norm:
 SGLang's ``DeepseekV2Model`` applies ``self.norm`` before the logits processor, which stores that
 hidden for the MTP draft (:mod:`refspec.model.deepseek_nextn`).  Graph-safe: no host syncs in a
-forward but a prefill's (its form is chosen from host lengths).
+forward (the form is chosen from the batch's host lengths, ``seq_lens_cpu`` / ``extend_seq_lens_cpu``).
 
 Upstream: `deepseek_v2.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_v2.py#L2040>`_
 (``DeepseekV2AttentionMLA.__init__``), `forward_mla.py@v0.5.23
