@@ -89,7 +89,7 @@ sweep: venv
 
 # the rest of the lossless grids whose representative subset make test runs (marker full_grid):
 # the MLA target + MTP draft at every P x v1 / v2 / v2-overlap x eager / graph, chain and trees
-# (tests/test_mla_lossless.py: 59 cases, 90 s with one worker on a shared 2-core machine; not part of CI)
+# (tests/test_mla_lossless.py: 59 cases, 63-90 s with one worker on a shared 2-core machine; not part of CI)
 full-grid: venv
 	$(PY) -m pytest -n 2 -q -m full_grid tests/test_mla_lossless.py
 
