@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= test,real,docs,notebooks
 DEMO_EXTRAS ?= real,tutorials
 
-.PHONY: venv test demo tutorials check mutants mutation conformance sweep docs lab clean triton-check
+.PHONY: venv test demo tutorials check mutants mutation conformance sweep full-grid docs lab clean triton-check
 venv: $(VENV)/.stamp-$(EXTRAS)
 
 $(VENV)/.stamp-%: pyproject.toml
@@ -86,6 +86,12 @@ conformance: venv
 sweep: venv
 	$(PY) -m refspec conformance --sweep
 	$(PY) -m pytest -q -m releases tests/test_conformance_targets.py
+
+# the rest of the lossless grids whose representative subset make test runs (marker full_grid):
+# the MLA target + MTP draft at every P x v1 / v2 / v2-overlap x eager / graph, chain and trees
+# (tests/test_mla_lossless.py: 59 cases, 63-90 s with one worker on a shared 2-core machine; not part of CI)
+full-grid: venv
+	$(PY) -m pytest -n 2 -q -m full_grid tests/test_mla_lossless.py
 
 # executes the tutorials while building, so their pages show outputs and figures (a few
 # minutes: 05 and 06 load the real model); make test's strict build does not execute them

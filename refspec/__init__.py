@@ -7,7 +7,8 @@ proven equal by the test suite.  Every rule has an ID in ``refspec.core.invarian
 
 Read in this order (the chain reference; then ``speculative/overlap.py`` and the top-k > 1
 siblings ``oracle/tree*.py``, ``fa3/tree_*.py``, ``speculative/tree/``; MLA after 13:
-``core/mla.py``, ``MLAKVPool`` in ``core/kv_cache.py``, ``oracle/mla.py``, ``fa3/mla.py``)::
+``core/mla.py``, ``MLAKVPool`` in ``core/kv_cache.py``, ``oracle/mla.py``, ``fa3/mla.py``, then the model
+``model/deepseek.py`` and its MTP draft ``model/deepseek_nextn.py``)::
 
      1. refspec/core/modes.py           ForwardMode: the forward modes, the query rows of each, and what v1 / v2 mean
      2. refspec/core/kv_cache.py        req_to_token, the page allocator and the paged KV pool

@@ -26,6 +26,8 @@ p consumes token t_(p+1) (and, for EAGLE, the target hidden h_p).
 * :class:`EarlyExitDraft`: the first k target layers + the target's final norm and head
   (LayerSkip-style self-speculation); ignores ``hidden``.  Its KV pool has k layers.
 * :class:`LMDraft`: any :class:`~refspec.model.llama.LlamaModel` with the target's vocabulary.
+* ``"mtp"``: DeepSeek's multi-token-prediction layer for a DeepSeek (MLA) target
+  (:class:`~refspec.model.deepseek_nextn.MTPDraft`; its pool is MLA too: ``mla_dims``).
 
 **What the target hands a draft.**  ``uses_hidden`` says whether a draft reads a hidden state at
 all; ``aux_layers`` (:func:`aux_layers`) which one: None = the target's last hidden ``[T, E]``
@@ -43,6 +45,8 @@ from torch import nn
 
 from collections.abc import Callable
 
+from refspec.model.deepseek import DeepseekModel
+from refspec.model.deepseek_nextn import MTPDraft
 from refspec.model.llama import LlamaConfig, LlamaDecoderLayer, LlamaModel, RMSNorm, check_aux, init_random_
 
 
@@ -230,23 +234,34 @@ def _early_exit(target, arg: str, seed: int):
     return EarlyExitDraft(target, int(arg or 1))
 
 
+def _mtp(target, arg: str, seed: int):
+    if arg:
+        raise ValueError(f"draft 'mtp:{arg}': 'mtp' takes no argument")
+    return MTPDraft(target, seed=seed)
+
+
 #: draft kinds by name: ``name -> builder(target, arg, seed)`` for the spec ``"name"`` / ``"name:arg"``
 DRAFT_KINDS: dict[str, Callable[[LlamaModel, str, int], object]] = {
     "eagle": _eagle,
     "eagle3": _eagle3,
     "early-exit": _early_exit,
+    "mtp": _mtp,
 }
 
 
 def make_draft(spec, target: LlamaModel, seed: int = 1):
     """A draft from a spec: a name of :data:`DRAFT_KINDS` (``"eagle"``, ``"eagle3"``,
-    ``"early-exit"`` / ``"early-exit:k"``, default k = 1), a :class:`LlamaModel` (small-LM
-    draft), or an object that already has the draft interface.  Raises ValueError naming the
-    spec otherwise."""
+    ``"early-exit"`` / ``"early-exit:k"``, default k = 1; ``"mtp"``, DeepSeek's MTP layer, for a
+    :class:`~refspec.model.deepseek.DeepseekModel` target: :class:`~refspec.model.deepseek_nextn.MTPDraft`),
+    a :class:`LlamaModel` (small-LM draft), or an object that already has the draft interface.
+    Raises ValueError naming the spec otherwise (a named draft that does not fit the target's
+    architecture too)."""
     if isinstance(spec, str):
         name, _, arg = spec.partition(":")
         if name not in DRAFT_KINDS:
             raise ValueError(f"unknown draft {spec!r} ({', '.join(DRAFT_KINDS)}, or a model)")
+        if isinstance(target, DeepseekModel) and name != "mtp":
+            raise ValueError(f"draft {spec!r}: a DeepSeek (MLA) target takes draft 'mtp' (its MTP layer)")
         return DRAFT_KINDS[name](target, arg, seed)
     if isinstance(spec, LlamaModel):
         if spec.config.vocab_size != target.config.vocab_size:

@@ -36,22 +36,42 @@ class DenseBatch:
 
 
 class DenseKV:
-    """Per-layer K and V ``[max_len, Hkv, D]`` of one request (zeros at start).
+    """Per-layer K ``[max_len, Hkv, D]`` and V ``[max_len, Hkv, Dv]`` of one request (zeros at start).
 
-    Args: num_layers, max_len (tokens), num_kv_heads, head_dim, dtype, device.
+    Args: num_layers, max_len (tokens), num_kv_heads, head_dim, dtype, device; v_head_dim Dv
+    (default D; an MLA model's naive form caches per-head K of Dn + Dr and V of Dv,
+    :mod:`refspec.model.deepseek`).
     """
 
-    def __init__(self, num_layers, max_len, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers, max_len, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 v_head_dim: int | None = None):
         shape = (max_len, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape[:2] + (v_head_dim or head_dim,), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+
+
+def target_kv_dims(model) -> tuple[int, int, int, int]:
+    """``(layers, Hkv, D, Dv)`` a target's dense cache holds: its config's heads and head dim, or for
+    an MLA model (``config.mla_dims``, :mod:`refspec.model.deepseek`) DeepSeek's naive form, H KV
+    heads of K ``Dn + Dr`` and V ``Dv`` (the paged wings cache the latent row instead, ML-001)."""
+    c = model.config
+    d = getattr(c, "mla_dims", None)
+    if d is not None:
+        return c.num_hidden_layers, c.num_attention_heads, d.qk_head_dim, d.v_head_dim
+    return c.num_hidden_layers, c.num_key_value_heads, c.head_dim, c.head_dim
+
+
+def draft_kv_dims(draft) -> tuple[int, int, int, int]:
+    """``(layers, Hkv, D, Dv)`` of a draft's dense cache (:mod:`refspec.model.drafts`; Dv defaults to D)."""
+    return draft.num_layers, draft.num_kv_heads, draft.head_dim, getattr(draft, "v_head_dim", draft.head_dim)
 
 
 class DenseBackend:
     """``forward(q, k, v, layer, fb)`` over a :class:`DenseKV` (same signature as the paged backends).
 
-    Shapes: ``q [T, H, D]``, ``k, v [T, Hkv, D]`` at KV indices ``fb.positions [T]``; returns
-    ``[T, H, D]`` in ``q.dtype``, computed in fp32.
+    Shapes: ``q [T, H, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` at KV indices ``fb.positions [T]``;
+    returns ``[T, H, Dv]`` in ``q.dtype``, computed in fp32.
     """
 
     name = "dense"

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV
+from refspec.oracle.dense import DenseBackend, DenseBatch, DenseKV, draft_kv_dims, target_kv_dims
 
 
 @dataclass
@@ -55,13 +55,15 @@ class OracleSpecResult:
     emitted: list[int] = field(default_factory=list)
 
 
-def _backend(layers, max_len, num_kv_heads, head_dim, like: torch.Tensor) -> DenseBackend:
-    return DenseBackend(DenseKV(layers, max_len, num_kv_heads, head_dim, dtype=like.dtype, device=like.device))
+def _backend(dims, max_len, like: torch.Tensor) -> DenseBackend:
+    """A dense cache of ``dims = (layers, Hkv, D, Dv)`` (:func:`~refspec.oracle.dense.target_kv_dims`)."""
+    layers, num_kv_heads, head_dim, v_head_dim = dims
+    return DenseBackend(DenseKV(layers, max_len, num_kv_heads, head_dim, dtype=like.dtype, device=like.device,
+                                v_head_dim=v_head_dim))
 
 
 def _target_backend(model, max_len):
-    c = model.config
-    return _backend(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, next(model.parameters()))
+    return _backend(target_kv_dims(model), max_len, next(model.parameters()))
 
 
 def _ids(tokens, device) -> torch.Tensor:
@@ -111,7 +113,9 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     """EAGLE top-k = 1 speculative decoding of one request (module doc for the round).
 
     Args:
-        target: a :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
+        target: a :class:`~refspec.model.llama.LlamaModel` or :class:`~refspec.model.deepseek.DeepseekModel`
+            (its dense cache: :func:`~refspec.oracle.dense.target_kv_dims`); draft: a draft
+            (:mod:`refspec.model.drafts`).
         num_steps: Sd draft tokens per round (N = Sd + 1 verified).  version: "v1" or "v2".
         drafter: optional :class:`~refspec.speculative.drafters.Drafter` overriding d_1..d_Sd.
         accept: optional ``(rid, k) -> a | None`` forcing the k-th round's a (scripted hook).
@@ -127,7 +131,7 @@ def speculative_greedy(target, draft, prompt: list[int], *, num_steps: int, max_
     dev = next(target.parameters()).device
     max_len = len(prompt) + max_new_tokens + N
     tkv = _target_backend(target, max_len)
-    dkv = _backend(draft.num_layers, max_len, draft.num_kv_heads, draft.head_dim, next(target.parameters()))
+    dkv = _backend(draft_kv_dims(draft), max_len, next(target.parameters()))
     use_h = draft.uses_hidden
     # the target hidden states the draft reads: None = the last (EAGLE), else EAGLE-3's layers
     # (the oracle reads the attribute itself: it imports nothing above the core)

@@ -55,6 +55,7 @@ import torch
 
 from refspec.core.args import tree_args
 from refspec.oracle.loop import _check_request, _emit
+from refspec.oracle.dense import draft_kv_dims, target_kv_dims
 from refspec.oracle.slots import attention_over_slots
 from refspec.oracle.tree import (
     Tree,
@@ -84,12 +85,22 @@ class SlotBatch:
 
 
 class SlotKV:
-    """Per-layer K and V ``[num_slots, Hkv, D]`` (zeros at start) of one model, one request."""
+    """Per-layer K ``[num_slots, Hkv, D]`` and V ``[num_slots, Hkv, Dv]`` (zeros at start) of one
+    model, one request (Dv: ``v_head_dim``, default D; an MLA model's naive form, as the dense oracle)."""
 
-    def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers, num_slots, num_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 v_head_dim: int | None = None):
         shape = (num_slots, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape[:2] + (v_head_dim or head_dim,), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+
+    @classmethod
+    def of(cls, dims, num_slots: int, like: torch.Tensor) -> "SlotKV":
+        """A store of ``dims = (layers, Hkv, D, Dv)`` (:func:`~refspec.oracle.dense.target_kv_dims`)
+        in ``like``'s dtype and device."""
+        layers, num_kv_heads, head_dim, v_head_dim = dims
+        return cls(layers, num_slots, num_kv_heads, head_dim, like.dtype, like.device, v_head_dim=v_head_dim)
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of slots ``src`` to ``dst`` in every layer (gathered first, then written)."""
@@ -169,10 +180,9 @@ def speculative_tree_greedy(target, draft, prompt: list[int], *, num_steps: int,
     k, Sd, N = topk, num_steps, num_draft_tokens
     like = next(target.parameters())
     dev = like.device
-    c = target.config
     max_len = len(prompt) + max_new_tokens + N  # committed region: L + N <= max_len in every round
-    tkv = SlotKV(c.num_hidden_layers, max_len, c.num_key_value_heads, c.head_dim, like.dtype, dev)
-    dkv = SlotKV(draft.num_layers, max_len + k * Sd, draft.num_kv_heads, draft.head_dim, like.dtype, dev)
+    tkv = SlotKV.of(target_kv_dims(target), max_len, like)
+    dkv = SlotKV.of(draft_kv_dims(draft), max_len + k * Sd, like)
     tbe, dbe = SlotBackend(tkv), SlotBackend(dkv)
     use_h = draft.uses_hidden
     # the target hidden states the draft reads: None = the last (EAGLE), else EAGLE-3's layers

@@ -84,12 +84,14 @@ def generate(target, prompts: list[list[int]], *, backend: str = "fa3", version:
     """Speculative greedy generation of every prompt (request id = index in ``prompts``).
 
     Args:
-        target: :class:`~refspec.model.llama.LlamaModel` (its device / dtype are used).
+        target: :class:`~refspec.model.llama.LlamaModel`, or :class:`~refspec.model.deepseek.DeepseekModel`
+            (MLA: latent KV pools, :mod:`refspec.speculative.engine`); its device / dtype are used.
         backend: "oracle" (dense per-request loop, :mod:`refspec.oracle.loop`), "fa3" (the
             production loop with the FA3 wing), "paged-oracle" (the production loop with the
             paged oracle attention, eager).
         version: "v1" / "v2".  page_size: P.  graphs: CUDA graphs (fa3 only).
-        draft: "eagle", "early-exit[:k]", a small :class:`LlamaModel`, or a draft object.
+        draft: "eagle", "early-exit[:k]", "mtp" (a DeepSeek target's MTP layer), a small
+            :class:`LlamaModel`, or a draft object (:func:`refspec.model.drafts.make_draft`).
         drafter: None (the draft's argmax), "perfect", "adversarial", "random", or a Drafter.
         num_steps: Sd.  max_new_tokens: int or one per prompt.  eos: stop token (emitted).
         topk: k branches per draft step (EAGLE top-k tree, docs/spec/tree.md); 1 = the chain.

@@ -72,7 +72,7 @@ import torch
 
 from refspec.core.args import count, int_list
 from refspec.core.batch import extend_batch
-from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.kv_cache import KVCache, KVPool, MLAKVPool
 from refspec.core.transfer import ResultCopy, h2d, h2d_many
 from refspec.speculative import overlap as overlap_loop
 from refspec.speculative import rounds
@@ -87,11 +87,26 @@ from refspec.speculative.runners import SpecRunners
 __all__ = ["Engine", "Request"]
 
 
+def kv_pool(num_layers: int, mla_dims, mha_heads, num_pages: int, page_size: int, **kw):
+    """One model's paged KV pool, by its attention arch: an :class:`~refspec.core.kv_cache.MLAKVPool`
+    of ``mla_dims``' latent row (ML-001) for an MLA model (a DeepSeek target's ``config.mla_dims``, an
+    MTP draft's ``mla_dims``), else a :class:`~refspec.core.kv_cache.KVPool` of ``mha_heads() =
+    (Hkv, D)``.  ``kw``: dtype, device, fill.  SGLang's model runner picks ``MLATokenToKVPool`` the
+    same way (``use_mla_backend = model_config.attention_arch == AttentionArch.MLA``,
+    `model_runner.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/model_executor/model_runner.py#L406>`_;
+    the pool, `kv_cache_configurator.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/mem_cache/kv_cache_configurator.py#L1872>`_)."""
+    if mla_dims is not None:
+        return MLAKVPool(num_layers, num_pages, page_size, mla_dims.kv_lora_rank, mla_dims.qk_rope_head_dim, **kw)
+    return KVPool(num_layers, num_pages, page_size, *mha_heads(), **kw)
+
+
 class Engine:
     """Continuous-batching EAGLE top-k = 1 engine over a paged KV cache (module doc).
 
     Args:
-        target: :class:`~refspec.model.llama.LlamaModel`; draft: a draft (:mod:`refspec.model.drafts`).
+        target: :class:`~refspec.model.llama.LlamaModel` or :class:`~refspec.model.deepseek.DeepseekModel`;
+            draft: a draft (:mod:`refspec.model.drafts`).  Each gets the pool of its attention arch
+            (:func:`kv_pool`: an MLA model's is an ``MLAKVPool``).
         version: "v1" or "v2".  num_steps: Sd >= 1 (N = Sd + 1).  page_size: P.
         max_context: bound on prompt + max_new_tokens (tokens); ``req_to_token`` rows get
             4 + N extra columns (SGLang's ``extra_max_context_len``) for the verify window
@@ -131,11 +146,11 @@ class Engine:
         self.kv = KVCache(max_batch + 1, max_context, num_pages, page_size, extra=width - max_context,
                           device=p.device, seed=shuffle_pages)
         self.syncs: Counter = Counter()
-        c = target.config
-        self.target_pool = KVPool(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim,
-                                  dtype=p.dtype, device=p.device, fill=pool_fill)
-        self.draft_pool = KVPool(draft.num_layers, num_pages, page_size, draft.num_kv_heads, draft.head_dim,
-                                 dtype=p.dtype, device=p.device, fill=pool_fill)
+        c, pool_kw = target.config, dict(dtype=p.dtype, device=p.device, fill=pool_fill)
+        self.target_pool = kv_pool(c.num_hidden_layers, getattr(c, "mla_dims", None),
+                                   lambda: (c.num_key_value_heads, c.head_dim), num_pages, page_size, **pool_kw)
+        self.draft_pool = kv_pool(draft.num_layers, getattr(draft, "mla_dims", None),
+                                  lambda: (draft.num_kv_heads, draft.head_dim), num_pages, page_size, **pool_kw)
         self.runners = self._make_runners(num_steps=num_steps, version=version, attention=attention, graphs=graphs,
                                           capture_bs=capture_bs, provider=provider, validate=validate,
                                           syncs=self.syncs, forced_drafts=self.forces_drafts)
