@@ -80,7 +80,8 @@ def test_mla_softmax_scale_positive_controls():
     factor is upstream's 1.0 (mscale 1), a factor in (0, 1] gives mscale 1 as upstream."""
     assert mla_softmax_scale(DEEPSEEK_V3_DIMS, DEEPSEEK_V3_ROPE_SCALING) == pytest.approx(0.1352, abs=5e-5)
     assert mla_softmax_scale(DEEPSEEK_V3_DIMS) == 192 ** -0.5
-    assert mla_softmax_scale(DEEPSEEK_V3_DIMS, {"type": "yarn", "mscale_all_dim": 1}) == 192 ** -0.5
+    with pytest.warns(UserWarning, match="missing 'factor', defaulting to 1.0"):  # upstream warns too
+        assert mla_softmax_scale(DEEPSEEK_V3_DIMS, {"type": "yarn", "mscale_all_dim": 1}) == 192 ** -0.5
     assert mla_softmax_scale(DEEPSEEK_V3_DIMS, {"type": "yarn", "factor": 0.5, "mscale_all_dim": 1}) == 192 ** -0.5
 
 
@@ -417,6 +418,13 @@ def test_deepseek_config_positive_controls():
     assert DeepseekConfig.from_dict({"hidden_size": 64}).hidden_size == 64
     with value_error("from_dict takes a dict"):  # before: AttributeError ('list' object has no attribute 'items')
         DeepseekConfig.from_dict([("hidden_size", 64)])
+
+
+@pytest.mark.parametrize("rope_scaling", [[1], {"type": "yarn", "factor": "x"}], ids=["list", "factor-str"])
+def test_mla_scenario_refuses_a_malformed_rope_scaling_at_construction(rope_scaling):
+    """Before: an AttributeError ('list' object has no attribute 'get') or a TypeError at ``build()``."""
+    with value_error("rope_scaling"):
+        MLAScenario(M.TARGET_VERIFY, 4, [5, 9], rope_scaling=rope_scaling)
 
 
 def test_mla_dims_accept_what_attention_alone_can_run():

@@ -164,7 +164,7 @@ def paged_view(flat: torch.Tensor, page_size: int) -> torch.Tensor:
     Raises: ValueError if ``S`` is not a multiple of ``page_size``."""
     S = flat.shape[0]
     if S % count("page_size", page_size, 1):
-        raise ValueError(f"paged_view: {S} slots are not a whole number of pages of {page_size}")
+        raise ValueError(f"paged_view: {S} slots are not a whole number of pages of {page_size} (page_size)")
     return flat.as_strided((S // page_size, page_size, *flat.shape[1:]),
                            (flat.stride(0) * page_size, flat.stride(0), *flat.stride()[1:]))
 

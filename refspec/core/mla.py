@@ -33,6 +33,7 @@ Upstream: ``DeepseekV2AttentionMLA`` in `srt/models/deepseek_v2.py@v0.5.23
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -108,7 +109,8 @@ def finite_number(name: str, x) -> float:
 def check_rope_scaling(rope_scaling) -> None:
     """The HF ``rope_scaling`` entries the MLA scale reads are well formed: None or a dict whose
     ``factor`` (if given) is a finite number > 0 and whose ``mscale_all_dim`` (if given) is a
-    finite number (or False, upstream's default).  refspec hardening: upstream's
+    finite number (or False, upstream's default); a missing ``factor`` is upstream's 1.0, with
+    upstream's warning (a ``UserWarning`` here).  refspec hardening: upstream's
     ``yarn_get_mscale`` returns mscale 1 for any factor <= 1, so a factor of 0 or -40 (a broken
     config: no context is stretched by a non-positive factor) would pass silently as "no YaRN".
     Raises ValueError naming the entry."""
@@ -117,6 +119,12 @@ def check_rope_scaling(rope_scaling) -> None:
     if not isinstance(rope_scaling, Mapping):
         raise ValueError(f"rope_scaling must be None or a dict (HF config), got {type(rope_scaling).__name__} "
                          f"{rope_scaling!r}")
+    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    applies = (kind != "default" and rope_scaling.get("apply_yarn_scaling", True)
+               and rope_scaling.get("apply_scale", True))
+    if applies and "factor" not in rope_scaling:  # upstream's words (compute_mla_mscale_scaling)
+        warnings.warn("rope_scaling missing 'factor', defaulting to 1.0 (no YaRN stretch). Check model accuracy.",
+                      stacklevel=3)
     if "factor" in rope_scaling and finite_number("rope_scaling['factor']", rope_scaling["factor"]) <= 0:
         raise ValueError(f"rope_scaling['factor'] must be > 0 (the context stretch; YaRN needs > 1), got "
                          f"{rope_scaling['factor']!r}")
@@ -256,8 +264,8 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int)
     tensor("kv_b_proj.weight", weight, dim=2, integer=False)
     rows, R = weight.shape
     if rows % H or rows // H <= Dn:
-        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need H = {H} blocks of "
-                         f"Dn = {Dn} + Dv rows each")
+        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need num_heads H = {H} blocks of "
+                         f"qk_nope_head_dim Dn = {Dn} + Dv >= 1 rows each")
     w = weight.view(H, rows // H, R)
     return w[:, :Dn], w[:, Dn:].transpose(1, 2)
 
@@ -337,8 +345,10 @@ def check_absorbed_call(pool, layer: AttentionLayer, q, q_rope, k, k_rope) -> No
             "0 < v_head_dim < head_dim (the split point)")
     check_window(L)
     tensor("q (the absorbed q_nope)", q)
+    if q_rope is not None:
+        tensor("q_rope", q_rope)
     require(q_rope is not None and q.dim() == 3 and tuple(q.shape[1:]) == (L.num_heads, L.v_head_dim)
-            and tuple(tensor("q_rope", q_rope).shape) == (q.shape[0], L.num_heads, L.head_dim - L.v_head_dim),
+            and tuple(q_rope.shape) == (q.shape[0], L.num_heads, L.head_dim - L.v_head_dim),
             "ML-005", lambda: f"q {tuple(q.shape)}, q_rope {None if q_rope is None else tuple(q_rope.shape)}: the "
             f"absorbed call takes q = W_UK^T q_nope [T, H = {L.num_heads}, {L.v_head_dim}] and q_rope [T, H, "
             f"{L.head_dim - L.v_head_dim}]")
@@ -359,10 +369,12 @@ def check_mha_pass(layer: AttentionLayer, q, k, v, total_keys: int) -> None:
     L = layer
     check_scale(L.scaling, f"layer {L.layer_id}")
     check_window(L)
-    tensor("q", q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None or name == "q":
+            tensor(name, t)
     ok = (k is not None and v is not None and q.dim() == 3 and tuple(q.shape[1:]) == (L.num_heads, L.head_dim)
-          and tuple(tensor("k", k).shape) == (total_keys, L.num_kv_heads, L.head_dim)
-          and tuple(tensor("v", v).shape) == (total_keys, L.num_kv_heads, L.v_head_dim))
+          and tuple(k.shape) == (total_keys, L.num_kv_heads, L.head_dim)
+          and tuple(v.shape) == (total_keys, L.num_kv_heads, L.v_head_dim))
     require(ok, "ML-010", lambda: f"q {tuple(q.shape)}, k {None if k is None else tuple(k.shape)}, v "
             f"{None if v is None else tuple(v.shape)}: the MHA pass takes q [T, {L.num_heads}, {L.head_dim}] and "
             f"k / v [sum K = {total_keys}, {L.num_kv_heads}, {L.head_dim} / {L.v_head_dim}], every key of every "
