@@ -310,11 +310,12 @@ def test_a_pool_paged_otherwise_than_the_cache_is_refused(wing):
         backend(wing, KVPool(1, b.pool.num_pages, 8, 1, 8))
 
 
-@pytest.mark.spec("ML-010", "ML-007")
+@pytest.mark.spec("ML-010", "ML-007", "PA-011")
 @pytest.mark.parametrize("wing", ["fa3", "oracle"])
 def test_mha_pass_refuses_what_it_would_compute_wrongly(wing):
     """The non-absorbed prefill (ML-010): before, a NaN scale and a sliding window ran silently, a
-    q of another dtype than k / v was cast by the oracle (the FA3 emulator refused it by PA-011)."""
+    q of another dtype than k / v was cast by the oracle (the FA3 emulator refused it by PA-011:
+    both wings now do, before the call)."""
     b = MLAScenario(M.EXTEND, 4, [5, 9], extend_lens=[5, 9], poison=False).build()
     q, k, v, fb = b.mha_pass_inputs()
     be = b.fa3_backend() if wing == "fa3" else OracleBackend(b.pool, b.kv)
@@ -324,7 +325,7 @@ def test_mha_pass_refuses_what_it_would_compute_wrongly(wing):
         be.forward(q, k, v, dataclasses.replace(L, scaling=float("nan")), fb)
     with value_error("sliding_window_size"):
         be.forward(q, k, v, dataclasses.replace(L, sliding_window_size=2), fb)
-    with raises("ML-010", "one floating dtype"):
+    with raises("PA-011", "one floating dtype"):
         be.forward(q.double(), k, v, L, fb)
     assert be.forward(q, k, v, L, fb).shape == (14, 4, 16)  # the valid call
 

@@ -131,8 +131,8 @@ def check_pool_fits(pool, kv: "KVCache") -> None:
     size P (the page table's page ids are the allocator's: slot = page * P + offset).  Checked once,
     when a backend is built.  Raises ValueError naming ``page_size``: FA3's paged views of a pool
     of another P would read other slots than the table names, silently (the oracle, reading by
-    slot, would not notice)."""
-    if pool.page_size != kv.page_size:
+    slot, would not notice).  ``pool`` None (a backend built for its metadata only) has nothing to check."""
+    if pool is not None and pool.page_size != kv.page_size:
         raise ValueError(f"the pool's page_size {pool.page_size} is not the cache's {kv.page_size}: the page table's "
                          "page ids would name other slots of the pool")
 

@@ -195,9 +195,9 @@ def mla_attention_layers(layer_id: int, num_heads: int, dims: MLADims, scaling: 
 def check_scale(scaling, who: str) -> None:
     """ML-007: ``scaling`` is an explicit softmax scale, a finite number > 0 (what
     :func:`mla_softmax_scale` returns); None (the head-dim default) and nan / inf / <= 0 are refused."""
-    if scaling is None:
-        require(False, "ML-007", f"{who} has no scaling: the default head_dim^-0.5 of the absorbed layer is FA3's "
-                "qv default (D + Dv)^-0.5, not MLA's (Dn + Dr)^-0.5 * mscale^2 (set it with mla_softmax_scale)")
+    require(scaling is not None, "ML-007", lambda: f"{who} has no scaling: the default head_dim^-0.5 of the "
+            "absorbed layer is FA3's qv default (D + Dv)^-0.5, not MLA's (Dn + Dr)^-0.5 * mscale^2 (set it with "
+            "mla_softmax_scale)")
     ok = not isinstance(scaling, bool) and isinstance(scaling, Real) and math.isfinite(scaling) and scaling > 0
     require(ok, "ML-007", lambda: f"{who}: scaling {scaling!r}; the MLA scale (Dn + Dr)^-0.5 * mscale^2 "
             "(mla_softmax_scale) is a finite number > 0")
@@ -364,7 +364,7 @@ def check_mha_pass(layer: AttentionLayer, q, k, v, total_keys: int) -> None:
     """The non-absorbed prefill call (ML-010) is well formed: ``q [T, H, D]``, ``k [sum K, Hkv, D]``,
     ``v [sum K, Hkv, Dv]``, one floating dtype, every key of every request (prefix included:
     MHA_ONE_SHOT), an explicit scale.  ``total_keys``: ``sum K_b`` (tokens).
-    Raises InvariantError ML-007 / ML-010; ValueError naming ``q`` / ``k`` / ``v`` (not tensors)
+    Raises InvariantError ML-007 / ML-010 / PA-011 (dtypes); ValueError naming ``q`` / ``k`` / ``v`` (not tensors)
     or the layer's ``sliding_window_size`` (not modelled, as in :func:`check_absorbed_call`)."""
     L = layer
     check_scale(L.scaling, f"layer {L.layer_id}")
@@ -379,8 +379,8 @@ def check_mha_pass(layer: AttentionLayer, q, k, v, total_keys: int) -> None:
             f"{None if v is None else tuple(v.shape)}: the MHA pass takes q [T, {L.num_heads}, {L.head_dim}] and "
             f"k / v [sum K = {total_keys}, {L.num_kv_heads}, {L.head_dim} / {L.v_head_dim}], every key of every "
             "request (MHA_ONE_SHOT; the chunked prefix pass is not modelled)")
-    require(q.is_floating_point() and q.dtype == k.dtype == v.dtype, "ML-010",
-            lambda: f"q {q.dtype}, k {k.dtype}, v {v.dtype}: the MHA pass takes one floating dtype")
+    require(q.is_floating_point() and q.dtype == k.dtype == v.dtype, "PA-011",
+            lambda: f"q {q.dtype}, k {k.dtype}, v {v.dtype}: the MHA pass's varlen call takes one floating dtype")
 
 
 def check_window(layer: AttentionLayer) -> None:
