@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -203,3 +204,30 @@ def test_the_committed_card_still_reads():
     card = head_card(HEAD_FILE)
     assert isinstance(card, dict) and len(card["sha256"]) == 64
     assert json.loads(HEAD_FILE.with_suffix(".json").read_text()) == card
+
+
+# ================================================================ the shared timing rule (refspec/cli/_timing.py)
+def test_speedup_over_an_empty_greedy_window_is_nan_not_a_crash():
+    """Before: ZeroDivisionError ('float division by zero') when the greedy run emitted nothing after
+    its prefill (every budget 1: 1 token per request, all of it the prefill's), so ``demo
+    --max-new-tokens 1`` died in its table.  Now the ratio is NaN, as an empty window's rate is."""
+    from refspec.cli import _timing
+
+    assert math.isnan(_timing.speedup(_timing.Timed(3, 1.0), _timing.Timed(0, 1.0)))
+    assert math.isnan(_timing.speedup(_timing.Timed(3, 1.0), _timing.Timed(0, 0.0)))
+    assert _timing.speedup(_timing.Timed(30, 2.0), _timing.Timed(10, 1.0)) == pytest.approx(1.5)  # the valid case
+
+
+def test_demo_rows_print_a_dash_for_values_a_one_token_run_does_not_have():
+    """``python -m refspec demo --max-new-tokens 1`` (every token is the prefill's): before, the
+    table died with ZeroDivisionError (the ratio above), then with TypeError ('unsupported format
+    string passed to NoneType.__format__': no verify round, so no accept length).  Now such cells
+    print "-"; a normal row prints its numbers (positive control)."""
+    from refspec.cli._demo_gpu import GpuRow
+    from refspec.cli.demo import Row
+
+    empty = Row("spec", 4, 1, "v2", None, 0, 0.0, spec_eq_greedy=True, x_graph=float("nan"))
+    assert empty.cells()[4:7] == ["-", "-", "-"]
+    assert Row("spec", 4, 1, "v2", 2.5, 30, 2.0, x_graph=1.5).cells()[4:7] == ["2.50", "15.0", "1.50"]
+    assert GpuRow("spec", 4, 1, "v2", None, 0, 0.0, x_graph=float("nan")).cells()[4:7] == ["-", "-", "-"]
+    assert GpuRow("spec", 4, 1, "v2", 2.5, 30, 2.0, x_graph=1.5).cells()[4:7] == ["2.50", "15.0", "1.50"]

@@ -330,6 +330,23 @@ def test_mha_pass_refuses_what_it_would_compute_wrongly(wing):
     assert be.forward(q, k, v, L, fb).shape == (14, 4, 16)  # the valid call
 
 
+@pytest.mark.spec("ML-009")
+def test_the_path_choice_refuses_extend_lengths_that_do_not_fit_the_batch():
+    """Before, on a prefix-free EXTEND of seq_lens [5, 9]: extend_seq_lens_cpu [6, 8] summed the
+    prefixes (-1) + 1 to 0 and chose MHA_ONE_SHOT for a batch whose second request has a prefix; a
+    list of one entry (zip) looked at the first request only; ``fb=None`` raised AttributeError."""
+    from refspec.core.mla import AttnForwardMethod, mla_forward_method
+
+    fb = MLAScenario(M.EXTEND, 4, [0, 0], extend_lens=[5, 9]).build().fb
+    assert mla_forward_method(fb) is AttnForwardMethod.MHA_ONE_SHOT  # the valid batch
+    with value_error(r"extend_seq_lens_cpu \[6, 8\] exceeds seq_lens \[5, 9\]"):
+        mla_forward_method(fb.replace(extend_seq_lens_cpu=[6, 8]))
+    with value_error("extend_seq_lens_cpu has 1 entries, expected 2"):
+        mla_forward_method(fb.replace(extend_seq_lens_cpu=[5]))
+    with value_error("takes a ForwardBatch"):
+        mla_forward_method(None)
+
+
 # ================================================================ the kernel entry points
 def test_varlen_emulator_refuses_empty_offsets_and_a_non_int_max_seqlen_k():
     """Before: ``cu_seqlens_q = cu_seqlens_k = []`` raised IndexError (list index out of range);

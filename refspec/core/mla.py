@@ -41,7 +41,7 @@ from numbers import Real
 
 import torch
 
-from refspec.core.args import count, tensor
+from refspec.core.args import count, int_list, tensor
 from refspec.core.batch import ForwardBatch
 from refspec.core.invariants import require
 from refspec.core.layer import AttentionLayer
@@ -235,16 +235,22 @@ def mla_forward_method(fb: ForwardBatch, *, disable_chunked_prefix_cache: bool =
 
     Upstream: ``_handle_attention_backend`` / ``handle_attention_fa3``, `attention_backend_handler.py@v0.5.23
     <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_backend_handler.py#L108>`_
-    (the same rule at v0.5.12.post1, L72).  Raises ValueError if an EXTEND batch lacks
-    ``extend_seq_lens_cpu``.
+    (the same rule at v0.5.12.post1, L72).  Raises ValueError if ``fb`` is no ForwardBatch, or an
+    EXTEND batch lacks ``extend_seq_lens_cpu`` or holds other than one length ``0 <= e_b <= seq_lens[b]``
+    per request (a malformed list could sum the prefixes to 0 and pick MHA for a batch with one).
     """
+    if not isinstance(fb, ForwardBatch):
+        raise ValueError(f"mla_forward_method takes a ForwardBatch, got {type(fb).__name__}")
     if deterministic or fb.forward_mode != ForwardMode.EXTEND:
         return AttnForwardMethod.MLA
     if fb.extend_seq_lens_cpu is None:
         raise ValueError("mla_forward_method: an EXTEND batch needs extend_seq_lens_cpu (its prefixes are "
                          "seq_lens - extend_seq_lens)")
     seq = [int(x) for x in fb.seq_lens_cpu.tolist()]
-    prefix = sum(s - e for s, e in zip(seq, fb.extend_seq_lens_cpu))
+    ext = int_list("extend_seq_lens_cpu", fb.extend_seq_lens_cpu, length=len(seq), least=0)
+    if any(e > s for s, e in zip(seq, ext)):
+        raise ValueError(f"extend_seq_lens_cpu {ext} exceeds seq_lens {seq}: a request extends by at most its length")
+    prefix = sum(s - e for s, e in zip(seq, ext))
     if not (prefix == 0 or (prefix >= CHUNKED_PREFIX_CACHE_THRESHOLD and not disable_chunked_prefix_cache)):
         return AttnForwardMethod.MLA
     return AttnForwardMethod.MHA_ONE_SHOT if sum(seq) <= MAX_KV_CHUNK_CAPACITY else AttnForwardMethod.MHA_CHUNKED_KV
