@@ -122,6 +122,19 @@ CASES = [
     (["conformance", "--pin", "0.5.23", "0.5.12.post1"], ["unrecognized arguments", "comma-separated"]),
     (["conformance", "--baseline", "0.5.23"], ["--baseline", "exactly one --sglang SPEC", "got none"]),
     (["conformance", "--baseline", "0.5.23", "--sglang", "0.5.23,0.5.14"], ["--baseline", "got 2: 0.5.23,0.5.14"]),
+    # train-draft: refused before any data or model is read (--data names no file: a later refusal would say so)
+    (["train-draft", "--kind", "eagle3", "--aux-layers", "2,x", "--data", "none.npz"], ["--aux-layers", "'2,x'"]),
+    (["train-draft", "--kind", "eagle3", "--aux-layers", "2,2", "--data", "none.npz"], ["aux_layers (2, 2)",
+                                                                                         "strictly increasing"]),
+    (["train-draft", "--kind", "eagle3", "--aux-layers", "27,2", "--data", "none.npz"], ["aux_layers (27, 2)"]),
+    (["train-draft", "--kind", "eagle3", "--aux-layers", "5", "--data", "none.npz"], ["aux_layers (5,)", "two"]),
+    (["train-draft", "--aux-layers", "2,15", "--data", "none.npz"], ["--aux-layers needs --kind eagle3"]),
+    (["train-draft", "--unroll", "0", "--data", "none.npz"], ["--unroll", ">= 1"]),
+    (["train-draft", "--unroll", "4", "--data", "none.npz"], ["unroll=4", "kind 'eagle'", "--kind eagle3"]),
+    (["train-draft", "--lr", "nan", "--data", "none.npz"], ["lr must be a finite number"]),
+    (["train-draft", "--lr", "-1", "--data", "none.npz"], ["lr must be > 0"]),
+    (["train-draft", "--max-seconds", "-5", "--data", "none.npz"], ["--max-seconds", "> 0"]),
+    (["train-draft", "--train-seconds", "0", "--data", "none.npz"], ["--train-seconds", "> 0"]),
 ]
 if not torch.cuda.is_available():
     CASES += [(["check", "--device", "cuda"], ["no CUDA device"]), (["mutants", "--device", "cuda"], ["no CUDA"]),

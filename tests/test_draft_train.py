@@ -134,7 +134,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_final_fraction():
     assert lr_at(110, r) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("kw, match", [({"unroll": 4}, "step_weights"), ({"steps": 0}, "steps and batch_rows")])
+@pytest.mark.parametrize("kw, match", [({"unroll": 4}, "step_weights"), ({"steps": 0}, "steps must be an int >= 1")])
 def test_recipe_refuses_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         Recipe(**kw)

@@ -14,7 +14,9 @@ Any other exception type (TypeError, IndexError, AttributeError, RuntimeError, .
 test: the user would see a message that does not say which argument or rule is wrong.
 Entry points: generate, Scenario (+ build), KVCache / PagedAllocator / KVPool methods, the
 batch builders, init_forward_metadata (both wings), the FA3 emulator, attention_by_slot,
-GraphRunner.replay.
+GraphRunner.replay; MLA (issue 40): MLADims, the scale and layer helpers, the weight helpers,
+the MLAKVPool methods and the absorbed ``forward(q, k, v, layer, fb, q_rope=, k_rope=)`` of both
+wings.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from hypothesis import strategies as st
 
 from refspec import InvariantError, Scenario, generate
 from refspec.core import batch as B
-from refspec.core.kv_cache import KVCache, KVPool, PagedAllocator
+from refspec.core import mla
+from refspec.core.kv_cache import KVCache, KVPool, MLAKVPool, PagedAllocator
 from refspec.core.modes import ForwardMode as M
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.emulator import emulate_flash_attn_with_kvcache
+from refspec.harness.mla_scenario import MLAScenario
 from refspec.model.llama import LlamaModel, init_random_, tiny_config
 from refspec.oracle.attention import attention_by_slot
 from refspec.oracle.backend import OracleBackend
@@ -41,7 +45,7 @@ from refspec.oracle.backend import OracleBackend
 N_EXAMPLES = int(os.environ.get("REFSPEC_FUZZ_EXAMPLES", 40))  #: per test; raise it for a longer hunt
 FAST = settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-ID = re.compile(r"\[(PA|KV|MD|CG|SD|TOL)-\d{3}\]")
+ID = re.compile(r"\[(PA|KV|MD|CG|SD|ML|TOL)-\d{3}\]")
 
 _SCALARS = [None, True, False, 0, -1, 1, 3, 7, 2 ** 40, 1.5, float("nan"), "4", b"x", object()]
 _LISTS = [[], [None], [-1], [0], [1.5], ["a"], [[1]], [1, 2, 3, 4, 5, 6, 7], [True], [2 ** 40], (1,)]
@@ -284,3 +288,73 @@ def test_generate(data):
         assert res.tokens == [greedy(model(), p, m, bad["eos"]).tokens for p, m in zip(bad["prompts"], budgets)]
     with torch.no_grad():
         named_or_correct(lambda: generate(model(), **bad), names, lossless)
+
+
+# ============================================================================ MLA (issue 40)
+def _mla_pool():
+    return MLAKVPool(num_layers=1, num_pages=4, page_size=4, kv_lora_rank=8, qk_rope_head_dim=4)
+
+
+_W = torch.randn(4 * (16 + 16), 8)  # kv_b_proj.weight of H = 4, Dn = Dv = 16, R = 8
+_WKC, _WVC = mla.split_kv_b_proj(_W, 4, 16)
+MLA_CALLS = {
+    "MLADims": (lambda **a: mla.MLADims(**a), dict(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=16,
+                                                   v_head_dim=16)),
+    "yarn_get_mscale": (mla.yarn_get_mscale, dict(scale=40, mscale=1.0)),
+    "mla_softmax_scale": (mla.mla_softmax_scale, dict(dims=mla.DEEPSEEK_V3_DIMS,
+                                                      rope_scaling=dict(mla.DEEPSEEK_V3_ROPE_SCALING))),
+    "rope_scaling entries": (lambda **a: mla.mla_softmax_scale(mla.DEEPSEEK_V3_DIMS, dict(type="yarn", **a)),
+                             dict(factor=40, mscale_all_dim=1.0)),
+    "mla_attention_layers": (mla.mla_attention_layers, dict(layer_id=0, num_heads=4, dims=mla.DEEPSEEK_V3_DIMS,
+                                                            scaling=0.1352)),
+    "split_kv_b_proj": (mla.split_kv_b_proj, dict(weight=_W, num_heads=4, qk_nope_head_dim=16)),
+    "absorb_q": (mla.absorb_q, dict(q_nope=torch.randn(3, 4, 16), w_kc=_WKC)),
+    "latent_to_v": (mla.latent_to_v, dict(o=torch.randn(3, 4, 8), w_vc=_WVC)),
+    "expand_latent": (mla.expand_latent, dict(c=torch.randn(5, 8), k_pe=torch.randn(5, 4), w_kc=_WKC, w_vc=_WVC)),
+    "MLAKVPool": (lambda **a: MLAKVPool(**a), dict(num_layers=1, num_pages=4, page_size=4, kv_lora_rank=8,
+                                                   qk_rope_head_dim=4)),
+    "set_mla_kv_buffer": (lambda **a: _mla_pool().set_mla_kv_buffer(**a),
+                          dict(layer_id=0, loc=torch.tensor([5, 6]), k_nope=torch.randn(2, 1, 8),
+                               k_rope=torch.randn(2, 1, 4))),
+    "get_mla_kv_buffer": (lambda **a: _mla_pool().get_mla_kv_buffer(**a), dict(layer_id=0, loc=torch.tensor([5, 6]))),
+    "move_kv_cache": (lambda **a: _mla_pool().move_kv_cache(**a), dict(tgt=torch.tensor([5]), src=torch.tensor([6]))),
+    "paged_views": (lambda **a: _mla_pool().paged_views(**a), dict(layer_id=0, v_head_dim=8, page_size=4)),
+}
+
+
+@FAST
+@given(st.data(), st.sampled_from(sorted(MLA_CALLS)))
+def test_mla_entry_points(data, which):
+    fn, args = MLA_CALLS[which]
+    bad, names = mutate(data.draw, args, list(args))
+    # the weight helpers name the tensor whose shape is off; with one replaced, the other may be named
+    also = {"absorb_q": list(args), "latent_to_v": list(args), "expand_latent": list(args),
+            "rope_scaling entries": ["rope_scaling"]}.get(which, [])
+    named_or_correct(lambda: fn(**bad), names + also)
+
+
+@functools.lru_cache(maxsize=None)
+def mla_built():
+    return MLAScenario(M.TARGET_VERIFY, page_size=4, lens=[5, 9], num_draft_tokens=4, poison=False).build()
+
+
+@FAST
+@given(st.data(), st.sampled_from(["fa3", "oracle"]))
+def test_mla_absorbed_forward(data, wing):
+    """Junk in the absorbed call's four tensors: a named error, or (a valid value after all) the
+    other wing's answer on the same call."""
+    b = mla_built()
+    args = dict(q=b.q, q_rope=b.q_rope, k=b.k, k_rope=b.k_rope)
+    bad, names = mutate(data.draw, args, list(args))
+
+    def run(w):
+        be = b.fa3_backend() if w == "fa3" else OracleBackend(b.pool, b.kv)
+        be.init_forward_metadata(b.fb)
+        return be.forward(bad["q"], bad["k"], bad["k"], b.layer, b.fb, q_rope=bad["q_rope"], k_rope=bad["k_rope"])
+
+    def agrees(out):
+        ref = run("oracle" if wing == "fa3" else "fa3")
+        assert out.shape == ref.shape == (b.fb.num_tokens, 4, 256)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    # k (the latent) and k_rope are stored as k_nope / k_rope; q is the absorbed q_nope
+    named_or_correct(lambda: run(wing), names + ["k_nope"] * ("k" in names), agrees)

@@ -63,7 +63,7 @@ class GpuRow:
     P: int | None
     B: int
     version: str | None
-    accept_length: float
+    accept_length: float | None  #: None without a verify round ("-", as every missing value)
     tokens: int
     seconds: float
     t2_bf16: bool | None = None
@@ -73,14 +73,15 @@ class GpuRow:
 
     @property
     def tok_per_s(self) -> float:
-        return self.tokens / self.seconds
+        """Tokens per second; NaN for an empty window (``--max-new-tokens 1``)."""
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
     def cells(self) -> list[str]:
         yn = lambda b: "-" if b is None else ("yes" if b else "NO")
+        num = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731 - None or NaN: "-"
         return [self.path, "-" if self.P is None else str(self.P), str(self.B), self.version or "-",
-                f"{self.accept_length:.2f}", f"{self.tok_per_s:.1f}",
-                "-" if self.x_graph is None else f"{self.x_graph:.2f}", yn(self.t2_bf16), yn(self.t2_fp32),
-                yn(self.eq_oracle)]
+                num(self.accept_length, ".2f"), num(self.tok_per_s, ".1f"), num(self.x_graph, ".2f"),
+                yn(self.t2_bf16), yn(self.t2_fp32), yn(self.eq_oracle)]
 
 
 def format_gpu_table(rows: list[GpuRow]) -> str:

@@ -49,8 +49,10 @@ class Timed:
 
 
 def speedup(spec: Timed, greedy: Timed) -> float:
-    """``spec``'s tokens/s over ``greedy``'s: the "x graph greedy" of the demo and the bench."""
-    return spec.tok_per_s / greedy.tok_per_s
+    """``spec``'s tokens/s over ``greedy``'s: the "x graph greedy" of the demo and the bench; NaN
+    when greedy's window holds no token (every budget 1: nothing after the prefill to compare)."""
+    base = greedy.tok_per_s
+    return spec.tok_per_s / base if base > 0 else float("nan")
 
 
 def _sync_for(device) -> Callable[[], None]:

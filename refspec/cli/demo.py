@@ -58,13 +58,15 @@ HEADER = ("path", "page size", "batch", "version", "accept length", "tokens/s", 
 class Row:
     """One line of the table; ``spec_eq_greedy`` / ``prod_eq_oracle`` / ``x_graph`` None where not
     applicable.  ``tokens`` / ``seconds``: the decode window's where the run has one
-    (:attr:`~refspec.cli._demo_runs.RunOutcome.timed`), else the whole run's."""
+    (:attr:`~refspec.cli._demo_runs.RunOutcome.timed`), else the whole run's.  A value that does
+    not exist prints "-": no accept length without a verify round, no rate over an empty window
+    (``--max-new-tokens 1``: every token is the prefill's)."""
 
     path: str
     page_size: int | None
     batch: int
     version: str | None
-    accept_length: float
+    accept_length: float | None
     tokens: int
     seconds: float
     spec_eq_greedy: bool | None = None
@@ -73,9 +75,10 @@ class Row:
 
     def cells(self) -> list[str]:
         yn = lambda b, na: na if b is None else ("yes" if b else "NO")
+        num = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731 - None or NaN: "-"
+        rate = self.tokens / self.seconds if self.seconds > 0 else None
         return [self.path, "-" if self.page_size is None else str(self.page_size), str(self.batch),
-                self.version or "-", f"{self.accept_length:.2f}", f"{self.tokens / self.seconds:.1f}",
-                "-" if self.x_graph is None else f"{self.x_graph:.2f}",
+                self.version or "-", num(self.accept_length, ".2f"), num(rate, ".1f"), num(self.x_graph, ".2f"),
                 yn(self.spec_eq_greedy, "(baseline)"), yn(self.prod_eq_oracle, "-")]
 
 

@@ -64,6 +64,20 @@ def _layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: comma-separated ints, e.g. 2,15,27") from None
 
 
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a time bound in seconds, a finite number > 0."""
+    import argparse
+    import math
+
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number > 0")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     from refspec.real.draft_train import KINDS, Recipe
 
@@ -92,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=positive_int(), help="use only the first N rows (a quick run)")
     ap.add_argument("--heldout-rows", type=positive_int(), default=d.heldout_rows,
                     help="rows kept out of training for the evaluation (default %(default)s)")
-    ap.add_argument("--train-seconds", type=float, metavar="S",
+    ap.add_argument("--train-seconds", type=_seconds, metavar="S",
                     help="fix --steps from the speed of the first 30 steps so that training takes about S s "
                          "(the card records the count; --steps N repeats the run)")
-    ap.add_argument("--max-seconds", type=float, help="stop at this time bound (after writing --checkpoint)")
+    ap.add_argument("--max-seconds", type=_seconds, help="stop at this time bound (after writing --checkpoint)")
     ap.add_argument("--checkpoint", help="checkpoint file (default: OUT/NAME.ckpt)")
     ap.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     ap.add_argument("--distill", metavar="FILE.npz",

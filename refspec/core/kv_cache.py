@@ -126,6 +126,17 @@ class KVPool:
             flat[:, tgt] = flat[:, src]
 
 
+def check_pool_fits(pool, kv: "KVCache") -> None:
+    """A backend's pool (:class:`KVPool` or :class:`MLAKVPool`) is paged as its cache: the same page
+    size P (the page table's page ids are the allocator's: slot = page * P + offset).  Checked once,
+    when a backend is built.  Raises ValueError naming ``page_size``: FA3's paged views of a pool
+    of another P would read other slots than the table names, silently (the oracle, reading by
+    slot, would not notice).  ``pool`` None (a backend built for its metadata only) has nothing to check."""
+    if pool is not None and pool.page_size != kv.page_size:
+        raise ValueError(f"the pool's page_size {pool.page_size} is not the cache's {kv.page_size}: the page table's "
+                         "page ids would name other slots of the pool")
+
+
 def check_layer_id(layer_id: int, num_layers: int) -> int:
     """``layer_id`` as an int in ``[0, num_layers)`` (both pools' per-layer buffers).
 
@@ -153,7 +164,7 @@ def paged_view(flat: torch.Tensor, page_size: int) -> torch.Tensor:
     Raises: ValueError if ``S`` is not a multiple of ``page_size``."""
     S = flat.shape[0]
     if S % count("page_size", page_size, 1):
-        raise ValueError(f"paged_view: {S} slots are not a whole number of pages of {page_size}")
+        raise ValueError(f"paged_view: {S} slots are not a whole number of pages of {page_size} (page_size)")
     return flat.as_strided((S // page_size, page_size, *flat.shape[1:]),
                            (flat.stride(0) * page_size, flat.stride(0), *flat.stride()[1:]))
 
@@ -195,14 +206,17 @@ class MLAKVPool:
         num_pages: NP, pages in the pool *including* the reserved page 0.
         page_size: P, tokens per page.
         kv_lora_rank, qk_rope_head_dim: R, Dr (the row is R + Dr wide).
-        dtype, device: of the buffers.
+        dtype, device: of the buffers (a floating dtype).
         fill: initial value of every slot (tests poison with NaN).
+    Raises: ValueError naming a size that is not an int >= 1, or a ``dtype`` that is not floating.
     """
 
     def __init__(self, num_layers, num_pages, page_size, kv_lora_rank, qk_rope_head_dim,
                  dtype=torch.float32, device="cpu", fill: float = 0.0):
         _positive(num_layers=num_layers, num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank,
                   qk_rope_head_dim=qk_rope_head_dim)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"MLAKVPool dtype must be a floating torch.dtype (the latent rows), got {dtype!r}")
         self.page_size, self.num_pages = page_size, num_pages
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
@@ -211,6 +225,11 @@ class MLAKVPool:
                                   f"{list(shape)}",
                                   lambda: [torch.full(shape, fill, dtype=dtype, device=device)
                                            for _ in range(num_layers)])
+
+    @property
+    def device(self) -> torch.device:
+        """Where the rows live (every operand of an MLA call must be there too)."""
+        return self.kv_buffer[0].device
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """Layer ``layer_id``'s rows ``[NP*P, 1, R + Dr]`` (SGLang's name; the whole row, ML-001).
@@ -246,35 +265,69 @@ class MLAKVPool:
         kernel masks the store of a ``loc == 0`` row.  Here the same rule without a
         data-dependent shape (graph-safe, no host sync, :func:`store_rows_keep_slot_0`): a
         ``loc == 0`` token writes slot 0's own current row back, so slot 0 keeps its bytes.
-        Raises: InvariantError ML-002 on shapes (T, one head, R / Dr wide) or a non-integer ``loc``.
+        Raises: InvariantError ML-002 on shapes (T, one head, R / Dr wide); ValueError naming ``loc``
+        (not an integer tensor; on a CPU pool, a slot at or past the pool's end), ``k_nope`` /
+        ``k_rope`` (not floating tensors), or an operand on another device than the pool.  The slots'
+        values are not read here (no host sync): a backend checks ``out_cache_loc`` against
+        ``req_to_token`` when it builds the metadata (MD-005), which also refuses a negative slot
+        (that torch indexing would wrap to the pool's end).
         """
         buf = self.get_key_buffer(layer_id)
         tensor("set_mla_kv_buffer: loc", loc, integer=True)
-        tensor("set_mla_kv_buffer: k_nope", k_nope)
-        tensor("set_mla_kv_buffer: k_rope", k_rope)
+        tensor("set_mla_kv_buffer: k_nope", k_nope, integer=False)
+        tensor("set_mla_kv_buffer: k_rope", k_rope, integer=False)
         T = loc.shape[0] if loc.dim() == 1 else None
         require(T is not None and tuple(k_nope.shape) == (T, 1, self.kv_lora_rank)
                 and tuple(k_rope.shape) == (T, 1, self.qk_rope_head_dim), "ML-002",
                 lambda: f"store at out_cache_loc {tuple(loc.shape)}: k_nope {tuple(k_nope.shape)}, k_rope "
                 f"{tuple(k_rope.shape)}; the pool wants [T, 1, kv_lora_rank = {self.kv_lora_rank}] and "
                 f"[T, 1, qk_rope_head_dim = {self.qk_rope_head_dim}]")
+        self._same_device(loc=loc, k_nope=k_nope, k_rope=k_rope)
         row = torch.cat([k_nope.to(buf.dtype), k_rope.to(buf.dtype)], dim=-1)  # [T, 1, R + Dr]
-        store_rows_keep_slot_0(buf, loc.long(), row)
+        try:
+            store_rows_keep_slot_0(buf, loc.long(), row)
+        except IndexError:  # torch's CPU bounds check (CUDA reports it as a device-side assert)
+            raise ValueError(f"set_mla_kv_buffer: loc holds a slot outside the pool's [0, {buf.shape[0]})") from None
+
+    def _same_device(self, **tensors) -> None:
+        for name, t in tensors.items():
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the MLA pool on {self.device}")
 
     def get_mla_kv_buffer(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows at slots ``loc [n]`` split back into ``(k_nope [n, 1, R], k_rope [n, 1, Dr])``
         (new tensors): what a model gathers to expand a cached prefix for the non-absorbed prefill
-        (ML-010; SGLang's ``MLATokenToKVPool.get_mla_kv_buffer``, MHA_ONE_SHOT with a prefix)."""
-        rows = self.get_key_buffer(layer_id)[loc.long()]
+        (ML-010; SGLang's ``MLATokenToKVPool.get_mla_kv_buffer``, MHA_ONE_SHOT with a prefix).
+        Raises ValueError naming ``loc`` (not a 1-D integer tensor on the pool's device; on a CPU
+        pool, a slot at or past the pool's end)."""
+        buf = self.get_key_buffer(layer_id)
+        tensor("get_mla_kv_buffer: loc", loc, dim=1, integer=True)
+        self._same_device(loc=loc)
+        try:
+            rows = buf[loc.long()]
+        except IndexError:
+            raise ValueError(f"get_mla_kv_buffer: loc holds a slot outside the pool's [0, {buf.shape[0]})") from None
         return rows[..., :self.kv_lora_rank].clone(), rows[..., self.kv_lora_rank:].clone()
 
     def move_kv_cache(self, tgt: torch.Tensor, src: torch.Tensor) -> None:
         """``pool[tgt] = pool[src]``, whole rows, in every layer (ML-012): one gather (a new
         tensor, so overlapping ``tgt`` / ``src`` are safe) and one scatter per layer.  ``tgt``,
         ``src`` int64 ``[M]`` flat slots.  Upstream: ``MLATokenToKVPool.move_kv_cache`` (v0.5.23,
-        sglang#26982; v0.5.12.post1's pool has none, so MLA + EAGLE top-k > 1 with P > 1 fails there)."""
-        for buf in self.kv_buffer:
-            buf[tgt] = buf[src]
+        sglang#26982; v0.5.12.post1's pool has none, so MLA + EAGLE top-k > 1 with P > 1 fails there).
+        Raises ValueError naming ``tgt`` / ``src`` (not 1-D integer tensors of one length on the
+        pool's device; on a CPU pool, a slot at or past the pool's end)."""
+        tensor("move_kv_cache: tgt", tgt, dim=1, integer=True)
+        tensor("move_kv_cache: src", src, dim=1, integer=True)
+        if tgt.shape != src.shape:
+            raise ValueError(f"move_kv_cache: tgt {tuple(tgt.shape)} and src {tuple(src.shape)} must name as many "
+                             "slots")
+        self._same_device(tgt=tgt, src=src)
+        try:
+            for buf in self.kv_buffer:
+                buf[tgt] = buf[src]
+        except IndexError:
+            raise ValueError(f"move_kv_cache: tgt / src hold a slot outside the pool's [0, "
+                             f"{self.kv_buffer[0].shape[0]})") from None
 
 
 @dataclass

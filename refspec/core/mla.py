@@ -33,12 +33,15 @@ Upstream: ``DeepseekV2AttentionMLA`` in `srt/models/deepseek_v2.py@v0.5.23
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from numbers import Real
 
 import torch
 
-from refspec.core.args import count
+from refspec.core.args import count, int_list, tensor
 from refspec.core.batch import ForwardBatch
 from refspec.core.invariants import require
 from refspec.core.layer import AttentionLayer
@@ -87,10 +90,46 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     ``scale`` > 1, else 1.  DeepSeek-V3: ``yarn_get_mscale(40, 1) = 1.3689``.
 
     Upstream: ``yarn_get_mscale``, `configs/model_config.py@v0.5.23
-    <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/configs/model_config.py#L2617>`_."""
+    <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/configs/model_config.py#L2617>`_.
+    Raises ValueError naming ``scale`` / ``mscale`` if either is not a finite real number (upstream
+    would return nan / inf, or a TypeError)."""
+    scale, mscale = finite_number("scale", scale), finite_number("mscale", mscale)
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def finite_number(name: str, x) -> float:
+    """``x`` as a float if it is a finite real number (not a bool); ValueError naming ``name`` otherwise."""
+    if isinstance(x, bool) or not isinstance(x, Real) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    return float(x)
+
+
+def check_rope_scaling(rope_scaling) -> None:
+    """The HF ``rope_scaling`` entries the MLA scale reads are well formed: None or a dict whose
+    ``factor`` (if given) is a finite number > 0 and whose ``mscale_all_dim`` (if given) is a
+    finite number (or False, upstream's default); a missing ``factor`` is upstream's 1.0, with
+    upstream's warning (a ``UserWarning`` here).  refspec hardening: upstream's
+    ``yarn_get_mscale`` returns mscale 1 for any factor <= 1, so a factor of 0 or -40 (a broken
+    config: no context is stretched by a non-positive factor) would pass silently as "no YaRN".
+    Raises ValueError naming the entry."""
+    if rope_scaling is None:
+        return
+    if not isinstance(rope_scaling, Mapping):
+        raise ValueError(f"rope_scaling must be None or a dict (HF config), got {type(rope_scaling).__name__} "
+                         f"{rope_scaling!r}")
+    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    applies = (kind != "default" and rope_scaling.get("apply_yarn_scaling", True)
+               and rope_scaling.get("apply_scale", True))
+    if applies and "factor" not in rope_scaling:  # upstream's words (compute_mla_mscale_scaling)
+        warnings.warn("rope_scaling missing 'factor', defaulting to 1.0 (no YaRN stretch). Check model accuracy.",
+                      stacklevel=3)
+    if "factor" in rope_scaling and finite_number("rope_scaling['factor']", rope_scaling["factor"]) <= 0:
+        raise ValueError(f"rope_scaling['factor'] must be > 0 (the context stretch; YaRN needs > 1), got "
+                         f"{rope_scaling['factor']!r}")
+    if rope_scaling.get("mscale_all_dim", False) is not False:
+        finite_number("rope_scaling['mscale_all_dim']", rope_scaling["mscale_all_dim"])
 
 
 def mla_softmax_scale(dims: MLADims, rope_scaling: dict | None = None) -> float:
@@ -109,7 +148,12 @@ def mla_softmax_scale(dims: MLADims, rope_scaling: dict | None = None) -> float:
     <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_v2.py#L2059>`_;
     `compute_mla_mscale_scaling@v0.5.23
     <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/configs/model_config.py#L2623>`_.
+    Raises ValueError naming ``dims`` (not an :class:`MLADims`) or a malformed ``rope_scaling``
+    entry (:func:`check_rope_scaling`).
     """
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"dims must be an MLADims, got {type(dims).__name__} {dims!r}")
+    check_rope_scaling(rope_scaling)
     base = dims.qk_head_dim ** -0.5
     if not rope_scaling or not rope_scaling.get("apply_yarn_scaling", True):
         return base
@@ -132,12 +176,31 @@ def mla_attention_layers(layer_id: int, num_heads: int, dims: MLADims, scaling: 
     Both carry ``scaling`` (:func:`mla_softmax_scale`, ML-007) and share ``layer_id`` (one KV row
     per layer serves both).  Upstream: `deepseek_v2.py@v0.5.23
     <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_v2.py#L2183>`_.
+    Raises: ValueError naming ``layer_id`` / ``num_heads`` (not an int >= 0 / >= 1) or ``dims``;
+    InvariantError ML-007 for a ``scaling`` that is not a finite number > 0 (None included: the
+    scale is always explicit).
     """
+    count("layer_id", layer_id)
+    count("num_heads", num_heads, 1)
+    if not isinstance(dims, MLADims):
+        raise ValueError(f"dims must be an MLADims, got {type(dims).__name__} {dims!r}")
+    check_scale(scaling, f"mla_attention_layers(layer_id={layer_id})")
     absorbed = AttentionLayer(layer_id, num_heads, 1, dims.kv_cache_dim, scaling=scaling, logit_cap=logit_cap,
                               v_head_dim=dims.kv_lora_rank)
     mha = AttentionLayer(layer_id, num_heads, num_heads, dims.qk_head_dim, scaling=scaling, logit_cap=logit_cap,
                          v_head_dim=dims.v_head_dim)
     return absorbed, mha
+
+
+def check_scale(scaling, who: str) -> None:
+    """ML-007: ``scaling`` is an explicit softmax scale, a finite number > 0 (what
+    :func:`mla_softmax_scale` returns); None (the head-dim default) and nan / inf / <= 0 are refused."""
+    require(scaling is not None, "ML-007", lambda: f"{who} has no scaling: the default head_dim^-0.5 of the "
+            "absorbed layer is FA3's qv default (D + Dv)^-0.5, not MLA's (Dn + Dr)^-0.5 * mscale^2 (set it with "
+            "mla_softmax_scale)")
+    ok = not isinstance(scaling, bool) and isinstance(scaling, Real) and math.isfinite(scaling) and scaling > 0
+    require(ok, "ML-007", lambda: f"{who}: scaling {scaling!r}; the MLA scale (Dn + Dr)^-0.5 * mscale^2 "
+            "(mla_softmax_scale) is a finite number > 0")
 
 
 class AttnForwardMethod(Enum):
@@ -172,16 +235,22 @@ def mla_forward_method(fb: ForwardBatch, *, disable_chunked_prefix_cache: bool =
 
     Upstream: ``_handle_attention_backend`` / ``handle_attention_fa3``, `attention_backend_handler.py@v0.5.23
     <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_backend_handler.py#L108>`_
-    (the same rule at v0.5.12.post1, L72).  Raises ValueError if an EXTEND batch lacks
-    ``extend_seq_lens_cpu``.
+    (the same rule at v0.5.12.post1, L72).  Raises ValueError if ``fb`` is no ForwardBatch, or an
+    EXTEND batch lacks ``extend_seq_lens_cpu`` or holds other than one length ``0 <= e_b <= seq_lens[b]``
+    per request (a malformed list could sum the prefixes to 0 and pick MHA for a batch with one).
     """
+    if not isinstance(fb, ForwardBatch):
+        raise ValueError(f"mla_forward_method takes a ForwardBatch, got {type(fb).__name__}")
     if deterministic or fb.forward_mode != ForwardMode.EXTEND:
         return AttnForwardMethod.MLA
     if fb.extend_seq_lens_cpu is None:
         raise ValueError("mla_forward_method: an EXTEND batch needs extend_seq_lens_cpu (its prefixes are "
                          "seq_lens - extend_seq_lens)")
     seq = [int(x) for x in fb.seq_lens_cpu.tolist()]
-    prefix = sum(s - e for s, e in zip(seq, fb.extend_seq_lens_cpu))
+    ext = int_list("extend_seq_lens_cpu", fb.extend_seq_lens_cpu, length=len(seq), least=0)
+    if any(e > s for s, e in zip(seq, ext)):
+        raise ValueError(f"extend_seq_lens_cpu {ext} exceeds seq_lens {seq}: a request extends by at most its length")
+    prefix = sum(s - e for s, e in zip(seq, ext))
     if not (prefix == 0 or (prefix >= CHUNKED_PREFIX_CACHE_THRESHOLD and not disable_chunked_prefix_cache)):
         return AttnForwardMethod.MLA
     return AttnForwardMethod.MHA_ONE_SHOT if sum(seq) <= MAX_KV_CHUNK_CAPACITY else AttnForwardMethod.MHA_CHUNKED_KV
@@ -195,31 +264,64 @@ def split_kv_b_proj(weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int)
     Per head h the weight's rows are ``[W_UK[h] (Dn rows) ; W_UV[h] (Dv rows)]``: ``k_nope_h =
     W_UK[h] c`` and ``v_h = W_UV[h] c``.  ``w_vc`` is ``W_UV`` transposed, SGLang's layout
     (``deepseek_weight_loader.py`` at v0.5.23: ``w.unflatten(0, (-1, Dn + Dv)).split([Dn, Dv], dim=1)``).
-    Raises ValueError if the rows are not a multiple of ``num_heads`` or leave no value dim."""
+    Raises ValueError naming ``weight`` (not a 2-D floating tensor, or rows that are not H blocks
+    of Dn + Dv with Dv >= 1), ``num_heads`` or ``qk_nope_head_dim`` (not an int >= 1)."""
+    H, Dn = count("num_heads", num_heads, 1), count("qk_nope_head_dim", qk_nope_head_dim, 1)
+    tensor("kv_b_proj.weight", weight, dim=2, integer=False)
     rows, R = weight.shape
-    if rows % num_heads or rows // num_heads <= qk_nope_head_dim:
-        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need H = {num_heads} blocks of "
-                         f"Dn = {qk_nope_head_dim} + Dv rows each")
-    w = weight.view(num_heads, rows // num_heads, R)
-    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:].transpose(1, 2)
+    if rows % H or rows // H <= Dn:
+        raise ValueError(f"kv_b_proj.weight {tuple(weight.shape)}: need num_heads H = {H} blocks of "
+                         f"qk_nope_head_dim Dn = {Dn} + Dv >= 1 rows each")
+    w = weight.view(H, rows // H, R)
+    return w[:, :Dn], w[:, Dn:].transpose(1, 2)
+
+
+def _weights(w_kc, w_vc) -> tuple[int, int, int, int]:
+    """``(H, Dn, R, Dv)`` of ``w_kc [H, Dn, R]`` and ``w_vc [H, R, Dv]``; ValueError naming them
+    unless they are 3-D floating tensors of one H and one R (:func:`split_kv_b_proj`'s outputs)."""
+    tensor("w_kc", w_kc, dim=3, integer=False)
+    tensor("w_vc", w_vc, dim=3, integer=False)
+    (H, Dn, R), (Hv, Rv, Dv) = w_kc.shape, w_vc.shape
+    if (H, R) != (Hv, Rv):
+        raise ValueError(f"w_kc {tuple(w_kc.shape)} [H, Dn, R] and w_vc {tuple(w_vc.shape)} [H, R, Dv] disagree on "
+                         "H or R (swapped? split_kv_b_proj returns (w_kc, w_vc))")
+    return H, Dn, R, Dv
+
+
+def _shaped(name: str, t, shape: tuple, what: str) -> None:
+    """ValueError naming ``name`` unless ``t`` is a floating tensor of ``shape`` (None: any size)."""
+    tensor(name, t, dim=len(shape), integer=False)
+    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} {tuple(t.shape)} must be {what}")
 
 
 def absorb_q(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
     """``q_nope [T, H, Dn]`` -> ``W_UK^T q_nope`` ``[T, H, R]``: SGLang's ``q_nope_out = bmm(q_nope, w_kc)``
-    (`forward_mla.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py#L586>`_)."""
+    (`forward_mla.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/deepseek_common/attention_forward_methods/forward_mla.py#L586>`_).
+    Raises ValueError naming ``q_nope`` / ``w_kc`` for other shapes or a non-floating tensor."""
+    tensor("w_kc", w_kc, dim=3, integer=False)
+    H, Dn, R = w_kc.shape
+    _shaped("q_nope", q_nope, (None, H, Dn), f"[T, H = {H}, Dn = {Dn}] (w_kc is {tuple(w_kc.shape)} [H, Dn, R])")
     return torch.einsum("thd,hdr->thr", q_nope, w_kc.to(q_nope.dtype))
 
 
 def latent_to_v(o: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
     """The absorbed output ``o [T, H, R]`` (latent space) -> ``W_UV o`` ``[T, H, Dv]``: SGLang's
-    ``bmm(attn_output, w_vc)``."""
+    ``bmm(attn_output, w_vc)``.  Raises ValueError naming ``o`` / ``w_vc`` for other shapes."""
+    tensor("w_vc", w_vc, dim=3, integer=False)
+    H, R, Dv = w_vc.shape
+    _shaped("o", o, (None, H, R), f"[T, H = {H}, R = {R}] (w_vc is {tuple(w_vc.shape)} [H, R, Dv])")
     return torch.einsum("thr,hrv->thv", o, w_vc.to(o.dtype))
 
 
 def expand_latent(c: torch.Tensor, k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor):
     """The non-absorbed keys and values of latent rows: ``c [S, R]``, ``k_pe [S, Dr]`` ->
     ``(k [S, H, Dn + Dr], v [S, H, Dv])`` with ``k_h = [W_UK[h] c | k_pe]`` (``k_pe`` shared by
-    every head) and ``v_h = W_UV[h] c``."""
+    every head) and ``v_h = W_UV[h] c``.  Raises ValueError naming the argument for other shapes."""
+    H, Dn, R, Dv = _weights(w_kc, w_vc)
+    _shaped("c", c, (None, R), f"[S, R = {R}] (the latent rows; R read off w_kc {tuple(w_kc.shape)} [H, Dn, R] and "
+            f"w_vc {tuple(w_vc.shape)} [H, R, Dv]: passed in the other order?)")
+    _shaped("k_pe", k_pe, (c.shape[0], None), f"[S = {c.shape[0]}, Dr] (one RoPE key per latent row)")
     k_nope = torch.einsum("sr,hdr->shd", c, w_kc.to(c.dtype))
     v = torch.einsum("sr,hrv->shv", c, w_vc.to(c.dtype))
     return torch.cat([k_nope, k_pe[:, None, :].expand(-1, k_nope.shape[1], -1)], dim=-1), v
@@ -227,41 +329,55 @@ def expand_latent(c: torch.Tensor, k_pe: torch.Tensor, w_kc: torch.Tensor, w_vc:
 
 # ---- the argument checks both wings run on an MLA call (the same words, as core/batch.py's shapes) ----
 
-def check_absorbed_call(row_dim: int, layer: AttentionLayer, q, q_rope, k, k_rope) -> None:
+def check_absorbed_call(pool, layer: AttentionLayer, q, q_rope, k, k_rope) -> None:
     """The absorbed MLA call ``forward(q, k, v, layer, fb, q_rope=, k_rope=)`` is well formed.
 
-    ``row_dim``: the pool's row width R + Dr.  The layer is the absorbed one
-    (:func:`mla_attention_layers`): one KV head, ``head_dim`` the row width, ``v_head_dim`` inside
-    it, an explicit ``scaling``.  ``q [T, H, Dv]`` (``q_nope`` absorbed), ``q_rope [T, H, D - Dv]``;
-    ``k`` (the latent, ``[T, 1, R]``) and ``k_rope`` (``[T, 1, Dr]``) both given (stored first) or
-    both None (nothing to store); their shapes are the store's to check (ML-002).
-    Raises: InvariantError ML-007 (no explicit scale), ML-003 (the layer does not split the pool's
-    row), ML-005 (q / q_rope shapes).
+    ``pool``: the :class:`~refspec.core.kv_cache.MLAKVPool` (its row width R + Dr, its device).
+    The layer is the absorbed one (:func:`mla_attention_layers`): one KV head, ``head_dim`` the row
+    width, ``v_head_dim`` inside it, an explicit ``scaling``.  ``q [T, H, Dv]`` (``q_nope``
+    absorbed), ``q_rope [T, H, D - Dv]``, floating, one dtype; ``k`` (the latent, ``[T, 1, R]``)
+    and ``k_rope`` (``[T, 1, Dr]``) both given (stored first) or both None (nothing to store);
+    their shapes are the store's to check (ML-002).  Shapes, dtypes and devices only: no host sync.
+    Raises: InvariantError ML-007 (no explicit finite scale > 0), ML-003 (the layer does not split
+    the pool's row), ML-005 (q / q_rope shapes or dtypes); ValueError naming ``q`` / ``q_rope``
+    (not a tensor, or not on the pool's device) or the layer's ``sliding_window_size`` (SGLang passes
+    the window to the qv call; refspec does not model sliding-window MLA, DeepSeek has none).
     """
-    L = layer
-    require(L.scaling is not None, "ML-007", lambda: f"layer {L.layer_id} has no scaling: the default head_dim^-0.5 "
-            f"= {L.head_dim}^-0.5 is FA3's qv default (D + Dv)^-0.5, not MLA's (Dn + Dr)^-0.5 * mscale^2 "
-            "(set it with mla_softmax_scale)")
+    L, row_dim = layer, pool.kv_cache_dim
+    check_scale(L.scaling, f"layer {L.layer_id}")
     require(L.num_kv_heads == 1 and L.head_dim == row_dim and 0 < L.v_head_dim < L.head_dim, "ML-003",
             lambda: f"layer {L.layer_id}: num_kv_heads {L.num_kv_heads}, head_dim {L.head_dim}, v_head_dim "
             f"{L.v_head_dim}; the absorbed layer has one KV head, head_dim = the pool's row {row_dim} and "
             "0 < v_head_dim < head_dim (the split point)")
+    check_window(L)
+    tensor("q (the absorbed q_nope)", q)
+    if q_rope is not None:
+        tensor("q_rope", q_rope)
     require(q_rope is not None and q.dim() == 3 and tuple(q.shape[1:]) == (L.num_heads, L.v_head_dim)
-            and tuple(q_rope.shape) == (q.shape[0], L.num_heads, L.head_dim - L.v_head_dim), "ML-005",
-            lambda: f"q {tuple(q.shape)}, q_rope {None if q_rope is None else tuple(q_rope.shape)}: the absorbed "
-            f"call takes q = W_UK^T q_nope [T, H = {L.num_heads}, {L.v_head_dim}] and q_rope [T, H, "
+            and tuple(q_rope.shape) == (q.shape[0], L.num_heads, L.head_dim - L.v_head_dim),
+            "ML-005", lambda: f"q {tuple(q.shape)}, q_rope {None if q_rope is None else tuple(q_rope.shape)}: the "
+            f"absorbed call takes q = W_UK^T q_nope [T, H = {L.num_heads}, {L.v_head_dim}] and q_rope [T, H, "
             f"{L.head_dim - L.v_head_dim}]")
+    require(q.is_floating_point() and q.dtype == q_rope.dtype, "ML-005",
+            lambda: f"q {q.dtype}, q_rope {q_rope.dtype}: the kernel's qv (q) and q (q_rope) share one floating dtype")
+    for name, t in (("q", q), ("q_rope", q_rope)):
+        on_device(name, t, pool.device)
     require((k is None) == (k_rope is None), "ML-002",
             lambda: "k (the latent) and k_rope are stored together: pass both, or neither (nothing to store)")
 
 
 def check_mha_pass(layer: AttentionLayer, q, k, v, total_keys: int) -> None:
     """The non-absorbed prefill call (ML-010) is well formed: ``q [T, H, D]``, ``k [sum K, Hkv, D]``,
-    ``v [sum K, Hkv, Dv]``, every key of every request (prefix included: MHA_ONE_SHOT), an
-    explicit scale.  ``total_keys``: ``sum K_b`` (tokens).  Raises InvariantError ML-007 / ML-010."""
+    ``v [sum K, Hkv, Dv]``, one floating dtype, every key of every request (prefix included:
+    MHA_ONE_SHOT), an explicit scale.  ``total_keys``: ``sum K_b`` (tokens).
+    Raises InvariantError ML-007 / ML-010 / PA-011 (dtypes); ValueError naming ``q`` / ``k`` / ``v`` (not tensors)
+    or the layer's ``sliding_window_size`` (not modelled, as in :func:`check_absorbed_call`)."""
     L = layer
-    require(L.scaling is not None, "ML-007", lambda: f"layer {L.layer_id} has no scaling (set it with "
-            "mla_softmax_scale: the same scale as the absorbed layer)")
+    check_scale(L.scaling, f"layer {L.layer_id}")
+    check_window(L)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None or name == "q":
+            tensor(name, t)
     ok = (k is not None and v is not None and q.dim() == 3 and tuple(q.shape[1:]) == (L.num_heads, L.head_dim)
           and tuple(k.shape) == (total_keys, L.num_kv_heads, L.head_dim)
           and tuple(v.shape) == (total_keys, L.num_kv_heads, L.v_head_dim))
@@ -269,6 +385,23 @@ def check_mha_pass(layer: AttentionLayer, q, k, v, total_keys: int) -> None:
             f"{None if v is None else tuple(v.shape)}: the MHA pass takes q [T, {L.num_heads}, {L.head_dim}] and "
             f"k / v [sum K = {total_keys}, {L.num_kv_heads}, {L.head_dim} / {L.v_head_dim}], every key of every "
             "request (MHA_ONE_SHOT; the chunked prefix pass is not modelled)")
+    require(q.is_floating_point() and q.dtype == k.dtype == v.dtype, "PA-011",
+            lambda: f"q {q.dtype}, k {k.dtype}, v {v.dtype}: the MHA pass's varlen call takes one floating dtype")
+
+
+def check_window(layer: AttentionLayer) -> None:
+    """ValueError for an MLA layer with a sliding window: upstream passes ``window_size`` to the
+    MLA kernel calls; refspec's MLA wings do not model it (DeepSeek's layers have no window), so
+    they refuse it rather than attend the whole prefix silently."""
+    if layer.sliding_window_size != -1:
+        raise ValueError(f"layer {layer.layer_id}: sliding_window_size={layer.sliding_window_size!r}; refspec's MLA "
+                         "attention has no sliding window (-1 only)")
+
+
+def on_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    """ValueError naming ``name`` when tensor ``t`` is not on ``device`` (the pool's)."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the MLA pool on {device}: one device for every operand")
 
 
 def is_mha_pass(fb: ForwardBatch) -> bool:

@@ -22,7 +22,7 @@ from refspec.fa3.mla import MLAForwardMixin, check_mla_provider, is_mla_pool, ml
 from refspec.fa3.metadata import FlashAttentionMetadata, init_forward_metadata
 from refspec.fa3.validate import validate_batch, validate_metadata
 from refspec.core.invariants import require
-from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.kv_cache import KVCache, KVPool, check_pool_fits
 from refspec.core.layer import AttentionLayer
 
 
@@ -51,12 +51,15 @@ class FlashAttentionBackend(GraphMetadataMixin, MLAForwardMixin):
             the pool's device once, here (:func:`refspec.fa3.kernel.select_provider`).
         syncs: a ``Counter`` (the engine's ``syncs``); each validated metadata build adds one
             ``"validation"`` (its checks read the device), none without ``validate``.
+    Raises: ValueError if the pool is not paged as ``kv`` (:func:`~refspec.core.kv_cache.check_pool_fits`);
+    InvariantError ML-013 for an MLA pool on a provider without the ``qv`` kernel.
     """
 
     name = "fa3"
 
     def __init__(self, pool: KVPool, kv: KVCache, speculative_step_id: int | None = None,
                  validate: bool = True, provider: str | None = None, syncs=None):
+        check_pool_fits(pool, kv)  # ValueError: a pool paged otherwise than the cache
         self.pool, self.kv = pool, kv
         self.page_size = kv.page_size
         self.speculative_step_id = speculative_step_id

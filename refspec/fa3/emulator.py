@@ -11,8 +11,8 @@ an :class:`~refspec.core.invariants.InvariantError` naming the contract rule):
 
 * a request with more query rows than ``max_seqlen_q`` (PA-010);
 * a page table narrower than ``ceil(K_b / P)`` (PA-003);
-* an argument that is not a tensor (e.g. ``cache_seqlens`` as a Python int), wrong
-  dtypes/shapes (q / k_cache / v_cache of different dtypes or shapes too), a negative
+* an argument that is not a tensor (e.g. ``cache_seqlens`` as a Python int), operands on
+  different devices, wrong dtypes/shapes (q / k_cache / v_cache of different dtypes or shapes too), a negative
   ``cache_seqlens``, a read page id outside ``[0, NP)``, ``cu_seqlens_q`` not starting at 0 /
   decreasing / past ``T`` (PA-011).
 
@@ -45,6 +45,11 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q, ma
                 lambda: f"{name} must be a torch.Tensor (the kernel takes no Python numbers), got {type(t).__name__}")
     require(isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool), "PA-011",
             lambda: f"max_seqlen_q must be a Python int, got {type(max_seqlen_q).__name__}")
+    require(all(t.device == q.device for t in (k_cache, v_cache, cache_seqlens, page_table, cu_seqlens_q))
+            and (qv is None or not isinstance(qv, torch.Tensor) or qv.device == q.device), "PA-011",
+            lambda: "q, k_cache, v_cache, qv, cache_seqlens, page_table, cu_seqlens_q must share one device, got "
+            + ", ".join(str(t.device) for t in (q, k_cache, v_cache, qv, cache_seqlens, page_table, cu_seqlens_q)
+                        if isinstance(t, torch.Tensor)))
     require(q.dim() == 3 and k_cache.dim() == 4 and v_cache.dim() == 4
             and tuple(v_cache.shape[:3]) == tuple(k_cache.shape[:3]), "PA-011",
             lambda: f"q {tuple(q.shape)} must be [T, H, D], k_cache {tuple(k_cache.shape)} [NP, P, Hkv, D] and "
@@ -256,7 +261,8 @@ def emulate_flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_s
     ``[Tk, 1, Hkv, d]`` whose page table row b is ``cu_k[b], cu_k[b] + 1, ...`` and whose
     ``cache_seqlens`` are ``diff(cu_k)``.
     Raises: InvariantError PA-011 (not tensors, int32 offsets of length B + 1 from 0, non-decreasing,
-    inside q / k; k / v of other rows or heads), PA-010 (a request longer than ``max_seqlen_q`` or
+    inside q / k; k / v of other rows or heads; operands on different devices; ``max_seqlen_k``
+    not a Python int), PA-010 (a request longer than ``max_seqlen_q`` or
     ``max_seqlen_k``), and the paged call's checks.
     """
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -264,15 +270,21 @@ def emulate_flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_s
     require(k.dim() == 3 and v.dim() == 3 and tuple(v.shape[:2]) == tuple(k.shape[:2]), "PA-011",
             lambda: f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [Tk, Hkv, D] and [Tk, Hkv, Dv]")
     require(cu_seqlens_q.dtype == torch.int32 == cu_seqlens_k.dtype and cu_seqlens_q.dim() == 1
-            and cu_seqlens_q.shape == cu_seqlens_k.shape, "PA-011",
+            and cu_seqlens_q.shape == cu_seqlens_k.shape and cu_seqlens_q.shape[0] >= 1, "PA-011",
             lambda: f"cu_seqlens_q {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
-            f"{cu_seqlens_k.dtype} {tuple(cu_seqlens_k.shape)} must be int32 [B + 1]")
+            f"{cu_seqlens_k.dtype} {tuple(cu_seqlens_k.shape)} must be int32 [B + 1] (B >= 0)")
+    require(k.device == q.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device, "PA-011",
+            lambda: f"q, k, v, cu_seqlens_q, cu_seqlens_k must share one device, got {q.device}, {k.device}, "
+            f"{v.device}, {cu_seqlens_q.device}, {cu_seqlens_k.device}")
     cu_k = cu_seqlens_k.tolist()
     require(cu_k[0] == 0 and all(a <= b for a, b in zip(cu_k, cu_k[1:])) and cu_k[-1] <= k.shape[0], "PA-011",
             lambda: f"cu_seqlens_k {cu_k} must start at 0, not decrease and end <= Tk = {k.shape[0]}")
+    require(isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool), "PA-011",
+            lambda: f"max_seqlen_k must be a Python int, got {type(max_seqlen_k).__name__} {max_seqlen_k!r}")
     K = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    require(isinstance(max_seqlen_k, int) and max(K, default=0) <= max_seqlen_k, "PA-010",
-            lambda: f"keys per request {K}, max_seqlen_k = {max_seqlen_k!r}")
+    require(max(K, default=0) <= max_seqlen_k, "PA-010",
+            lambda: f"keys per request {K}, max_seqlen_k = {max_seqlen_k}: the bound on keys, as max_seqlen_q "
+            "bounds the query rows")
     dev = k.device
     width = max(K, default=0) or 1
     table = torch.tensor(cu_k[:-1], dtype=torch.int32, device=dev)[:, None] + torch.arange(width, dtype=torch.int32,

@@ -66,11 +66,24 @@ MLA_BUILD_FLAGS = {
 }
 
 
+PROVIDERS = ("fa3", "sgl_kernel", "emulator")  #: every provider name (module doc)
+
+
+def check_provider(provider) -> str:
+    """``provider`` if it is one of :data:`PROVIDERS`; ValueError naming it otherwise (a typo must not
+    read as "this build has no MLA kernel")."""
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown FA3 provider {provider!r}: one of {', '.join(map(repr, PROVIDERS))}")
+    return provider
+
+
 @functools.lru_cache(maxsize=None)
 def build_flags(provider: str) -> dict | str:
     """The build configuration of ``provider``'s FA3 build (``CONFIG["build_flags"]`` of the
     ``flash_attn_config`` module its ``setup.py`` writes next to ``flash_attn_interface``), or why
-    it cannot be read (str): the emulator has none, ``sgl_kernel`` ships none."""
+    it cannot be read (str): the emulator has none, ``sgl_kernel`` ships none.  Raises ValueError
+    for a name that is no provider at all."""
+    check_provider(provider)
     if provider != "fa3":
         return f"provider {provider!r} exposes no FA3 build configuration (flash_attn_config.py) to check"
     problems = []
@@ -89,10 +102,10 @@ def mla_kernel_problem(provider: str, call: str = "qv") -> str | None:
     The emulator always has it.  A real provider has it only if its build configuration is
     readable and leaves the kernel in (:data:`MLA_BUILD_FLAGS` all off); FA3's own ``setup.py``
     writes ``flash_attn_config.py`` with each ``FLASH*_DISABLE_*`` flag (hopper/setup.py L102).
-    Raises ValueError for another ``call``."""
+    Raises ValueError for another ``call`` or an unknown ``provider``."""
     if call not in MLA_BUILD_FLAGS:
         raise ValueError(f"call must be one of {sorted(MLA_BUILD_FLAGS)}, got {call!r}")
-    if provider == "emulator":
+    if check_provider(provider) == "emulator":
         return None
     flags = build_flags(provider)
     if isinstance(flags, str):
@@ -176,9 +189,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table, c
     bottom-right causal rule (PA-004); key p is at slot ``page_table[b, p // P] * P + p % P``.
     ``provider`` overrides :func:`select_provider` (tests use it to run both on one GPU).
     Raises (a real provider, before the call): InvariantError ML-006 (head dims with no FA3
-    kernel, D != Dv or qv), ML-013 (a qv call on a build without the hdim 64 / 512 kernel).
+    kernel, D != Dv or qv), ML-013 (a qv call on a build without the hdim 64 / 512 kernel);
+    InvariantError PA-011 for a ``q`` that is not a tensor; ValueError for an unknown ``provider``.
     """
-    provider = provider or select_provider(q.device)
+    require(isinstance(q, torch.Tensor), "PA-011", lambda: f"q must be a torch.Tensor, got {type(q).__name__}")
+    provider = check_provider(provider or select_provider(q.device))
     if provider == "emulator":
         return emulate_flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
@@ -210,9 +225,12 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     request (PA-004).  Returns ``[Tq, H, Dv]``, and the LSE ``[H, Tq]`` if ``return_softmax_lse``
     (:func:`~refspec.fa3.emulator.emulate_flash_attn_varlen_func` states the contract).
     Raises (a real provider, before the call): InvariantError ML-006 (head dims), ML-013 (D != Dv
-    on a build without the hdim 192 / 128 kernel).
+    on a build without the hdim 192 / 128 kernel); InvariantError PA-011 for ``q`` / ``k`` / ``v``
+    that are not tensors; ValueError for an unknown ``provider``.
     """
-    provider = provider or select_provider(q.device)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require(isinstance(t, torch.Tensor), "PA-011", lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    provider = check_provider(provider or select_provider(q.device))
     kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
     if provider == "emulator":

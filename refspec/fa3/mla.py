@@ -98,7 +98,7 @@ class MLAForwardMixin:
         ML-010 (the MHA pass outside EXTEND, or its k / v not every key), and the kernel's checks."""
         if is_mha_pass(fb):
             return mha_prefill(q, k, v, layer, self.forward_metadata, fb, self.provider)
-        check_absorbed_call(self.pool.kv_cache_dim, layer, q, q_rope, k, k_rope)
+        check_absorbed_call(self.pool, layer, q, q_rope, k, k_rope)
         if k is not None:  # store ...
             kernel.store_mla_kv(pool=self.pool, loc=fb.out_cache_loc, layer_id=layer.layer_id, k_nope=k, k_rope=k_rope)
         return self.mla_attend(q, q_rope, layer, fb)  # ... then attend, no new k / v

@@ -33,7 +33,8 @@ import torch
 from refspec.core import batch as B
 from refspec.core.kv_cache import KVCache, MLAKVPool
 from refspec.core.layer import AttentionLayer
-from refspec.core.mla import MLADims, expand_latent, mla_attention_layers, mla_softmax_scale, split_kv_b_proj
+from refspec.core.mla import (MLADims, check_rope_scaling, expand_latent, mla_attention_layers, mla_softmax_scale,
+                               split_kv_b_proj)
 from refspec.core.modes import ForwardMode
 from refspec.fa3.backend import FlashAttentionBackend
 from refspec.fa3.tree_backend import TreeDraftBatch
@@ -71,9 +72,11 @@ class MLAScenario:
     extra_pages: int = 3
 
     def __post_init__(self):
-        """The MHA scenario's checks (lens per mode, fields per mode, dtype, device), one KV head."""
+        """The MHA scenario's checks (lens per mode, fields per mode, dtype, device), one KV head;
+        ``dims`` an :class:`MLADims`, ``rope_scaling`` well formed (:func:`check_rope_scaling`)."""
         if not isinstance(self.dims, MLADims):
             raise ValueError(f"dims must be an MLADims, got {self.dims!r}")
+        check_rope_scaling(self.rope_scaling)
         self._sc = Scenario(self.mode, self.page_size, self.lens, num_draft_tokens=self.num_draft_tokens,
                             num_accept_tokens=self.num_accept_tokens, extend_lens=self.extend_lens,
                             draft_step=self.draft_step, num_heads=self.num_heads, num_kv_heads=1,

@@ -68,7 +68,9 @@ from refspec.core.mla import (
     AttnForwardMethod,
     MLADims,
     absorb_q,
+    check_rope_scaling,
     expand_latent,
+    finite_number,
     latent_to_v,
     mla_attention_layers,
     mla_forward_method,
@@ -88,7 +90,10 @@ class DeepseekConfig:
     ``rope_interleave`` True: RoPE rotates adjacent pairs (DeepSeek's layout, SGLang
     ``is_neox_style=False``).  ``num_nextn_predict_layers``: the MTP layers the checkpoint ships
     (1 for DeepSeek-V3; :mod:`refspec.model.deepseek_nextn`).  Raises ValueError naming the field for
-    a size that is not an int >= 1 (``q_lora_rank``: or None) and for an odd ``qk_rope_head_dim``.
+    a size that is not an int >= 1 (``q_lora_rank``: or None), an odd ``qk_rope_head_dim``, a
+    ``rope_theta`` that is not a finite number > 1, a non-bool ``rope_interleave`` and a
+    ``rope_scaling`` that :func:`rope_inv_freq` cannot run (:func:`check_yarn`): at construction,
+    not at the first forward.
     """
 
     hidden_size: int = 64
@@ -119,6 +124,11 @@ class DeepseekConfig:
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"DeepseekConfig.qk_rope_head_dim must be even (RoPE rotates pairs), got "
                              f"{self.qk_rope_head_dim}")
+        if finite_number("DeepseekConfig.rope_theta", self.rope_theta) <= 1:
+            raise ValueError(f"DeepseekConfig.rope_theta must be > 1 (RoPE's base), got {self.rope_theta!r}")
+        if not isinstance(self.rope_interleave, bool):
+            raise ValueError(f"DeepseekConfig.rope_interleave must be a bool, got {self.rope_interleave!r}")
+        check_yarn(self.rope_scaling)
 
     @property
     def mla_dims(self) -> MLADims:
@@ -127,7 +137,10 @@ class DeepseekConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DeepseekConfig":
-        """Build from a HF-style config dict; unknown keys (MoE, quantization, ...) are ignored."""
+        """Build from a HF-style config dict; unknown keys (MoE, quantization, ...) are ignored.
+        Raises ValueError for a ``d`` that is not a dict, and as the constructor."""
+        if not isinstance(d, dict):
+            raise ValueError(f"DeepseekConfig.from_dict takes a dict (HF config.json), got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -152,6 +165,30 @@ def deepseek_v3_dims_config(**kw) -> DeepseekConfig:
 
 
 # ---------------------------------------------------------------- RoPE (DeepSeek's: interleaved, YaRN)
+#: the ``rope_scaling`` entries :func:`rope_inv_freq` reads that must be finite numbers > 0
+YARN_POSITIVE = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+
+
+def check_yarn(rope_scaling) -> None:
+    """``rope_scaling`` is one :func:`rope_inv_freq` runs: None, or a dict of ``type`` /
+    ``rope_type`` "yarn" or "deepseek_yarn" whose :data:`YARN_POSITIVE` entries are finite numbers
+    > 0 and whose ``mscale``, ``mscale_all_dim``, ``attn_factor``, ``extrapolation_factor`` are
+    finite numbers (each optional; :func:`~refspec.core.mla.check_rope_scaling` too).  SGLang's
+    DeepSeek model sets ``rope_type = "deepseek_yarn"`` on any ``rope_scaling`` it is given; refspec
+    asks for the YaRN type to be stated.  Raises ValueError naming the entry."""
+    check_rope_scaling(rope_scaling)
+    if rope_scaling is None:
+        return
+    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    if kind not in ("yarn", "deepseek_yarn"):
+        raise ValueError(f"rope_scaling type {kind!r}: refspec's DeepSeek model has YaRN ('yarn', 'deepseek_yarn') "
+                         "or none")
+    for key in (*YARN_POSITIVE, "mscale", "attn_factor", "extrapolation_factor"):
+        if key in rope_scaling and finite_number(f"rope_scaling[{key!r}]", rope_scaling[key]) <= 0 \
+                and key in YARN_POSITIVE:
+            raise ValueError(f"rope_scaling[{key!r}] must be > 0, got {rope_scaling[key]!r}")
+
+
 def rope_inv_freq(dim: int, theta: float, rope_scaling: dict | None) -> tuple[torch.Tensor, float]:
     """``(inv_freq [dim / 2] fp32, mscale)`` of DeepSeek's RoPE over ``dim`` = Dr.
 
@@ -162,7 +199,7 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: dict | None) -> tuple[to
     by f, a linear ramp in between; cos / sin are multiplied by
     ``yarn_get_mscale(f, mscale) / yarn_get_mscale(f, mscale_all_dim) * attn_factor`` (1 for
     DeepSeek-V3, whose ``mscale = mscale_all_dim``; the softmax scale carries the rest, ML-007).
-    Raises ValueError for another scaling type.
+    Raises ValueError for another scaling type or a malformed entry (:func:`check_yarn`).
 
     Upstream: `rope_variant.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/rotary_embedding/rope_variant.py#L380>`_
     (``_compute_inv_freq``), `yarn.py@v0.5.23 <https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/rotary_embedding/yarn.py#L15>`_.
@@ -170,10 +207,7 @@ def rope_inv_freq(dim: int, theta: float, rope_scaling: dict | None) -> tuple[to
     base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if not rope_scaling:
         return 1.0 / base, 1.0
-    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
-    if kind not in ("yarn", "deepseek_yarn"):
-        raise ValueError(f"rope_scaling type {kind!r}: refspec's DeepSeek model has YaRN ('yarn', 'deepseek_yarn') "
-                         "or none")
+    check_yarn(rope_scaling)
     f = float(rope_scaling.get("factor", 1.0))
     window = rope_scaling.get("original_max_position_embeddings", 4096)
 

@@ -63,7 +63,7 @@ class EagleDraft(nn.Module):
 
     def __init__(self, target: LlamaModel, seed: int = 1):
         super().__init__()
-        cfg: LlamaConfig = target.config
+        cfg: LlamaConfig = llama_target(target, "EagleDraft")
         self._target = [target]  # shared embedding / head, not a submodule (no duplicate params)
         E = cfg.hidden_size
         self.fc = nn.Linear(2 * E, E, bias=False)
@@ -80,6 +80,15 @@ class EagleDraft(nn.Module):
         x = self.fc(torch.cat([t.model.embed_tokens(input_ids), hidden], dim=-1))
         h = t.run_layers(x, fb, backend, [self.layer])
         return nn.functional.linear(self.norm(h), t.lm_head_weight), h
+
+
+def llama_target(target, draft: str) -> LlamaConfig:
+    """The config of ``target`` if it is a :class:`~refspec.model.llama.LlamaModel` (the EAGLE heads
+    are Llama decoder layers over its embedding and head); ValueError naming ``draft`` otherwise."""
+    if not isinstance(target, LlamaModel):
+        hint = " (a DeepSeek target's draft is 'mtp', its MTP layer)" if isinstance(target, DeepseekModel) else ""
+        raise ValueError(f"{draft} drafts for a LlamaModel target, got {type(target).__name__}{hint}")
+    return target.config
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -136,14 +145,15 @@ class Eagle3Draft(nn.Module):
 
     Args: ``aux_layers``: strictly increasing hidden-state indices of the target, at least two
     (i = the input of decoder layer i; default :func:`default_aux_layers`).
-    Raises ValueError for fewer than two or a bad index.
+    Raises ValueError for fewer than two or a bad index, or a target that is not a
+    :class:`~refspec.model.llama.LlamaModel` (a DeepSeek target's draft is ``"mtp"``).
     """
 
     uses_hidden = True
 
     def __init__(self, target: LlamaModel, aux_layers: tuple[int, ...] | None = None, seed: int = 1):
         super().__init__()
-        cfg: LlamaConfig = target.config
+        cfg: LlamaConfig = llama_target(target, "Eagle3Draft")
         layers = default_aux_layers(cfg.num_hidden_layers) if aux_layers is None else aux_layers
         self.aux_layers = check_aux(layers, cfg.num_hidden_layers)
         if len(self.aux_layers) < 2:  # one state of width E could not be told from the draft's own
@@ -255,7 +265,7 @@ def make_draft(spec, target: LlamaModel, seed: int = 1):
     :class:`~refspec.model.deepseek.DeepseekModel` target: :class:`~refspec.model.deepseek_nextn.MTPDraft`),
     a :class:`LlamaModel` (small-LM draft), or an object that already has the draft interface.
     Raises ValueError naming the spec otherwise (a named draft that does not fit the target's
-    architecture too)."""
+    architecture too, or a draft object reading hidden states of another width than the target's)."""
     if isinstance(spec, str):
         name, _, arg = spec.partition(":")
         if name not in DRAFT_KINDS:
@@ -271,4 +281,8 @@ def make_draft(spec, target: LlamaModel, seed: int = 1):
                                                              ("num_layers", "num_kv_heads", "head_dim"))):
         raise ValueError(f"draft must be one of {', '.join(DRAFT_KINDS)}, a LlamaModel or a draft object "
                          f"(forward, num_layers, num_kv_heads, head_dim), got {type(spec).__name__} {spec!r}")
+    E = target.config.hidden_size
+    if getattr(spec, "uses_hidden", False) and getattr(spec, "hidden_size", E) != E:
+        raise ValueError(f"draft {type(spec).__name__} reads hidden states of width {spec.hidden_size}, the target's "
+                         f"are {E} wide (a draft built for another target?)")
     return spec

@@ -218,6 +218,9 @@ class LlamaModel(nn.Module):
 def check_aux(aux, num_layers: int) -> tuple[int, ...]:
     """``aux`` as a tuple; ValueError unless it is a non-empty, strictly increasing sequence of
     hidden-state indices in ``0..num_layers`` (the order the states are concatenated in)."""
+    if isinstance(aux, (str, bytes)) or not hasattr(aux, "__iter__"):
+        raise ValueError(f"aux hidden states must be a sequence of ints (e.g. (2, 15, 27)), got "
+                         f"{type(aux).__name__} {aux!r}")
     aux = tuple(aux)
     if not aux or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux) \
             or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 0 or aux[-1] > num_layers:

@@ -48,7 +48,7 @@ import torch
 
 from refspec.core.batch import ForwardBatch, check_batch_shapes
 from refspec.core.invariants import InvariantError, require
-from refspec.core.kv_cache import KVCache, KVPool, MLAKVPool
+from refspec.core.kv_cache import KVCache, KVPool, MLAKVPool, check_pool_fits
 from refspec.core.layer import AttentionLayer
 from refspec.core.mla import check_absorbed_call, check_mha_pass, is_mha_pass
 from refspec.oracle.attention import attention_by_position
@@ -158,6 +158,7 @@ class OracleBackend:
     name = "oracle"
 
     def __init__(self, pool: KVPool, kv: KVCache, upcast: bool = True, out_dtype=None):
+        check_pool_fits(pool, kv)  # ValueError: a pool paged otherwise than the cache
         self.pool, self.kv, self.upcast, self.out_dtype = pool, kv, upcast, out_dtype
         self.forward_metadata: OracleMetadata | None = None
 
@@ -200,7 +201,7 @@ class OracleBackend:
         md = self.forward_metadata
         if is_mha_pass(fb):
             return self._mha_pass(q, k, v, layer, md)
-        check_absorbed_call(self.pool.kv_cache_dim, layer, q, q_rope, k, k_rope)
+        check_absorbed_call(self.pool, layer, q, q_rope, k, k_rope)
         if k is not None:
             self.pool.set_mla_kv_buffer(layer.layer_id, fb.out_cache_loc, k, k_rope)
         rows = self.pool.get_key_buffer(layer.layer_id)

@@ -63,6 +63,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from refspec.core.args import count, is_int
+from refspec.core.mla import finite_number
 from refspec.model.drafts import Eagle3Draft, EagleDraft, default_aux_layers
 from refspec.model.llama import LlamaModel, check_aux
 
@@ -77,7 +79,9 @@ class Recipe:
     ``"eagle3"``: ``0.8^s``, EAGLE-3's) and ``hidden_weight`` (0.1; ``"eagle3"``: 0, and nothing
     else is accepted).  ``aux_layers`` (``"eagle3"`` only): the target's hidden-state indices,
     default :func:`~refspec.model.drafts.default_aux_layers` of the target (filled in by
-    :func:`train`).  Raises ValueError naming the setting.
+    :func:`train`; an explicit one must hold at least two strictly increasing indices >= 0).
+    Raises ValueError naming the setting (counts that are not ints >= 1, ``lr`` / ``clip`` not
+    finite and > 0, ``final_lr`` outside [0, 1], ``unroll`` longer than the step weights).
     """
 
     steps: int = 3000  #: optimizer steps (the LR schedule's length)
@@ -98,7 +102,22 @@ class Recipe:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("steps", "batch_rows", "unroll", "heldout_rows"):
+            count(name, getattr(self, name), 1)
+        count("warmup", self.warmup)
+        count("seed", self.seed)
+        for name in ("lr", "clip"):
+            if finite_number(name, getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= finite_number("final_lr", self.final_lr) <= 1:
+            raise ValueError(f"final_lr (a fraction of lr) must lie in [0, 1], got {self.final_lr!r}")
         eagle3 = self.kind == "eagle3"
+        if self.step_weights is not None and len(self.step_weights) < self.unroll:
+            raise ValueError(f"unroll={self.unroll} needs that many step_weights, got {self.step_weights}")
+        if self.step_weights is None and not eagle3 and self.unroll > 3:
+            raise ValueError(f"unroll={self.unroll}: kind 'eagle' has step_weights (1.0, 0.8, 0.6) for at most 3 "
+                             "steps; pass Recipe(step_weights=...) of that length, or train kind 'eagle3' "
+                             "(--kind eagle3: 0.8^s for any unroll)")
         if self.step_weights is None:
             self.step_weights = tuple(0.8 ** s for s in range(self.unroll)) if eagle3 else (1.0, 0.8, 0.6)
         self.step_weights = tuple(float(w) for w in self.step_weights)
@@ -110,11 +129,13 @@ class Recipe:
         if self.aux_layers is not None:
             if not eagle3:
                 raise ValueError(f"aux_layers is for kind eagle3, got kind {self.kind!r}")
-            self.aux_layers = tuple(self.aux_layers)
-        if self.unroll < 1 or len(self.step_weights) < self.unroll:
-            raise ValueError(f"unroll={self.unroll} needs that many step_weights, got {self.step_weights}")
-        if self.steps < 1 or self.batch_rows < 1:
-            raise ValueError(f"steps and batch_rows must be >= 1, got {self.steps}, {self.batch_rows}")
+            aux = tuple(self.aux_layers) if isinstance(self.aux_layers, (list, tuple)) else None
+            # what needs no target (train() checks the top index against the target's layers)
+            if aux is None or len(aux) < 2 or not all(is_int(i) for i in aux) or aux[0] < 0 \
+                    or any(b <= a for a, b in zip(aux, aux[1:])):
+                raise ValueError(f"aux_layers {self.aux_layers!r}: EAGLE-3 reads at least two target hidden states, "
+                                 "strictly increasing indices >= 0 (i = the input of layer i), e.g. (2, 15, 27)")
+            self.aux_layers = tuple(int(i) for i in aux)
 
 
 # ------------------------------------------------------------------ attention over whole rows
@@ -470,7 +491,7 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
         recipe = dataclasses.replace(recipe, steps=max(recipe.steps, CALIBRATION_STEPS + 1))
         t_cal = None
     if resume and checkpoint and Path(checkpoint).exists():
-        ck = torch.load(checkpoint, map_location=dev, weights_only=False)
+        ck = load_checkpoint(checkpoint, dev)
         if calibrate:  # the step count fixed by the run that wrote the checkpoint
             recipe = dataclasses.replace(recipe, steps=ck["recipe"]["steps"])
             calibrate = False
@@ -522,6 +543,22 @@ def train(target: LlamaModel, rows: np.ndarray, lengths: np.ndarray, recipe: Rec
             "tokens": int(lengths[train_idx].sum()), "heldout_tokens": int(lengths[held].sum()),
             "seconds": {"features": round(t_feat, 1), "train": round(t_train, 1),
                         "total": round(time.perf_counter() - t0, 1)}}
+
+
+CHECKPOINT_KEYS = ("head", "opt", "step", "order", "recipe", "log")  #: what :func:`save_checkpoint` writes
+
+
+def load_checkpoint(path: str | Path, device) -> dict:
+    """A checkpoint :func:`save_checkpoint` wrote, onto ``device``.  Raises ValueError naming the
+    file when it is no such checkpoint (truncated, another format, a head file given by mistake)."""
+    try:
+        ck = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - pickle, zip and torch raise a zoo of types on a bad file
+        raise ValueError(f"{path}: not a train-draft checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ck, dict) or k not in ck]
+    if missing:
+        raise ValueError(f"{path}: not a train-draft checkpoint (no {', '.join(missing)})")
+    return ck
 
 
 def _same_recipe(saved: dict, recipe: Recipe, checkpoint) -> None:

@@ -39,9 +39,18 @@ class HeadMismatch(ValueError):
 
 
 def head_card(path: str | Path = HEAD_FILE) -> dict:
-    """The JSON card beside a head file (``{}`` if there is none)."""
+    """The JSON card beside a head file (``{}`` if there is none).  Raises :class:`HeadMismatch`
+    naming the card when it is not a JSON object."""
     card = Path(path).with_suffix(".json")
-    return json.loads(card.read_text()) if card.exists() else {}
+    if not card.exists():
+        return {}
+    try:
+        data = json.loads(card.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise HeadMismatch(f"{card}: the head's card is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HeadMismatch(f"{card}: the head's card must be a JSON object, got {type(data).__name__}")
+    return data
 
 
 def is_real_target(target) -> bool:
@@ -78,19 +87,27 @@ def load_eagle_head(target, path: str | Path = HEAD_FILE, sha256: str | None = H
 def head_kind(path: str | Path) -> tuple[str, tuple[int, ...] | None]:
     """``("eagle", None)`` or ``("eagle3", aux_layers)`` from a head file's safetensors metadata
     (:func:`refspec.real.draft_train.head_metadata`).  Raises :class:`HeadMismatch` for a file
-    whose metadata names no refspec head, ``FileNotFoundError`` when it is absent."""
+    whose metadata names no refspec head or malformed ``aux_layers``, or that is no readable
+    safetensors file (truncated, another format); ``FileNotFoundError`` when it is absent."""
     from safetensors import safe_open
 
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise FileNotFoundError(f"{path}: no such head file (python -m refspec train-draft writes one)")
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError)
+        raise HeadMismatch(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     structure = meta.get("structure")
     if structure == "refspec EagleDraft":
         return "eagle", None
     if structure == "refspec Eagle3Draft" and meta.get("aux_layers"):
-        return "eagle3", tuple(int(x) for x in meta["aux_layers"].split(","))
+        try:
+            return "eagle3", tuple(int(x) for x in meta["aux_layers"].split(","))
+        except ValueError:
+            raise HeadMismatch(f"{path}: metadata aux_layers {meta['aux_layers']!r} is not comma-separated "
+                               "ints") from None
     raise HeadMismatch(f"{path}: not a refspec head file (metadata structure {structure!r})")
 
 
@@ -98,11 +115,16 @@ def load_head(target, path: str | Path, sha256: str | None = None) -> EagleDraft
     """Any head file ``train-draft`` wrote, as the draft its metadata names (:func:`head_kind`), on
     ``target``'s device and dtype.  ``sha256``: the file's expected hash (None: checked against
     its card beside it, when there is one).  Raises :class:`HeadMismatch` for a hash that differs,
-    or a head whose shapes do not fit ``target`` (naming the file); ``FileNotFoundError``."""
+    or a head whose shapes do not fit ``target`` or whose target is no Llama model (naming the
+    file); ``FileNotFoundError``."""
     from safetensors.torch import load_file
+
+    from refspec.model.llama import LlamaModel
 
     path = Path(path)
     kind, aux = head_kind(path)
+    if not isinstance(target, LlamaModel):
+        raise HeadMismatch(f"{path}: an {kind} head drafts for a LlamaModel target, got {type(target).__name__}")
     got = sha256_file(path)
     want = sha256 or head_card(path).get("sha256")
     if want is not None and got != want:
