@@ -99,7 +99,9 @@ def test_state_dict_loads_strict_and_config_from_dict():
                          ids=["gqa2", "tied", "mqa", "mha", "theta1e5"])
 def test_forward_matches_naive_float64_llama(kw):
     m = _model(**kw)
-    ids = [random.Random(1).randrange(128) for _ in range(13)]
+    rng = random.Random(1)
+    ids = [rng.randrange(128) for _ in range(13)]  # 13 different-looking tokens, not one token 13 times
+    assert len(set(ids)) > 1
     ref = _naive_logits(m.state_dict(), m.config, ids)
     with torch.no_grad():
         out, hidden = m(torch.tensor(ids), DenseBatch.span(0, 13), _dense(m))
