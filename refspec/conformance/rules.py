@@ -43,6 +43,8 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
     (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if (field or "").startswith("kernel:"):
+        return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool)
     if out_of_pool and base_field(field or "") == "page_table[live]":
         return "PA-011"
     if mode.startswith("tree_"):
@@ -71,6 +73,25 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     if f in ("cu_seqlens_k", "max_seq_len_k"):
         return "MD-006"
     return "CG-002" if graph else "MD-003"
+
+
+#: the rule of each compared kernel argument (``kernel:<arg>``) that no metadata field stands for
+KERNEL_RULE = {"causal": "PA-004", "window_size": "PA-012", "softmax_scale": "PA-012", "softcap": "PA-012",
+               "num_splits": "PA-012", "attention_chunk": "PA-012", "k_cache": "PA-011", "new_kv": "PA-009",
+               "scheduler_metadata": "PA-013"}
+#: the metadata field whose rule a kernel argument read from it takes
+KERNEL_FIELD = {"cache_seqlens": "cache_seqlens_int32", "cu_seqlens_q": "cu_seqlens_q", "max_seqlen_q": "max_seq_len_q",
+                "page_table[live]": "page_table[live]"}
+
+
+def kernel_rule(mode: str, phase: str, arg: str, short_table: bool = False, out_of_pool: bool = False) -> str:
+    """The rule of kernel argument ``arg`` (``kernel:<arg>``, :func:`refspec.conformance.compare.kernel_diffs`):
+    an argument read from a metadata field takes that field's rule (:data:`KERNEL_FIELD`: the
+    mode's K rule for ``cache_seqlens``, ...), the others :data:`KERNEL_RULE`; ``calls`` (a call
+    missing, another kernel, or upstream raising in its forward) the mode's rule."""
+    if arg in KERNEL_FIELD:
+        return rule_for(mode, phase, KERNEL_FIELD[arg], short_table, out_of_pool)
+    return KERNEL_RULE.get(arg) or rule_for(mode, phase, None)
 
 
 #: an upstream exception at the page-table bound: indexing past a table's columns (dimension 1)
