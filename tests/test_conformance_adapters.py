@@ -215,3 +215,29 @@ def test_an_attribute_the_adapter_does_not_lay_out_is_an_adapter_gap_not_a_rule(
     code, lines = conformance.verdict(out)
     assert code == conformance.EXIT_GAP == 3 and lines[-1].startswith("== ADAPTER GAP: 1 result not compared")
     assert conformance.verdict(conformance.Outcome([], {}, {}))[0] == 0
+
+
+def test_a_branch_that_did_not_run_is_never_cited_statically(tmp_path):
+    """0.5.4.post2's capture hook: ``elif forward_mode.is_draft_extend():`` excludes DRAFT_EXTEND_V2 there.
+    With a trace, a write is read statically only where its branch is proven taken (an executed line in
+    the same block); without one (canned results) the old static read stands."""
+    from refspec.conformance import rules
+
+    fa = textwrap.dedent("""
+        class FlashAttentionBackend:
+            def init_forward_metadata_capture_cuda_graph(self, bs, forward_mode):
+                metadata = None
+                if forward_mode.is_decode_or_idle():
+                    metadata.page_table = 1
+                elif forward_mode.is_draft_extend():
+                    metadata.page_table = 2
+                return metadata
+    """)
+    site = _site(tmp_path, {rules.FA: fa})
+    line = next(i for i, x in enumerate(fa.splitlines(), 1) if "page_table = 2" in x)
+    args = (site, (rules.FA,), "legacy", "draft_extend_v2", "capture", "page_table[live]")
+    assert rules.locate(*args) == (rules.FA, line)  # no trace: read statically, as before
+    ran_elsewhere = ((rules.FA, 4, None), (rules.FA, 5, None), (rules.FA, 9, None))  # the branch's test, not its body
+    assert rules.locate(*args, executed=ran_elsewhere) is None
+    ran_inside = ran_elsewhere + ((rules.FA, line, None),)
+    assert rules.locate(*args, executed=ran_inside) == (rules.FA, line)

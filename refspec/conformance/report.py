@@ -242,7 +242,7 @@ def find(row: Row, target=None, executed=None) -> None:
         w = rules.ran(target.site, executed, fld)
         if w is not None:
             return (w[0], w[1]), RAN, (None if w[2] is None else (rules.FA, w[2]))
-        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld), STATIC, None
+        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld, executed), STATIC, None
 
     def url(w):
         return rules.link(target, *w) if w else None

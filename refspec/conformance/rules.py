@@ -499,14 +499,45 @@ def _outside(path: str, span: tuple[int, int], mode: str) -> set[int]:
     return (other - mine) | path_other
 
 
-def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
-           ) -> tuple[str, int] | None:
+def _blocks(path: str, line: int) -> list[tuple[int, int]]:
+    """The statement blocks (an ``if`` / ``else`` body, a loop or ``with`` body) holding ``line``,
+    innermost first, as (first line, last line)."""
+    try:
+        tree, _ = _tree(path)
+    except (OSError, SyntaxError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        for attr in ("body", "orelse", "finalbody"):
+            block = getattr(node, attr, None)
+            if isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try)) and isinstance(block, list) and \
+                    block and block[0].lineno <= line <= block[-1].end_lineno:
+                out.append((block[0].lineno, block[-1].end_lineno))
+    return sorted(out, key=lambda b: b[1] - b[0])
+
+
+def taken(path: str, rel: str, line: int, executed) -> bool:
+    """Whether the branch holding ``line`` of ``path`` is proven taken by the trace ``executed``
+    (``((file, line, via), ...)``): some executed line of the same file lies in the innermost
+    block that holds ``line``; a line in no block, in a function the trace entered at all."""
+    ran = {n for f, n, _ in executed if f == rel}
+    blocks = _blocks(path, line)
+    if blocks:
+        lo, hi = blocks[0]
+        return any(lo <= n <= hi for n in ran)
+    return bool(ran)
+
+
+def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None,
+           executed=None) -> tuple[str, int] | None:
     """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
     ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
     order they run, never a line in another mode's branch: :func:`_outside`), or the def line of
     the phase's first function when they write it nowhere; None if none of the functions is found,
     or when the only writes are in other modes' branches (no line rather than a wrong one).  Read
-    statically: the fallback when no executed line writes the field (:func:`ran`)."""
+    statically: the fallback when no executed line writes the field (:func:`ran`).  With a trace
+    (``executed``: the lines that ran while the result was built), a write is cited only where its
+    branch is proven taken (:func:`taken`): a branch that did not run for the mode is never cited."""
     pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
     fallback, elsewhere = None, False
@@ -527,7 +558,7 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
             skip = _outside(path, span, mode)
             for i in (*range(start, hi), *range(lo, start)):
                 if _is_write(path, i + 1, lines[i], pat):
-                    if i + 1 in skip:
+                    if i + 1 in skip or (executed and not taken(path, rel, i + 1, executed)):
                         elsewhere = True
                         continue
                     return rel, i + 1
