@@ -108,6 +108,10 @@ def test_a_changed_kernel_argument_is_a_kernel_diff_under_its_rule():
         (d,) = kernel_diffs(ours, theirs, 4)
         assert d.field == f"kernel:{name}" and rules.rule_for("decode", "eager", d.field) == rid, (name, d)
     assert rules.rule_for("decode", "replay", "kernel:max_seqlen_q") == "CG-006"
+    # the same mask passed two ways is no difference: causal with (-1, 0) or (-1, -1) (FA3 sets the right
+    # window to 0 under causal), and a non-causal (-1, 0), which FA3 runs as causal
+    for same in ({"window_size": (-1, 0)}, {"causal": False, "window_size": (-1, 0)}):
+        assert kernel_diffs(ours, [dict(ours[0], args=dict(ours[0]["args"], **same))], 4) == [], same
     k = ours[0]["args"]["cache_seqlens"]
     theirs = [dict(ours[0], args=dict(ours[0]["args"], cache_seqlens=dict(k, tensor=k["tensor"] + 1)))]
     assert [d.field for d in kernel_diffs(ours, theirs, 4)] == ["kernel:cache_seqlens"]

@@ -231,6 +231,18 @@ def _window(x) -> tuple:
     return tuple(-1 if v is None else int(v) for v in (x or (-1, -1)))
 
 
+def _mask(a: dict) -> tuple[bool, tuple]:
+    """``(causal, window)`` as the kernel takes them: FA3's ``mha_fwd`` sets ``window_size_right = 0``
+    when ``causal`` and then treats ``window_size_left < 0 and window_size_right == 0`` (no
+    attention chunk) as causal (flash_api.cpp:805, :148 at fa4-v4.0.0.beta27), so ``causal=True``
+    with ``(-1, 0)`` or ``(-1, -1)`` is one mask; negative sizes are -1."""
+    left, right = _window(a.get("window_size"))
+    if a.get("causal"):
+        right = 0
+    left, right = max(left, -1), max(right, -1)
+    return left < 0 and right == 0 and not int(a.get("attention_chunk") or 0), (left, right)
+
+
 def _scale(x, head_dim: int) -> float:
     return head_dim ** -0.5 if x is None else float(x)
 
@@ -272,13 +284,17 @@ def _call_diffs(a: dict, b: dict, page_size: int, sched: list, num_pages: int | 
     for d in compare(md_a, md_b, page_size, num_pages):
         if d.field in names:  # (cu_seqlens_k / max_seqlen_k / the dead columns: not read on this call)
             out.append(replace(d, field=f"kernel:{names[d.field]}"))
-    scalars = (("causal", bool, False), ("softcap", lambda x: float(x or 0.0), 0.0),
-               ("num_splits", lambda x: int(x or 0), 0), ("attention_chunk", lambda x: int(x or 0), 0))
+    scalars = (("softcap", lambda x: float(x or 0.0), 0.0), ("num_splits", lambda x: int(x or 0), 0),
+               ("attention_chunk", lambda x: int(x or 0), 0))
     for name, norm, default in scalars:
         va, vb = norm(a.get(name, default)), norm(b.get(name, default))
         if va != vb:
             out.append(Diff(f"kernel:{name}", str(va), str(vb)))
-    if _window(a.get("window_size")) != _window(b.get("window_size")):
+    ma, mb = _mask(a), _mask(b)  # the mask the kernel applies: a flag or window differing into the same one is none
+    if bool(a.get("causal")) != bool(b.get("causal")):
+        if ma != mb:
+            out.append(Diff("kernel:causal", str(bool(a.get("causal"))), str(bool(b.get("causal")))))
+    elif ma[1] != mb[1]:
         out.append(Diff("kernel:window_size", str(_window(a.get("window_size"))), str(_window(b.get("window_size")))))
     sa, sb = _scale(a.get("softmax_scale"), head_dim), _scale(b.get("softmax_scale"), head_dim)
     if sa != sb:
