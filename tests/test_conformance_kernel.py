@@ -134,6 +134,22 @@ def test_a_kernel_diff_that_repeats_the_metadata_fields_difference_is_not_a_seco
     assert [d.field for d in got] == ["kernel:cache_seqlens"]
 
 
+@pytest.mark.spec("CG-001")
+def test_a_replayed_kernel_reading_a_buffer_the_replay_did_not_rewrite_is_cg_001():
+    """0.4.4.post2's legacy replay hook rebinds ``metadata.cache_seqlens_int32`` to a new tensor: the metadata
+    is right, but the captured call (what the graph replays) still reads the capture-time buffer.  A
+    replay's kernel difference whose metadata field agrees is CG-001 (not the K rule); the same values at
+    eager are the field's own rule (a negative control)."""
+    be, fb = _decode_backend()
+    ours = _plain(cases.kernel_calls(be, fb))
+    k = ours[0]["args"]["cache_seqlens"]
+    stale = [dict(ours[0], args=dict(ours[0]["args"], cache_seqlens=dict(k, tensor=torch.ones_like(k["tensor"]))))]
+    for phase, rid in (("replay", "CG-001"), ("eager", "MD-003")):
+        row = conformance.report.Row("x", "decode/P4/a", "decode", 4, "a", phase, None)
+        (d,) = conformance._kernel(row, ours, stale, [], 4, None)
+        assert rules.rule_for("decode", phase, d.field, stale=d.stale) == rid, phase
+
+
 def _sched_call(kernel: dict, **over) -> dict:
     kb = kernel["cache_seqlens"]["tensor"]
     args = dict(batch_size=int(kb.numel()), max_seqlen_q=kernel["max_seqlen_q"], max_seqlen_k=int(kb.max()),

@@ -62,6 +62,9 @@ class Diff:
     at: tuple[str, int] | None = None
     #: page_table[live]: the row shown is a graph's padding row (no real request's row differs)
     padded: bool = False
+    #: ``kernel:`` diff of a replay: the kernel reads stale values from a buffer the replay hook left, while the
+    #: metadata field (rebound elsewhere) is right: the captured buffer was not rewritten in place (CG-001)
+    stale: bool = False
 
 
 def _show(x) -> str:

@@ -31,8 +31,9 @@ STATIC = "static"
 #: how each kind of upstream line is said after it (console, report)
 HOW = {RAN: "", TRACEBACK: "", STATIC: "not traced, read statically"}
 #: rules a passing run has not checked: the comparison reads values, never addresses
-NOT_BY_VALUES = (("CG-001", "buffer identity: captured buffers rewritten in place, not rebound; values are compared, "
-                            "not addresses"),)
+NOT_BY_VALUES = (("CG-001", "buffer identity: captured buffers rewritten in place, not rebound; the metadata's "
+                            "values are compared, not addresses; only a legacy-hooks replay re-reads the kernel's "
+                            "captured call, where a rebound buffer shows as stale kernel arguments"),)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def find(row: Row, target=None, executed=None) -> None:
         row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
                                     via_url=url(via)))
     for d in row.undocumented:
-        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool)
+        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool, d.stale)
         w, how, via = where(d.field) if d.at is None else (_site_rel(d.at), RAN, None)
         row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w), how=how, via=via,
                                     via_url=url(via), padded=d.padded))

@@ -33,7 +33,8 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
 
 
-def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False) -> str:
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False,
+             stale: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
@@ -44,7 +45,7 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
     if (field or "").startswith("kernel:"):
-        return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool)
+        return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool, stale)
     if out_of_pool and base_field(field or "") == "page_table[live]":
         return "PA-011"
     if mode.startswith("tree_"):
@@ -84,11 +85,16 @@ KERNEL_FIELD = {"cache_seqlens": "cache_seqlens_int32", "cu_seqlens_q": "cu_seql
                 "page_table[live]": "page_table[live]"}
 
 
-def kernel_rule(mode: str, phase: str, arg: str, short_table: bool = False, out_of_pool: bool = False) -> str:
+def kernel_rule(mode: str, phase: str, arg: str, short_table: bool = False, out_of_pool: bool = False,
+                stale: bool = False) -> str:
     """The rule of kernel argument ``arg`` (``kernel:<arg>``, :func:`refspec.conformance.compare.kernel_diffs`):
     an argument read from a metadata field takes that field's rule (:data:`KERNEL_FIELD`: the
     mode's K rule for ``cache_seqlens``, ...), the others :data:`KERNEL_RULE`; ``calls`` (a call
-    missing, another kernel, or upstream raising in its forward) the mode's rule."""
+    missing, another kernel, or upstream raising in its forward) the mode's rule.  ``stale`` (a
+    replay's kernel reads a captured buffer the replay hook did not rewrite, the metadata field
+    itself being right: ``Diff.stale``): CG-001, the captured buffers rewritten in place."""
+    if stale:
+        return "CG-001"
     if arg in KERNEL_FIELD:
         return rule_for(mode, phase, KERNEL_FIELD[arg], short_table, out_of_pool)
     return KERNEL_RULE.get(arg) or rule_for(mode, phase, None)

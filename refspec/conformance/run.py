@@ -233,10 +233,15 @@ def _kernel(row: report.Row, ours, theirs, metadata: list, page_size: int, sched
     row.kernel_calls = sum(c["name"].startswith("flash_attn") for c in theirs)
     row.sched_checked = sum(c["name"].startswith("flash_attn") and c["args"].get("scheduler_metadata") is not None
                             for c in theirs)
+    differing = {d.field for d in metadata}
     for d in kernel_diffs(ours, theirs, page_size, sched):
         field = KERNEL_ALIASES.get(d.field.removeprefix("kernel:"))
-        if field is None or (field, d.ours, d.theirs) not in seen:
-            out.append(d)
+        if field is not None and (field, d.ours, d.theirs) in seen:
+            continue
+        if field is not None and field != "max_seq_len_q" and field not in differing and \
+                row.phase in rules.GRAPH_PHASES:
+            d = replace(d, stale=True)  # the metadata is right, the captured buffer the graph reads is not
+        out.append(d)
     return out
 
 
