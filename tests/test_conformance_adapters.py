@@ -241,3 +241,36 @@ def test_a_branch_that_did_not_run_is_never_cited_statically(tmp_path):
     assert rules.locate(*args, executed=ran_elsewhere) is None
     ran_inside = ran_elsewhere + ((rules.FA, line, None),)
     assert rules.locate(*args, executed=ran_inside) == (rules.FA, line)
+
+
+@pytest.mark.spec("TR-014")
+def test_the_headline_names_the_smallest_failing_case_and_the_condition_that_triggers_it():
+    """0.4.7's draft expand defect as the headline shows it: bs = 1 holds, bs = 2 and 3 fail, so the
+    condition is bs >= 2 and the example is the smallest failing case, a real request's row before a
+    graph's padding row; a known bug's headline comes after every unexplained one."""
+    def row(job, batch, phase="eager", step=0, fail=True, padded=False, bug=None):
+        r = report.Row("0.4.7", job, "tree_draft_decode", 1, "k2", phase, step, batch=batch, topk=2, num_steps=3)
+        if fail:
+            r.diffs = [report.Diff("expand:page_table[live]", "row 2: [95]", "row 2: [25]", padded=padded)]
+            r.findings = [report.Finding("TR-014", "upstream behaviour", "expand:page_table[live]", "row 2: [95]",
+                                         "row 2: [25]", ("sglang/srt/layers/attention/flashattention_backend.py", 414),
+                                         None, padded=padded)]
+        r.bug = bug
+        return r
+    rows = [row("tree_draft_decode/k2/B1/P1", 1, fail=False), row("tree_draft_decode/k2/P1", 3),
+            row("tree_draft_decode/k2/B2/P1", 2, step=1), row("tree_draft_decode/k2/B2/P1", 2, padded=True)]
+    (h,) = report.headlines(rows, "0.4.7")
+    assert h.condition == "when bs >= 2 (every bs = 1 case holds)" and h.count == 3
+    assert (h.row.batch, h.row.step) == (2, 1)  # bs = 2; the real row's finding before the padded one at step 0
+    line = report.headline_line(h, "0.4.7", 1, 1)
+    assert line.startswith("== FINDING 1 of 1: TR-014 (upstream behaviour) broken by sglang 0.4.7 in 3 results, "
+                           "when bs >= 2 (every bs = 1 case holds); smallest case tree_draft_decode eager, bs = 2, "
+                           "P = 1, k = 2, S = 3, step 1 (tree_draft_decode/k2/B2/P1)")
+    assert line.endswith("expand:page_table[live]: refspec row 2: [95] | upstream row 2: [25]; upstream line at "
+                         "flashattention_backend.py:414")
+    # every case of those modes failing: the condition says so (no dimension invented)
+    assert report.condition(rows[1:], rows[1:]) == "in every case compared (3)"
+    known = row("decode/P16/x", 3, bug="context-wall-page-table")
+    known.findings = [report.Finding("CG-008", "kernel contract", "page_table[live]", "a", "b", None, None)]
+    known.mode = "decode"
+    assert [h.rule for h in report.headlines(rows + [known], "0.4.7")] == ["TR-014", "CG-008"]

@@ -62,8 +62,11 @@ def test_the_context_wall_on_a_source_tree_is_the_known_bug_a_broken_rule_named_
     assert "MD-007" not in text  # the dead width below the bound is the same table (reported as not read)
     assert f"== FAIL: 1 result breaks a rule [CG-008]; 1 of them reproduce known upstream bugs ({WALL})" in text
     assert "not checked by this comparison" not in text
-    # the report carries the marker and the PR's link on every finding and in its closing words
+    # the report carries the marker and the PR's link on every finding and in its closing words, and opens
+    # with the headline: the rule, the bug, the smallest case, both values
     assert f"**sglang @ {co}**: 1 cases compared, 1 failing, 1 of them on known upstream bugs" in md
+    assert f"1. **CG-008** (kernel contract) (known upstream bug `context-wall-page-table` ([sglang#35985]({PR}))), " \
+           f"1 result, in every case compared (1); smallest case verify replay, P = 16, k = 1" in md
     items = [x for x in md.splitlines() if x.startswith("- **CG-008**")]
     assert len(items) == 1 and all(x.endswith(f"[known upstream bug `context-wall-page-table` ([sglang#35985]({PR}))]")
                                    for x in items)

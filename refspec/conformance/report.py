@@ -366,8 +366,20 @@ def _target_md(rows: list[Row], label: str, base: str) -> list[str]:
     """One target's part of :func:`markdown`: its summary line, then :func:`_rules_md` of its findings."""
     s = summary(rows, label)
     known_bug = f", {s['known_bug']} of them on known upstream bugs" if s["known_bug"] else ""
-    lines = [f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug} "
+    gaps = f", {s['gaps']} adapter gaps ({GAP_WORDS})" if s["gaps"] else ""
+    lines = [f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug}{gaps} "
              f"({s['same']} identical, {s['documented']} with only documented differences).", ""]
+    hs = headlines(rows, label)
+    for i, h in enumerate(hs, 1):
+        f = h.finding
+        at = f" at {_at(f.where, f.url)}" if f.where else ""
+        values = (f"upstream raised `{f.theirs}`" if f.field is None else
+                  f"`{f.field}`: refspec `{f.ours}`, upstream `{f.theirs}`")
+        bug = f" ({_bug_link(h.bug)})" if h.bug else ""
+        lines.append(f"{i}. **{h.rule}** ({h.level}){bug}, {_n(h.count, 'result')}, {h.condition}; smallest case "
+                     f"{h.case()}: {values}; upstream line{at}")
+    if hs:
+        lines.append("")
     return lines + _rules_md([r for r in rows if r.pin == label and r.findings], base)
 
 
