@@ -33,7 +33,8 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
 
 
-def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False) -> str:
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False,
+             stale: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
@@ -43,6 +44,8 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
     (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if (field or "").startswith("kernel:"):
+        return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool, stale)
     if out_of_pool and base_field(field or "") == "page_table[live]":
         return "PA-011"
     if mode.startswith("tree_"):
@@ -71,6 +74,30 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     if f in ("cu_seqlens_k", "max_seq_len_k"):
         return "MD-006"
     return "CG-002" if graph else "MD-003"
+
+
+#: the rule of each compared kernel argument (``kernel:<arg>``) that no metadata field stands for
+KERNEL_RULE = {"causal": "PA-004", "window_size": "PA-012", "softmax_scale": "PA-012", "softcap": "PA-012",
+               "num_splits": "PA-012", "attention_chunk": "PA-012", "k_cache": "PA-011", "new_kv": "PA-009",
+               "scheduler_metadata": "PA-013"}
+#: the metadata field whose rule a kernel argument read from it takes
+KERNEL_FIELD = {"cache_seqlens": "cache_seqlens_int32", "cu_seqlens_q": "cu_seqlens_q", "max_seqlen_q": "max_seq_len_q",
+                "page_table[live]": "page_table[live]"}
+
+
+def kernel_rule(mode: str, phase: str, arg: str, short_table: bool = False, out_of_pool: bool = False,
+                stale: bool = False) -> str:
+    """The rule of kernel argument ``arg`` (``kernel:<arg>``, :func:`refspec.conformance.compare.kernel_diffs`):
+    an argument read from a metadata field takes that field's rule (:data:`KERNEL_FIELD`: the
+    mode's K rule for ``cache_seqlens``, ...), the others :data:`KERNEL_RULE`; ``calls`` (a call
+    missing, another kernel, or upstream raising in its forward) the mode's rule.  ``stale`` (a
+    replay's kernel reads a captured buffer the replay hook did not rewrite, the metadata field
+    itself being right: ``Diff.stale``): CG-001, the captured buffers rewritten in place."""
+    if stale:
+        return "CG-001"
+    if arg in KERNEL_FIELD:
+        return rule_for(mode, phase, KERNEL_FIELD[arg], short_table, out_of_pool)
+    return KERNEL_RULE.get(arg) or rule_for(mode, phase, None)
 
 
 #: an upstream exception at the page-table bound: indexing past a table's columns (dimension 1)
@@ -478,14 +505,45 @@ def _outside(path: str, span: tuple[int, int], mode: str) -> set[int]:
     return (other - mine) | path_other
 
 
-def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
-           ) -> tuple[str, int] | None:
+def _blocks(path: str, line: int) -> list[tuple[int, int]]:
+    """The statement blocks (an ``if`` / ``else`` body, a loop or ``with`` body) holding ``line``,
+    innermost first, as (first line, last line)."""
+    try:
+        tree, _ = _tree(path)
+    except (OSError, SyntaxError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        for attr in ("body", "orelse", "finalbody"):
+            block = getattr(node, attr, None)
+            if isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try)) and isinstance(block, list) and \
+                    block and block[0].lineno <= line <= block[-1].end_lineno:
+                out.append((block[0].lineno, block[-1].end_lineno))
+    return sorted(out, key=lambda b: b[1] - b[0])
+
+
+def taken(path: str, rel: str, line: int, executed) -> bool:
+    """Whether the branch holding ``line`` of ``path`` is proven taken by the trace ``executed``
+    (``((file, line, via), ...)``): some executed line of the same file lies in the innermost
+    block that holds ``line``; a line in no block, in a function the trace entered at all."""
+    ran = {n for f, n, _ in executed if f == rel}
+    blocks = _blocks(path, line)
+    if blocks:
+        lo, hi = blocks[0]
+        return any(lo <= n <= hi for n in ran)
+    return bool(ran)
+
+
+def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None,
+           executed=None) -> tuple[str, int] | None:
     """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
     ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
     order they run, never a line in another mode's branch: :func:`_outside`), or the def line of
     the phase's first function when they write it nowhere; None if none of the functions is found,
     or when the only writes are in other modes' branches (no line rather than a wrong one).  Read
-    statically: the fallback when no executed line writes the field (:func:`ran`)."""
+    statically: the fallback when no executed line writes the field (:func:`ran`).  With a trace
+    (``executed``: the lines that ran while the result was built), a write is cited only where its
+    branch is proven taken (:func:`taken`): a branch that did not run for the mode is never cited."""
     pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
     fallback, elsewhere = None, False
@@ -506,7 +564,7 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
             skip = _outside(path, span, mode)
             for i in (*range(start, hi), *range(lo, start)):
                 if _is_write(path, i + 1, lines[i], pat):
-                    if i + 1 in skip:
+                    if i + 1 in skip or (executed and not taken(path, rel, i + 1, executed)):
                         elsewhere = True
                         continue
                     return rel, i + 1

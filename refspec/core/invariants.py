@@ -92,6 +92,15 @@ RULES: dict[str, Rule] = {
                    (fa3("flash_api.cpp", 745, "mha_fwd"), doc(FACTS, "max-seqlen-q"))),
     "PA-011": Rule("kernel arguments are well formed (dtypes, shapes, page ids in the pool)", K,
                    (fa3("flash_api.cpp", 735, "mha_fwd"), fa3("flash_api.cpp", 744, "mha_fwd"))),
+    "PA-012": Rule("the attention call passes the layer's constants: softmax_scale, softcap, window_size; num_splits "
+                   "0 (the kernel's choice)", U,
+                   (_fb(2285, "FlashAttentionBackend.forward_decode", NEW),
+                    _fb(1789, "FlashAttentionBackend.forward_extend", NEW)), BOTH, BOTH),
+    "PA-013": Rule("a precomputed scheduler_metadata is computed from its own call's batch, lengths, heads, page size "
+                   "and flags (rewritten before every replay)", K,
+                   (fa3("flash_api.cpp", 1004, "mha_fwd"), fa3("flash_api.cpp", 522, "mha_fwd_get_scheduler_metadata"),
+                    _fb(409, "FlashAttentionBackend._compute_scheduler_metadata", NEW), pr(21104, "the precompute")),
+                   conformance=BOTH),
     # --- KV accounting -----------------------------------------------------------------
     "KV-001": Rule("alloc_extend continues the request's last partial page (INV-PAGE is kept)", U,
                    (sgl(ALLOC, V55, 459, "PagedTokenToKVPoolAllocator.alloc_extend"),), (V55, OLD)),
