@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv) -> int:
     from refspec.mutants import tree_variants, variants
-    from refspec.conformance import cases, install, report, run as conformance, tree_cases
+    from refspec.conformance import cases, install, mla_forward, report, run as conformance, tree_cases
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
     ap.add_argument("--sglang", "--pins", "--pin", dest="sglang", type=_specs, default=None,
@@ -71,11 +71,15 @@ def _main(argv) -> int:
     ap.add_argument("--page-sizes", "--page-size", type=int_list(1, "page sizes"), default=list(cases.PAGE_SIZES),
                     metavar="P[,P...]",
                     help=f"page sizes, comma-separated, from {','.join(map(str, cases.PAGE_SIZES))} (default: all)")
-    modes = sorted(cases.MODES) + list(tree_cases.MODES)
+    modes = sorted(cases.MODES) + list(tree_cases.MODES) + list(mla_forward.MODES)
     ap.add_argument("--modes", "--mode", type=choice_list(modes, "modes"), default=None,
                     metavar="MODE[,MODE...]",
                     help=f"restrict the modes, comma-separated, from {', '.join(modes)} "
-                         "(default: every mode the pin has; the tree_* modes are top-k > 1)")
+                         "(default: every mode the pin has; the tree_* modes are top-k > 1; the mla_* modes run "
+                         "upstream's MLA forward path, docs/conformance.md#mla)")
+    ap.add_argument("--mla-grid", choices=mla_forward.GRIDS, default="default",
+                    help="the grid of the mla_* modes: default (P = 1, 4, 16, B = 3 in a graph of 4: what CI runs), "
+                         "full (also P = 2, 64 and B = 5 in a graph of 8), off (no MLA rows)")
     ap.add_argument("--topks", "--topk", type=int_list(2, "top-k values"), default=list(tree_cases.TOPKS),
                     metavar="K[,K...]",
                     help=f"top-k values of the tree_* modes, comma-separated, from "
@@ -122,7 +126,7 @@ def _main(argv) -> int:
         return _review(ns, argv)
     try:
         out = conformance.run(ns.sglang, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks),
-                              revert_fix=ns.revert_fix)
+                              revert_fix=ns.revert_fix, mla_grid=ns.mla_grid)
     except (install.UnsupportedSpec, conformance.NoCases) as e:
         raise CLIError(str(e)) from None
     print(conformance.render(out, ns.verbose, expect))
@@ -140,7 +144,7 @@ def _review(ns, argv) -> int:
 
     try:
         rev = conformance.review(ns.baseline, ns.sglang[0], ns.page_sizes, ns.modes, ns.variant, ns.root,
-                                 topks=tuple(ns.topks), revert_fix=ns.revert_fix)
+                                 topks=tuple(ns.topks), revert_fix=ns.revert_fix, mla_grid=ns.mla_grid)
     except (install.UnsupportedSpec, conformance.NoCases) as e:
         raise CLIError(str(e)) from None
     print(conformance.render_review(rev, ns.verbose))

@@ -75,6 +75,8 @@ class Row:
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
     findings: list[Finding] = field(default_factory=list)  #: one per undocumented diff / the error (:func:`find`)
     bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
+    #: further known upstream bugs the same row shows (each of its findings names its own: ``known.cover``)
+    also: tuple[str, ...] = ()
     #: a known upstream bug (``known.BUGS`` key) this failing row resembles on code it is not recognised on
     #: (:func:`known.resembles`): said on the row, the row still fails
     like: str | None = None
@@ -191,7 +193,8 @@ def headlines(rows: list[Row], label: str) -> list[Headline]:
             wider = condition(failing, [r for r in mine if r.mode in modes and r.phase != "capture"])
             cond = wider if wider.startswith("when") else cond
         r0, f0 = min(items, key=lambda it: (it[1].padded, _case_key(it[0])))  # a real request's row first
-        bugs = {r.bug for r in failing}
+        # the known bug of this rule on each row (a row may show two: Row.also, each finding its own rule)
+        bugs = {next((b for b in (r.bug, *r.also) if b and by_key(b).rule == rid), r.bug) for r in failing}
         out.append(Headline(rid, f0.level, r0, f0, cond, len(failing),
                             next(iter(bugs)) if len(bugs) == 1 and None not in bugs else None))
     return sorted(out, key=lambda h: h.bug is not None)
@@ -276,7 +279,7 @@ def find(row: Row, target=None, executed=None) -> None:
 
 def _cell(rows: list[Row]) -> str:
     ids = rules.by_cause({f.rule for r in rows for f in r.findings})
-    bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
+    bugs = sorted({b for r in rows if not r.ok for b in (r.bug, *r.also) if b})
     likes = sorted({r.like for r in rows if not r.ok and r.like and not r.bug})
     tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}" \
           f"{''.join(', matches known upstream bug ' + b for b in likes)}]" if ids else ""
@@ -297,8 +300,8 @@ def finding_line(r: Row, f: Finding) -> str:
     at = f" (upstream {f.where[0]}:{f.where[1]}{via}{', ' + HOW[f.how] if HOW[f.how] else ''})" if f.where else ""
     if f.rule == ADAPTER:
         return f"  ADAPTER GAP {where}: {GAP_WORDS}: {f.theirs}"
-    bug = f" [{by_key(r.bug).marker}]" if r.bug else (f" [{by_key(r.like).hint}; still a failure here]"
-                                                       if r.like else "")
+    bug = f" [{', '.join(by_key(b).marker for b in (r.bug, *r.also))}]" if r.bug else (
+        f" [{by_key(r.like).hint}; still a failure here]" if r.like else "")
     if f.field is None:
         return f"  ERROR {where}: {f.rule} ({f.level}): {f.note or 'upstream exception'}: {f.theirs}{at}{bug}"
     if f.field == "kernel:scheduler_metadata":  # upstream against itself: the call and what planned it
@@ -516,9 +519,9 @@ def bugs_table(keys: set[str], rows: list[Row] = ()) -> str:
         lines.append(f"      status: {b.status}")
         here = {}
         for r in rows:
-            if r.bug == b.key:
+            if b.key in (r.bug, *r.also):
                 for f in r.findings:
-                    if f.where:
+                    if f.where and (r.bug == b.key and not r.also or f.rule == b.rule):
                         here.setdefault((r.pin, f.where, f.via), f.url)
         for (pin, (rel, n), via), url in here.items():
             run_from = f", run from {via[0].split('/')[-1]}:{via[1]}" if via else ""
@@ -643,7 +646,9 @@ def kernel_lines(out, side: str = "") -> list[str]:
     call (PA-013), and which results compared none, and why."""
     lines = []
     for label in dict.fromkeys(r.pin for r in out.rows):
-        mine = [r for r in out.rows if r.pin == label]
+        mine = [r for r in out.rows if r.pin == label and not r.mode.startswith("mla_")]  # (MLA: its own line)
+        if not mine:
+            continue
         done = [r for r in mine if r.kernel_calls]
         calls, sched = sum(r.kernel_calls for r in done), sum(r.sched_checked for r in done)
         trees = sum(r.mode.startswith("tree_") for r in mine)

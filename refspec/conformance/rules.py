@@ -31,6 +31,7 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
              "retrive_next_sibling": "TR-003", "draft_tokens": "TR-002", "parent_list": "TR-002",
              "top_scores_index": "TR-002", "out_cache_loc": "TR-015", "tail_copy": "TR-015"}
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
+MLA_PREFIX = "mla_"  #: an MLA mode (``mla_decode``, ...): the base mode through the MLA forward path
 
 
 def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False,
@@ -44,6 +45,11 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
     (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if mode.startswith(MLA_PREFIX):  # the MLA forward path: its own fields, the base mode's metadata rules
+        from refspec.conformance.mla_forward import rule_for as mla_rule
+
+        return mla_rule(mode, phase, field, base_rule=lambda m, p, f: rule_for(m, p, f, short_table, out_of_pool,
+                                                                               stale))
     if (field or "").startswith("kernel:"):
         return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool, stale)
     if out_of_pool and base_field(field or "") == "page_table[live]":
@@ -119,6 +125,10 @@ def error_rule(mode: str, phase: str, error: str, statement: str = "", field: st
     which of the two it is."""
     if _BOUND.search(error) and _TABLES.search(statement):
         return "CG-008", "upstream exception past a table's width (req_to_token / page_table: the page-table bound)"
+    if mode.startswith(MLA_PREFIX) and field is None:
+        from refspec.conformance.mla_forward import rule_for as mla_rule
+
+        return mla_rule(mode, phase, None, error), "upstream exception on the MLA forward path (no field was compared)"
     if field is not None:
         return rule_for(mode, phase, field), f"upstream exception in the statement that computes {field}"
     return rule_for(mode, phase, None), "upstream exception (the mode's rule: no field was compared)"
@@ -170,7 +180,7 @@ def computed_field(path: str, line: int, mode: str = "") -> str | None:
                 best = node
     if best is None:
         return None
-    tree_mode = mode.startswith("tree_")
+    tree_mode = mode.removeprefix(MLA_PREFIX).startswith("tree_")
     test = getattr(best, "test", None) if isinstance(best, (ast.If, ast.While)) else \
         getattr(best, "iter", None) if isinstance(best, ast.For) else None
     if test is not None and test.lineno <= line <= test.end_lineno:
@@ -544,6 +554,7 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
     statically: the fallback when no executed line writes the field (:func:`ran`).  With a trace
     (``executed``: the lines that ran while the result was built), a write is cited only where its
     branch is proven taken (:func:`taken`): a branch that did not run for the mode is never cited."""
+    mode = mode.removeprefix(MLA_PREFIX)  # an MLA mode's metadata is its base mode's (ML-004)
     pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
     fallback, elsewhere = None, False

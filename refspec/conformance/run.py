@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refspec.conformance import cases, install, known, lines, report, rules, tree_cases
+from refspec.conformance import cases, install, known, lines, mla_forward, report, rules, tree_cases
 from refspec.conformance.compare import (KERNEL_ALIASES, SCHED_KEY, UNREAD, Diff, compare, compare_parts,
                                          kernel_diffs, unread_by)
 from refspec.conformance.report import mirror_lines, unreachable_lines
@@ -103,7 +103,7 @@ class Outcome:
 
     def bugs(self) -> set[str]:
         """The known upstream bugs (:data:`known.BUGS` keys) that rows showed."""
-        return {r.bug for r in self.rows if r.bug}
+        return {b for r in self.rows for b in (r.bug, *r.also) if b}
 
     def failing_fields(self) -> set[str]:
         return {d.field for r in self.rows for d in r.undocumented} | ({"ERROR"} if any(r.error for r in self.rows)
@@ -164,7 +164,12 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                 else:
                     row.error = text
             else:
-                if "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
+                mla = mla_forward.is_mla(j.mode)
+                if mla:  # the MLA forward path: metadata, kernel calls, output, store (mla_forward.diffs)
+                    raw = mla_forward.diffs(j, phase, ours, got, _batch(j, phase))
+                    row.kernel_calls = sum(c["name"].startswith("flash_attn") for c in got.get(cases.KERNEL) or ()
+                                           if isinstance(c, dict))
+                elif "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
                     if not _own_tree(target):
                         ours = {part: v for part, v in ours.items() if part != "tree"}
                     B, k, N = _batch(j, "eager"), j.inputs.get("topk", 1), j.inputs.get("num_draft_tokens", 1)
@@ -173,10 +178,13 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                     raw = compare_parts(ours, got, j.page_size, 1 if j.mode == "tree_verify" else j.page_size, real)
                 else:
                     raw = compare(ours, got, j.page_size, real=_batch(j, "eager"))
-                raw += _kernel(row, ours.get(cases.KERNEL), got.get(cases.KERNEL), raw, j.page_size, sched)
+                if not mla:
+                    raw += _kernel(row, ours.get(cases.KERNEL), got.get(cases.KERNEL), raw, j.page_size, sched)
                 calls = got.get(cases.KERNEL)
+                if isinstance(calls, list):
+                    calls = [c for c in calls if c["name"].startswith("flash_attn")]
                 for d in raw:
-                    k = known.match(pin, j.mode, phase, d.field, d)
+                    k = known.match(pin, mla_forward.base_mode(j.mode), phase, d.field, d)
                     if k is None and unread_by(calls, d.field):
                         d = replace(d, documented=UNREAD)
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
@@ -185,7 +193,16 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
             if row.broken:  # a known upstream bug (by its signature, or at its pins): its rule names the row
                 b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
                               known.below_bound(row.undocumented))
-                if b is not None:
+                cover = known.cover(label, j.mode, phase, row.undocumented) if b is None and \
+                    mla_forward.is_mla(j.mode) and row.error is None else None
+                if cover:  # an MLA result showing two known bugs (each field is one's): each finding names its own
+                    keys = list(dict.fromkeys(c.key for _, c in cover))
+                    row.bug, row.also = keys[0], tuple(keys[1:])
+                    by = {f: c for f, c in cover}
+                    row.findings = [f if f.rule == report.ADAPTER or f.field not in by else
+                                    replace(f, rule=by[f.field].rule, level=rules.level(by[f.field].rule))
+                                    for f in row.findings]
+                elif b is not None:
                     row.bug = b.key
                     row.findings = [f if f.rule == report.ADAPTER else
                                     replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
@@ -276,22 +293,25 @@ def targets(sglang, root: str | None = None, log=print, revert_fix: str | None =
 
 
 def select(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
-           edges=None) -> list[cases.Job]:
+           edges=None, mla_grid: str = "default") -> list[cases.Job]:
     """The jobs of ``target``'s modes (restricted to ``modes`` if given) at ``page_sizes`` / ``topks``,
     and the edge jobs (the context wall, long chains, small tree batches) at ``edges`` (default:
     ``page_sizes``; the sweep adds the edges where the known upstream bugs show to a smaller grid).
+    The MLA modes (``mla_*``, :mod:`refspec.conformance.mla_forward`) are the target's modes through
+    the MLA forward path, on ``mla_grid`` (:func:`mla_forward.grid`: ``default``, ``full``, ``off``).
 
     Raises: NoCases naming what was asked for and what the code has, when a given mode is not
     compared on this code, or a page size / top-k yields no case, or nothing is selected at all.
     """
-    have = target.shape.modes
+    have = (*target.shape.modes, *mla_forward.modes_for(target.shape.modes))
     if modes is not None:
         lack = [m for m in modes if m not in have]
         if lack:
             raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
-                          f"{_why_not(target, lack)})")
-    pm = [m for m in have if modes is None or m in modes]
-    jobs = _jobs(target, page_sizes, pm, topks, variant, edges)
+                          f"{_why_not(target, [mla_forward.base_mode(m) for m in lack])})")
+    pm = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
+          (modes is not None and m in modes)]
+    jobs = _jobs(target, page_sizes, pm, topks, variant, edges, mla_grid)
     if not jobs:
         raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
                       f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
@@ -302,7 +322,7 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
                       f"{', '.join(map(str, page_sizes))} (tree modes compare page sizes "
                       f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
     unused = [P for P in page_sizes if P not in {j.page_size for j in jobs}]
-    if unused:
+    if unused and not all(mla_forward.is_mla(m) for m in pm):  # (the MLA grid is its own: mla_forward.grid)
         raise NoCases(f"sglang {target.label}: page size {', '.join(map(str, unused))} has no case in modes "
                       f"{', '.join(pm)} (tree modes compare page sizes {', '.join(map(str, tree_cases.PAGE_SIZES))})")
     if any(m in tree_cases.MODES for m in pm):
@@ -316,10 +336,11 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
 
 
 def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
-          edges=None) -> list[cases.Job]:
+          edges=None, mla_grid: str = "default") -> list[cases.Job]:
     """The jobs of ``modes`` (all of them modes of ``target``) at ``page_sizes`` / ``topks`` (the edge
     jobs at ``edges``, default ``page_sizes``), with ``target``'s staged draft-extend replay where its
-    shape has one; no guard (:func:`select` has them)."""
+    shape has one, and the MLA jobs of the ``mla_*`` modes on ``mla_grid``; no guard (:func:`select`
+    has them)."""
     edges = page_sizes if edges is None else edges
     with _variant(variant):
         flat, tree = [m for m in modes if m in cases.MODES], [m for m in modes if m in tree_cases.MODES]
@@ -331,6 +352,9 @@ def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None 
         jobs = cases.mark_graph_unreachable(jobs, target.shape.draft_extend_graph_unreachable)
         jobs += tree_cases.build_jobs(tree, page_sizes, topks)
         jobs += tree_cases.edge_jobs(tree, edges, topks)
+        mla = [m for m in modes if mla_forward.is_mla(m)]
+        if mla and mla_grid != "off":
+            jobs += mla_forward.build_jobs(*mla_forward.grid(mla_grid, page_sizes), modes=tuple(mla))
     return jobs
 
 
@@ -352,12 +376,13 @@ def _why_not(target: install.Target, lack: list[str]) -> str:
 
 def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
         root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
-        revert_fix: str | None = None, pins=None, edges=None) -> Outcome:
+        revert_fix: str | None = None, pins=None, edges=None, mla_grid: str = "default") -> Outcome:
     """The whole comparison, for each SPEC of ``sglang`` (:func:`install.resolve`: a release,
     a wheel file or a source tree; or an already resolved Target).  ``modes`` restricts every
     target's mode list (None: all its shape has); ``topks`` the top-k values of the tree modes;
     ``revert_fix`` an upstream fix toggle reverted on every target; ``pins`` is the old name of
-    ``sglang``.
+    ``sglang``; ``mla_grid`` the MLA forward path's grid (``default``, ``full``, ``off``:
+    :func:`mla_forward.grid`).
 
     ``cache`` (a dict kept by the caller) lets several runs share upstream's results for
     byte-identical inputs: a refspec variant that leaves the inputs unchanged costs no worker.
@@ -367,7 +392,7 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     t0 = time.perf_counter()
     tgts = targets(pins if pins is not None else sglang, root, log, revert_fix)
     seconds = {"install": round(time.perf_counter() - t0, 1)}
-    plans = [(t, select(t, page_sizes, modes, topks, variant, edges)) for t in tgts]  # every NoCases first
+    plans = [(t, select(t, page_sizes, modes, topks, variant, edges, mla_grid)) for t in tgts]  # every NoCases first
     return _compare(plans, cache, seconds, t0)
 
 
@@ -392,8 +417,8 @@ def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
 
 def not_on_baseline(base: install.Target, test_jobs: list[cases.Job]) -> dict[str, str]:
     """``{mode: why}`` for the modes of ``test_jobs`` the baseline's shape does not compare."""
-    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in base.shape.modes]
-    return {m: _why_not(base, [m]).lstrip("; ") or "not among its modes" for m in lack}
+    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if mla_forward.base_mode(m) not in base.shape.modes]
+    return {m: _why_not(base, [mla_forward.base_mode(m)]).lstrip("; ") or "not among its modes" for m in lack}
 
 
 @dataclass
@@ -424,7 +449,7 @@ class Review:
 
 def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
            root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
-           revert_fix: str | None = None) -> Review:
+           revert_fix: str | None = None, mla_grid: str = "default") -> Review:
     """Compare the code under test ``sglang`` and the ``baseline`` (each one SPEC as :func:`run`
     takes it, or a resolved Target) on the same grid, and what changed between them.
 
@@ -439,9 +464,11 @@ def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     base = targets([baseline], root, log)[0]
     test = targets([sglang], root, log, revert_fix)[0]
     seconds = {"install": round(time.perf_counter() - t0, 1)}
-    jobs = select(test, page_sizes, modes, topks, variant)
-    on_base = [m for m in base.shape.modes if modes is None or m in modes]
-    base_jobs = _jobs(base, page_sizes, on_base, topks, variant)
+    jobs = select(test, page_sizes, modes, topks, variant, mla_grid=mla_grid)
+    have = (*base.shape.modes, *mla_forward.modes_for(base.shape.modes))
+    on_base = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
+               (modes is not None and m in modes)]
+    base_jobs = _jobs(base, page_sizes, on_base, topks, variant, mla_grid=mla_grid)
     t1 = time.perf_counter()
     base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
     test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
@@ -475,6 +502,7 @@ def render(out: Outcome, verbose: bool = False, expect: dict[str, set[str]] | No
     parts += unreachable_lines(out)
     parts += mirror_lines(out)
     parts += report.kernel_lines(out)
+    parts += mla_forward.console_lines(out)
     if verbose:
         used = {d.documented for r in out.rows for d in r.diffs if d.documented}
         parts.append("== documented differences (* = seen in this run)")
@@ -541,8 +569,8 @@ def verdict(out: Outcome, expect: dict[str, set[str]] | None = None) -> tuple[in
         for label in labels:
             want = expect.get(label, set())
             mine = [r for r in failures if r.pin == label]
-            shown = {r.bug for r in mine if r.bug}
-            other = [r for r in mine if r.bug not in want]
+            shown = {b for r in mine for b in (r.bug, *r.also) if b}
+            other = [r for r in mine if r.bug not in want or any(b not in want for b in r.also)]
             for key in sorted(want - shown):
                 b = known.by_key(key)
                 lines.append(f"== FAIL: sglang {label}: the expected {b.marker} did not show (fixed upstream, or lost "
@@ -565,7 +593,7 @@ def verdict(out: Outcome, expect: dict[str, set[str]] | None = None) -> tuple[in
     elif failures:
         code = EXIT_FAIL
         bugs = [r for r in failures if r.bug]
-        named = ", ".join(sorted({known.by_key(r.bug).marker for r in bugs}))
+        named = ", ".join(sorted({known.by_key(b).marker for r in bugs for b in (r.bug, *r.also)}))
         lines.append(f"== FAIL: {_breaks(len(failures))} a rule [{_ids(failures)}]"
                      + (f"; {len(bugs)} of them reproduce known upstream bugs ({named})" if bugs else ""))
     elif gaps:

@@ -424,6 +424,9 @@ class Adapter:
         self.hooks_module = hooks
         self.undetermined: set[str] = set()
         self._imports()
+        from refspec.conformance.upstream_mla import MLAUpstream  # (it imports this module)
+
+        self.mla = MLAUpstream(self)  # the MLA forward path's imports, before the stubs are armed
         finish_imports()
 
     def guard_globals(self) -> dict:
@@ -462,17 +465,19 @@ class Adapter:
     def run(self, job: dict) -> dict:
         """``{(phase, step): fields}`` for one job (``cases.Job.inputs``)."""
         mode = job["mode"]
-        if mode not in self.modes:
+        base = mode.removeprefix(MLA_PREFIX)  # an MLA mode: its base mode's batch through the MLA forward path
+        if base not in self.modes:
             raise ValueError(f"this code is not compared on {mode!r}")
-        if mode in self.shape.gaps:  # refspec cannot lay out this mode's inputs the way this release does
-            raise AdapterGap(self.shape.gaps[mode])
+        if base in self.shape.gaps:  # refspec cannot lay out this mode's inputs the way this release does
+            raise AdapterGap(self.shape.gaps[base])
         SCHEDULER.reset()
         with self.server_args(job) as sa:
             why, undetermined = reach.verdict(self.site, sa, self.guard_globals())
             self.undetermined.update(undetermined)
             if why:  # the release's own guards refuse or rewrite this configuration: nothing to compare
                 return {UNREACHABLE: why}
-            out = self.run_tree(job, sa) if mode.startswith("tree_") else self.run_flat(job, sa)
+            out = self.mla.run(job, sa) if base != mode else self.run_tree(job, sa) if mode.startswith("tree_") else \
+                self.run_flat(job, sa)
         if SCHEDULER.calls:  # the job's get_scheduler_metadata calls (their markers name them)
             out[SCHED_KEY] = [c.plain() for c in SCHEDULER.calls]
         return out
@@ -492,6 +497,8 @@ class Adapter:
         raise NotImplementedError
 
 
+#: the prefix of an MLA mode (``mla_decode``, ...): the base mode's batch through the MLA forward path
+MLA_PREFIX = "mla_"
 #: the key of a job's result when the release's own guards refuse or rewrite its configuration (``run.UNREACHABLE``)
 UNREACHABLE = "unreachable"
 #: the key of a job's result holding its ``get_scheduler_metadata`` calls (``compare.SCHED_KEY``)
