@@ -44,8 +44,13 @@ def _known_good() -> list[dict]:
         {"version": "0.5.10.post1", "rules": {"CG-003": c([1, 4])}},
         {"version": "0.5.11", "rules": {"CG-003": c([1, 4])}},
         {"version": "0.5.12.post1", "rules": {"CG-008": c([1, 4, 16], {"page_table[live]": [16]}),
-                                              "TR-018": c([1, 2, 4], {"upstream error": [2]})}},
-        {"version": "0.5.23", "rules": {"CG-008": c([1, 4, 16], {"page_table[live]": [16]})}},
+                                              "TR-018": c([1, 2, 4], {"upstream error": [2]}),
+                                              # the MLA forward path's known bugs (mla_forward, known.BUGS)
+                                              "ML-011": c([1, 4, 16], {"kernel:expand.k_cache": [4, 16]}),
+                                              "ML-012": c([1, 4, 16], {"upstream error": [4, 16]}),
+                                              "ML-002": c([1, 4, 16], {"mla:slot0": [1, 4, 16]})}},
+        {"version": "0.5.23", "rules": {"CG-008": c([1, 4, 16], {"page_table[live]": [16]}),
+                                        "ML-011": c([1, 4, 16], {"kernel:expand.k_cache": [4, 16]})}},
     ]
 
 

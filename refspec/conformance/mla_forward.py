@@ -42,7 +42,9 @@ An instrument: a learner reading the reference can skip this module.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 import re
 
 import torch
@@ -66,6 +68,7 @@ from refspec.speculative.tree.graphs import TreeGraphRunner
 from refspec.speculative.tree.runners import tree_draft_batch, tree_verify_batch
 
 PREFIX = "mla_"  #: an MLA mode's prefix (``upstream_common.MLA_PREFIX``)
+FA = "sglang/srt/layers/attention/flashattention_backend.py"  #: the backend file, relative to a code's site
 #: the MLA modes and the base mode whose batch each runs; ``mla_extend`` is the prefix-free prefill
 #: (the non-absorbed pass, ML-009 / ML-010), ``mla_extend_prefix`` the absorbed extend of a prefix
 FLAT = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2")
@@ -97,10 +100,30 @@ def is_mla(mode: str) -> bool:
     return mode.startswith(PREFIX)
 
 
-def modes_for(have) -> list[str]:
-    """The MLA modes of a code whose (MHA) modes are ``have``: each base mode it has (``idle``
-    runs no kernel)."""
-    return [PREFIX + m for m in FLAT + TREE if m in have]
+#: what the backend file must hold for its MLA forward path to be driven: the ``use_mla`` switch and the
+#: absorbed call with ``qv`` (``flash_attn_with_kvcache(q=q_rope, ..., qv=q_nope, ...)``)
+MLA_MARKS = ("self.use_mla", "qv=q_nope")
+
+
+@functools.lru_cache(maxsize=32)
+def has_mla_path(site: str) -> bool:
+    """Whether the code under ``site`` (the folder holding ``sglang/``) has the MLA forward path
+    this comparison drives (:data:`MLA_MARKS` in its FA3 backend file, read, not imported)."""
+    path = os.path.join(site, FA)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return all(m in text for m in MLA_MARKS)
+
+
+def modes_for(target) -> list[str]:
+    """The MLA modes of ``target`` (an :class:`~refspec.conformance.install.Target`): each of its
+    (MHA) modes the MLA forward path runs, where its backend has that path (:func:`has_mla_path`)."""
+    if not has_mla_path(target.site):
+        return []
+    return [PREFIX + m for m in FLAT + TREE if m in target.shape.modes]
 
 
 # ---- refspec's side ----

@@ -303,7 +303,7 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
     Raises: NoCases naming what was asked for and what the code has, when a given mode is not
     compared on this code, or a page size / top-k yields no case, or nothing is selected at all.
     """
-    have = (*target.shape.modes, *mla_forward.modes_for(target.shape.modes))
+    have = (*target.shape.modes, *mla_forward.modes_for(target))
     if modes is not None:
         lack = [m for m in modes if m not in have]
         if lack:
@@ -311,7 +311,7 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
                           f"{_why_not(target, [mla_forward.base_mode(m) for m in lack])})")
     pm = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
           (modes is not None and m in modes)]
-    jobs = _jobs(target, page_sizes, pm, topks, variant, edges, mla_grid)
+    jobs = _jobs(target, page_sizes, pm, topks, variant, edges) + _mla_jobs(page_sizes, pm, variant, mla_grid)
     if not jobs:
         raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
                       f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
@@ -335,12 +335,21 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
     return jobs
 
 
+def _mla_jobs(page_sizes, modes, variant: str | None = None, mla_grid: str = "default") -> list[cases.Job]:
+    """The MLA jobs (:mod:`refspec.conformance.mla_forward`) of the ``mla_*`` modes among ``modes`` on
+    ``mla_grid`` (its page sizes among ``page_sizes``), refspec's side under ``variant``."""
+    mla = tuple(m for m in modes if mla_forward.is_mla(m))
+    if not mla or mla_grid == "off":
+        return []
+    with _variant(variant):
+        return mla_forward.build_jobs(*mla_forward.grid(mla_grid, page_sizes), modes=mla)
+
+
 def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
-          edges=None, mla_grid: str = "default") -> list[cases.Job]:
+          edges=None) -> list[cases.Job]:
     """The jobs of ``modes`` (all of them modes of ``target``) at ``page_sizes`` / ``topks`` (the edge
     jobs at ``edges``, default ``page_sizes``), with ``target``'s staged draft-extend replay where its
-    shape has one, and the MLA jobs of the ``mla_*`` modes on ``mla_grid``; no guard (:func:`select`
-    has them)."""
+    shape has one; no guard (:func:`select` has them).  (The ``mla_*`` modes: :func:`_mla_jobs`.)"""
     edges = page_sizes if edges is None else edges
     with _variant(variant):
         flat, tree = [m for m in modes if m in cases.MODES], [m for m in modes if m in tree_cases.MODES]
@@ -352,9 +361,6 @@ def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None 
         jobs = cases.mark_graph_unreachable(jobs, target.shape.draft_extend_graph_unreachable)
         jobs += tree_cases.build_jobs(tree, page_sizes, topks)
         jobs += tree_cases.edge_jobs(tree, edges, topks)
-        mla = [m for m in modes if mla_forward.is_mla(m)]
-        if mla and mla_grid != "off":
-            jobs += mla_forward.build_jobs(*mla_forward.grid(mla_grid, page_sizes), modes=tuple(mla))
     return jobs
 
 
@@ -417,7 +423,8 @@ def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
 
 def not_on_baseline(base: install.Target, test_jobs: list[cases.Job]) -> dict[str, str]:
     """``{mode: why}`` for the modes of ``test_jobs`` the baseline's shape does not compare."""
-    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if mla_forward.base_mode(m) not in base.shape.modes]
+    have = (*base.shape.modes, *mla_forward.modes_for(base))
+    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in have]
     return {m: _why_not(base, [mla_forward.base_mode(m)]).lstrip("; ") or "not among its modes" for m in lack}
 
 
@@ -465,10 +472,10 @@ def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     test = targets([sglang], root, log, revert_fix)[0]
     seconds = {"install": round(time.perf_counter() - t0, 1)}
     jobs = select(test, page_sizes, modes, topks, variant, mla_grid=mla_grid)
-    have = (*base.shape.modes, *mla_forward.modes_for(base.shape.modes))
+    have = (*base.shape.modes, *mla_forward.modes_for(base))
     on_base = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
                (modes is not None and m in modes)]
-    base_jobs = _jobs(base, page_sizes, on_base, topks, variant, mla_grid=mla_grid)
+    base_jobs = _jobs(base, page_sizes, on_base, topks, variant) + _mla_jobs(page_sizes, on_base, variant, mla_grid)
     t1 = time.perf_counter()
     base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
     test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
