@@ -25,9 +25,9 @@ Per result (a phase and draft step) the comparison (:func:`diffs`) reads:
   ``num_splits``), plus which tensor goes as ``q`` and ``qv`` (shape and values: ``q_rope`` and the
   absorbed ``q_nope``), the geometry of ``k_cache`` / ``v_cache`` as views of the pool (shape,
   strides, offset into the pool's row storage: ML-003's two strided views, ML-011's page-size-1
-  views), ``return_softmax_lse``; per varlen call its ragged ``q`` / ``k`` / ``v``,
-  ``cu_seqlens_q`` / ``cu_seqlens_k``, ``max_seqlen_q`` / ``max_seqlen_k``, ``causal``, the scale
-  (ML-010); per merge the LSE layout ``[T, H]``;
+  views), ``return_softmax_lse`` (the cascade's calls: the merge needs both LSEs); per varlen call
+  its ragged ``q`` / ``k`` / ``v``, ``cu_seqlens_q`` / ``cu_seqlens_k``, ``max_seqlen_q`` /
+  ``max_seqlen_k``, ``causal``, the scale (ML-010); per merge the LSE layout ``[T, H]``;
 * **the output** ``[T, H, Dv]`` (``mla:out``; fp32, the same emulator on both sides);
 * **the store** (``mla:store``: the rows written at ``out_cache_loc``; ``mla:slot0``: the padding
   slot, which ML-002 says is never written) and, for top-k > 1 draft decode, the prefix tail
@@ -486,7 +486,7 @@ def _kvcache_diffs(a: dict, b: dict, P: int, part: str) -> list[Diff]:
         if _view(va) != _view(vb):
             refused = f"; refspec's emulator refuses upstream's call: {b['refused']}" if b.get("refused") else ""
             out.append(Diff(f"kernel:{name}", _view(va), _view(vb) + refused))
-    if bool(a.get("return_softmax_lse")) != bool(b.get("return_softmax_lse")):
+    if part and bool(a.get("return_softmax_lse")) != bool(b.get("return_softmax_lse")):  # the merge needs both LSEs
         out.append(Diff("kernel:return_softmax_lse", str(bool(a.get("return_softmax_lse"))),
                         str(bool(b.get("return_softmax_lse")))))
     if b.get("refused") and not any(d.field in ("kernel:k_cache", "kernel:v_cache") for d in out):
@@ -513,8 +513,7 @@ def _varlen_diffs(a: dict, b: dict) -> list[Diff]:
         if ta is None or tb is None or ta.tolist() != tb.tolist():
             out.append(Diff(f"kernel:varlen.{name}", _show(ta) if ta is not None else MISSING,
                             _show(tb) if tb is not None else MISSING))
-    for name, norm in (("max_seqlen_q", int), ("max_seqlen_k", int), ("causal", bool), ("softmax_scale", float),
-                       ("return_softmax_lse", bool)):
+    for name, norm in (("max_seqlen_q", int), ("max_seqlen_k", int), ("causal", bool), ("softmax_scale", float)):
         va, vb = a.get(name), b.get(name)
         va, vb = (None if va is None else norm(va)), (None if vb is None else norm(vb))
         if va != vb:
@@ -737,9 +736,9 @@ def rule_for(mode: str, phase: str, field: str | None, error: str | None = None,
 #: what is compared for MLA, as the console line and the docs say it
 COMPARED = ("the kernel calls (which tensor goes as q / qv / k_cache / v_cache: values, shapes, strides and the "
             "offset into the pool's row; softmax_scale, causal, page_table, cache_seqlens, cu_seqlens_q, "
-            "max_seqlen_q, num_splits, return_softmax_lse; the prefill's flash_attn_varlen_func q / k / v, "
-            "cu_seqlens_k, max_seqlen_k; merge_state_v2's LSE layout), the output, the rows stored (slot 0 "
-            "too), the top-k > 1 tail copy")
+            "max_seqlen_q, num_splits, the cascade's return_softmax_lse; the prefill's flash_attn_varlen_func "
+            "q / k / v, cu_seqlens_k, max_seqlen_k; merge_state_v2's LSE layout), the output, the rows stored "
+            "(slot 0 too), the top-k > 1 tail copy")
 
 
 def console_lines(out, side: str = "") -> list[str]:
