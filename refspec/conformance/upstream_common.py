@@ -310,6 +310,22 @@ def forward_batch(FM, mode: str, d: dict, num_draft_tokens: int, accept: dict | 
                  spec_info=spec_info(mode, d, num_draft_tokens, accept), **extra)
 
 
+def into_static(static: dict, live: dict) -> dict:
+    """The replay batch as a CUDA-graph runner hands it over: the capture batch's own tensors (its
+    static buffers, which the capture hook may have bound into the metadata, and the captured
+    kernel call reads) with the replay's values copied into them in place; any other field (a
+    scalar, a list, a tensor of another shape or dtype) the replay's own.  ``static`` is changed."""
+    out = {}
+    for k, v in live.items():
+        s = static.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and s.shape == v.shape and s.dtype == v.dtype:
+            s.copy_(v)
+            out[k] = s
+        else:
+            out[k] = v
+    return out
+
+
 def draft_steps(multi, num_steps: int) -> list:
     """``[(s, backend)]`` of the draft steps a ``FlashAttentionMultiStepBackend`` builds metadata
     for: its hooks loop over ``range(speculative_num_steps - 1)``; older releases (0.4.5 .. 0.5.3 read) also make
