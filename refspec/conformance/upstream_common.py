@@ -251,12 +251,19 @@ FORWARD_KERNELS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_s
 def kernel_calls(fa, be, fb, rows: int) -> list:
     """Run upstream's forward (``be.forward``: the base backend's dispatch to ``forward_decode`` /
     ``forward_extend`` by ``fb.forward_mode``) on ``rows`` query tokens of zeros, no new K/V, with a
-    :class:`~refspec.conformance.recorder.Recorder` in place of each kernel global of ``fa`` (and of
-    the backend's ``self.flash_attn_*`` attributes); returns the recorded
+    :class:`~refspec.conformance.recorder.Recorder` in place of each kernel global of ``fa`` (every
+    global named after a kernel of :data:`FORWARD_KERNELS`, aliases included, and the backend's
+    ``self.flash_attn_*`` attributes); returns the recorded
     :class:`~refspec.conformance.recorder.Call` s in call order (their live tensor references kept:
     :meth:`~refspec.conformance.recorder.Call.reread`).  Line tracing is paused meanwhile (a
     forward's lines are not the metadata's).  Raises whatever upstream raises."""
-    recs = {n: Recorder(n, original=fa.__dict__.get(n)) for n in FORWARD_KERNELS}
+    recs = {}  # every global naming a kernel (0.5.9: flash_attn_with_kvcache_fa3 / _base aliases), and the kernels
+    for name, value in list(fa.__dict__.items()):
+        kernel = next((k for k in FORWARD_KERNELS if name == k or name.startswith(k + "_")), None)
+        if kernel is not None:
+            recs[name] = Recorder(kernel, original=value)
+    for k in FORWARD_KERNELS:
+        recs.setdefault(k, Recorder(k))
     q = torch.zeros(rows, HEADS, HEAD_DIM)
     with lines.paused(), installed(fa, recs, objects=(be,)):
         be.forward(q, None, None, layer(fa), fb)
