@@ -247,3 +247,20 @@ def test_planted_kernel_argument_mutants_of_0_5_23_are_caught_on_the_kernel_argu
     sched = next(f for r in out.rows for f in r.findings if f.field == "kernel:scheduler_metadata")
     assert "the kernel call passes causal False" in conformance.report.finding_line(r, sched)
     assert all(r.kernel_calls == 1 for r in out.rows)
+
+
+@pytest.mark.spec("PA-010")
+def test_a_metadata_field_the_kernel_is_not_handed_is_not_a_failure():
+    """0.4.x's decode keeps ``max_seq_len_q = 0`` in its metadata but hands the kernel ``max_seqlen_q=1``: the
+    recorded call agrees with refspec's, so the metadata's 0 is reported (not read), never a failure; a call
+    handed the metadata's wrong value fails (a negative control)."""
+    be, fb = _decode_backend()
+    ours = _plain(cases.kernel_calls(be, fb))
+    md = {k: v for k, v in cases.snapshot_metadata(be.forward_metadata).items()}
+    job = cases.Job("decode/P4/a", "decode", 4, "a", False, {}, {("eager", None): dict(md, **{cases.KERNEL: ours})})
+    for handed, ok in ((1, True), (0, False)):
+        theirs_calls = [dict(ours[0], args=dict(ours[0]["args"], max_seqlen_q=handed))]
+        theirs = dict(md, max_seq_len_q=0, **{cases.KERNEL: theirs_calls})
+        (row,) = conformance.rows_for("0.4.5", [job], {job.id: {("eager", None): theirs}})
+        assert row.ok == ok, (handed, row.diffs)
+        assert [d.documented for d in row.diffs if d.field == "max_seq_len_q"] == [compare.UNREAD if ok else None]

@@ -31,7 +31,7 @@ from packaging.version import Version
 
 from refspec.conformance import install, report, rules
 from refspec.conformance import run as conformance
-from refspec.conformance.compare import KERNEL_FIELDS, OTHER_FIELDS, PARTS
+from refspec.conformance.compare import KERNEL_ARGS, KERNEL_FIELDS, OTHER_FIELDS, PARTS
 
 FIRST, LAST = "0.4.4.post2", "0.5.23"
 PAGE_SIZES = (1, 4)  #: the sweep grid (every mode of the release at these page sizes)
@@ -78,7 +78,9 @@ def releases(first: str = FIRST, last: str = LAST) -> list[str]:
 
 
 def covered(row, own_tree: bool) -> set[str]:
-    """The rules a compared row checks (every compared field's rule)."""
+    """The rules a compared row checks (every compared field's rule, and where its forward's kernel
+    call was compared, every kernel argument's: PA-004, PA-009, PA-011, PA-012, and PA-013 where a
+    scheduler_metadata was checked)."""
     fields = [*KERNEL_FIELDS, *OTHER_FIELDS]
     if row.mode.startswith("tree_"):
         fields = [f"{p}:{f}" for p in PARTS for f in fields]
@@ -86,6 +88,10 @@ def covered(row, own_tree: bool) -> set[str]:
             fields += [f"tree:{f}" for f in TREE_PART_FIELDS]
     out = {rules.rule_for(row.mode, row.phase, f) for f in fields}
     out |= {rules.rule_for(row.mode, row.phase, f, short_table=True) for f in fields if "page_table[live]" in f}
+    if getattr(row, "kernel_calls", 0):  # the kernel's own arguments were compared too
+        out |= {rules.rule_for(row.mode, row.phase, f"kernel:{a}") for a in KERNEL_ARGS if a != "scheduler_metadata"}
+        if row.sched_checked:
+            out.add(rules.rule_for(row.mode, row.phase, "kernel:scheduler_metadata"))
     return out
 
 

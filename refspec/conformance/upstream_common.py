@@ -251,12 +251,19 @@ FORWARD_KERNELS = ("flash_attn_with_kvcache", "flash_attn_varlen_func", "merge_s
 def kernel_calls(fa, be, fb, rows: int) -> list:
     """Run upstream's forward (``be.forward``: the base backend's dispatch to ``forward_decode`` /
     ``forward_extend`` by ``fb.forward_mode``) on ``rows`` query tokens of zeros, no new K/V, with a
-    :class:`~refspec.conformance.recorder.Recorder` in place of each kernel global of ``fa`` (and of
-    the backend's ``self.flash_attn_*`` attributes); returns the recorded
+    :class:`~refspec.conformance.recorder.Recorder` in place of each kernel global of ``fa`` (every
+    global named after a kernel of :data:`FORWARD_KERNELS`, aliases included, and the backend's
+    ``self.flash_attn_*`` attributes); returns the recorded
     :class:`~refspec.conformance.recorder.Call` s in call order (their live tensor references kept:
     :meth:`~refspec.conformance.recorder.Call.reread`).  Line tracing is paused meanwhile (a
     forward's lines are not the metadata's).  Raises whatever upstream raises."""
-    recs = {n: Recorder(n, original=fa.__dict__.get(n)) for n in FORWARD_KERNELS}
+    recs = {}  # every global naming a kernel (0.5.9: flash_attn_with_kvcache_fa3 / _base aliases), and the kernels
+    for name, value in list(fa.__dict__.items()):
+        kernel = next((k for k in FORWARD_KERNELS if name == k or name.startswith(k + "_")), None)
+        if kernel is not None:
+            recs[name] = Recorder(kernel, original=value)
+    for k in FORWARD_KERNELS:
+        recs.setdefault(k, Recorder(k))
     q = torch.zeros(rows, HEADS, HEAD_DIM)
     with lines.paused(), installed(fa, recs, objects=(be,)):
         be.forward(q, None, None, layer(fa), fb)
@@ -308,6 +315,22 @@ def forward_batch(FM, mode: str, d: dict, num_draft_tokens: int, accept: dict | 
                  out_cache_loc=d["out_cache_loc"],
                  positions=d["positions"], kv_loc_plan=None, kv_loc_cols=None, attn_cp_metadata=None,
                  spec_info=spec_info(mode, d, num_draft_tokens, accept), **extra)
+
+
+def into_static(static: dict, live: dict) -> dict:
+    """The replay batch as a CUDA-graph runner hands it over: the capture batch's own tensors (its
+    static buffers, which the capture hook may have bound into the metadata, and the captured
+    kernel call reads) with the replay's values copied into them in place; any other field (a
+    scalar, a list, a tensor of another shape or dtype) the replay's own.  ``static`` is changed."""
+    out = {}
+    for k, v in live.items():
+        s = static.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and s.shape == v.shape and s.dtype == v.dtype:
+            s.copy_(v)
+            out[k] = s
+        else:
+            out[k] = v
+    return out
 
 
 def draft_steps(multi, num_steps: int) -> list:

@@ -120,7 +120,7 @@ class Upstream(uc.Adapter):
         bs = job["bs"]
         mode = job["mode"]
         uc.call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=job["capture"]["num_tokens"])  # (0.4.x: max_bs)
-        cap, rep = fb("capture"), fb("replay")
+        cap = fb("capture")
         if multi:
             be.init_forward_metadata_capture_cuda_graph(cap)
         else:
@@ -133,6 +133,8 @@ class Upstream(uc.Adapter):
             if forward and isinstance(out[("capture", s)], dict):
                 captured[s] = self.kernel(b, cap, uc.query_rows(mode, job["capture"]))
                 uc.attach(out[("capture", s)], captured[s])
+        job["replay"] = uc.into_static(job["capture"], job["replay"])  # the runner's static buffers, rewritten
+        rep = fb("replay")
         if multi:
             be.init_forward_metadata_replay_cuda_graph(rep, bs)
         else:
@@ -191,7 +193,7 @@ class Upstream(uc.Adapter):
         out = {("eager", s): TreeUpstream.parts(b) for s, b in steps}
         bs, T = job["bs"], job["bs"] * (k * S if draft else N)
         uc.call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=T)  # (<= 0.4.x: max_bs only)
-        cap, rep = fb("capture"), fb("replay")
+        cap = fb("capture")
         try:
             if draft:
                 be.init_forward_metadata_capture_cuda_graph(cap)
@@ -202,6 +204,8 @@ class Upstream(uc.Adapter):
             out.update({(ph, s): uc.describe(e) for ph in ("capture", "replay") for s, _ in steps})
             return out
         out.update({("capture", s): TreeUpstream.parts(b) for s, b in steps})
+        job["replay"] = uc.into_static(job["capture"], job["replay"])  # the runner's static buffers, rewritten
+        rep = fb("replay")
         try:
             if draft:
                 be.init_forward_metadata_replay_cuda_graph(rep, bs)

@@ -99,8 +99,7 @@ RULES: dict[str, Rule] = {
     "PA-013": Rule("a precomputed scheduler_metadata is computed from its own call's batch, lengths, heads, page size "
                    "and flags (rewritten before every replay)", K,
                    (fa3("flash_api.cpp", 1004, "mha_fwd"), fa3("flash_api.cpp", 522, "mha_fwd_get_scheduler_metadata"),
-                    _fb(409, "FlashAttentionBackend._compute_scheduler_metadata", NEW), pr(21104, "the precompute")),
-                   conformance=BOTH),
+                    _fb(409, "FlashAttentionBackend._compute_scheduler_metadata", NEW), pr(21104, "the precompute"))),
     # --- KV accounting -----------------------------------------------------------------
     "KV-001": Rule("alloc_extend continues the request's last partial page (INV-PAGE is kept)", U,
                    (sgl(ALLOC, V55, 459, "PagedTokenToKVPoolAllocator.alloc_extend"),), (V55, OLD)),
