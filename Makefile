@@ -85,7 +85,7 @@ conformance: venv
 	$(PY) -m refspec conformance --expect-bugs $(EXPECTED_BUGS),$(MLA_EXPECTED_BUGS)
 	$(PY) -m pytest -q -m "conformance and not releases" tests/test_conformance_upstream.py tests/test_conformance_targets.py \
 		tests/test_conformance_kernel.py \
-		tests/test_conformance_controls.py
+		tests/test_conformance_controls.py tests/test_conformance_mla.py
 
 # every release with the FA3 backend (0.4.4.post2 .. 0.5.23), one worker at a time; rewrites the
 # measured table of docs/versions.md (CPU-heavy: about 40 minutes on 2 cores; not part of CI)

@@ -337,9 +337,9 @@ BUGS: tuple[Bug, ...] = (
         (("0.5.23", FA, 2036), ("0.5.23", FA, 1949), ("0.5.23", FA, 1844), ("0.5.12.post1", FA, 1001),
          ("0.5.12.post1", FA, 958), ("0.5.12.post1", FA, 857)),
         "open: no upstream issue or PR known (found by this comparison, 2026-12-07); reachable at 0.5.23 (its "
-        "ServerArgs allow fa3 with top-k > 1 and page size > 1: arg_groups/speculative_hook.py L1268-1283, "
+        "ServerArgs allow fa3 with top-k > 1 and page size > 1: arg_groups/speculative_hook.py L1271-1283, "
         "_PAGE_TREE_SPEC_BACKENDS; no MLA guard); at 0.5.12.post1 the verify forward runs too (server_args.py "
-        "L3838-3845 allows fa3), but every such round then ends in mla-pool-no-move-kv-cache "
+        "L3837-3844 allows fa3), but every such round then ends in mla-pool-no-move-kv-cache "
         "(eagle_info.py:543 after the verify, eagle_worker.py:729 before the draft when a tail page is partial)",
         "MLA + top-k > 1 + P > 1, TARGET_VERIFY: the MLA branch of forward_extend hands the cascade's expand "
         "call the P-paged views (k_rope_cache, c_kv_cache: [slots / P, P, 1, D]) with "
