@@ -7,7 +7,8 @@ worker code, the kernel globals recorded around refspec's emulator:
 :mod:`refspec.conformance.upstream_mla`) on the release that has the bug and on the code that
 fixed it, refspec's side unchanged.  It must FAIL on the first, in its listed (mode, phase)
 pairs only, each failing row naming the bug's rule, and PASS on the second.  ``make
-conformance`` runs this file.
+conformance`` runs this file (the last test, refspec's side of the full grid, runs in ``make
+test`` too).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from refspec.conformance import controls, install, known, reach
+from refspec.conformance import cases, controls, install, known, mla_forward, reach
 
-pytestmark = pytest.mark.conformance
 
 
 def quiet(*_):
@@ -34,6 +34,7 @@ def _failing(rows):
     return [r for r in rows if not r.ok]
 
 
+@pytest.mark.conformance
 @pytest.mark.spec("ML-011", "PA-011")
 def test_mla_verify_expand_reads_p_paged_views_on_0523_and_conforms_with_page_size_one_views(results):
     """top-k 2, TARGET_VERIFY: 0.5.23's MLA branch hands the cascade's expand call (its table holds
@@ -52,6 +53,7 @@ def test_mla_verify_expand_reads_p_paged_views_on_0523_and_conforms_with_page_si
     assert res.fixed and not _failing(res.fixed)
 
 
+@pytest.mark.conformance
 @pytest.mark.spec("ML-012")
 def test_mla_pool_without_move_kv_cache_fails_on_0512_at_a_partial_tail_and_0523_moves_rows(results):
     """top-k 2 draft decode, eager: at P = 4 (a partial prefix tail page) 0.5.12.post1's own v1
@@ -67,6 +69,7 @@ def test_mla_pool_without_move_kv_cache_fails_on_0512_at_a_partial_tail_and_0523
     assert res.fixed and not _failing(res.fixed)
 
 
+@pytest.mark.conformance
 @pytest.mark.spec("ML-002")
 def test_mla_store_writes_slot_0_on_0512_graphs_and_0523_skips_it(results):
     """A CUDA graph's padded rows store at out_cache_loc 0: 0.5.12.post1's MLA writer writes the
@@ -90,6 +93,7 @@ def _sa(backend: str, P: int = 4, k: int = 2) -> SimpleNamespace:
                            speculative_adaptive=False)
 
 
+@pytest.mark.conformance
 @pytest.mark.spec("ML-011", "ML-012")
 @pytest.mark.parametrize("pin, line", [("0.5.23", "speculative_hook.py:1278"), ("0.5.12.post1", "server_args.py:3842")])
 def test_mla_topk_gt1_paged_fa3_passes_the_releases_own_guards(pin, line):
@@ -105,3 +109,15 @@ def test_mla_topk_gt1_paged_fa3_passes_the_releases_own_guards(pin, line):
     assert reach.verdict(site, _sa("flashmla", P=1))[0] is None  # page size 1: no such guard
     assert {b.key for b in known.BUGS if b.key.startswith("mla-")} >= {"mla-verify-expand-paged-view",
                                                                         "mla-pool-no-move-kv-cache"}
+
+
+def test_the_full_mla_grid_fits_its_lengths_in_the_context():
+    """``--mla-grid full`` reaches B = 5 at P = 64 (L up to 3P - 1 = 191): the job's upstream
+    ``context_len`` grows to a multiple of the default that holds L + N, and its ``req_to_token``
+    rows are that wide plus SGLang's headroom (the job built at 64 failed refspec's own KV-003
+    check: seq_len 195 past the req_to_token width 135)."""
+    job = mla_forward.flat_job("mla_decode", 64, "B5/bs8")
+    L = cases.lengths(64, 5)
+    assert job.inputs["context_len"] == 256 >= max(L) + cases.N
+    assert job.inputs["req_to_token"].shape[1] >= max(L) + cases.N
+    assert mla_forward.flat_job("mla_decode", 16).inputs["context_len"] == mla_forward.CONTEXT  # the default grid

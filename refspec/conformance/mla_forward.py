@@ -79,7 +79,8 @@ TOPK = 2  #: the top-k of the tree modes
 SHAPE = "B3/bs4"  #: the default grid's batch: 3 live requests, a graph of 4 (padded replay)
 #: ``--mla-grid full``: more page sizes and the second batch shape
 FULL = {"page_sizes": (1, 2, 4, 16, 64), "shapes": tuple(cases.SHAPES)}
-CONTEXT = 64  #: upstream ``context_len`` of the flat jobs (tokens; a multiple of every P)
+#: upstream ``context_len`` of the flat jobs (tokens; a multiple of every P), or the next multiple that holds L + N
+CONTEXT = 64
 HEADS = 2  #: query heads H
 DIMS = TINY_DIMS  #: R = 256, Dr = 16, Dn = 16, Dv = 16: inside FA3's qv kernel dims (ML-006), small rows
 SCALE = mla_softmax_scale(DIMS)  #: (Dn + Dr)^-0.5 (no YaRN): ML-007's explicit scale
@@ -225,8 +226,9 @@ def flat_job(mode: str, P: int, shape: str = SHAPE, seed: int = 0) -> cases.Job:
     N, Sd = cases.N, cases.SD
     B, bs = cases.SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
-    kv, _, rows = cases._cache(P, B, seed, CONTEXT, cases.headroom(P, N))
     L = cases.lengths(P, B)
+    context = max(CONTEXT, -(-(max(L) + N) // CONTEXT) * CONTEXT)  # B = 5 at P = 64 reaches L = 3P - 1
+    kv, _, rows = cases._cache(P, B, seed, context, cases.headroom(P, N))
     kv.alloc_extend(rows, [0] * B, [x + N for x in L])
     live = cases.live_batch(base, kv, rows, L)
     pool = MLAKVPool(1, kv.allocator.num_pages, P, DIMS.kv_lora_rank, DIMS.qk_rope_head_dim)
@@ -236,7 +238,7 @@ def flat_job(mode: str, P: int, shape: str = SHAPE, seed: int = 0) -> cases.Job:
     layer = mha_layer if mha else absorbed
     if mha:
         live = live.replace(attn_attend_prefix_cache=False)  # the model's choice for a prefix-free prefill (ML-009)
-    inputs = {"req_to_token": kv.req_to_token.clone(), "page_size": P, "context_len": CONTEXT, "num_draft_tokens": N,
+    inputs = {"req_to_token": kv.req_to_token.clone(), "page_size": P, "context_len": context, "num_draft_tokens": N,
               "num_steps": Sd, "eager": cases.snapshot_batch(live)}
     mla = _mla_header(pool0)
     mla["inputs"] = {}
