@@ -18,7 +18,7 @@ tuple / list of strings; anything else is reported as a problem (the meta-test f
 
 It lives beside the pages it reads (``docs/``): tools import it with ``docs/`` on ``sys.path``
 (the docs scripts, ``pytest``'s ``pythonpath``), and ``python -m refspec cite`` loads it from the
-checkout (:func:`refspec.cli.cite.load_spec_index`).  Run ``python docs/spec_index.py`` to print the IDs
+checkout (:func:`refspec.harness.docs_links.load_spec_index`).  Run ``python docs/spec_index.py`` to print the IDs
 no test cites yet.
 """
 

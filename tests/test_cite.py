@@ -124,7 +124,9 @@ def test_markdown_block_for_a_github_comment(capsys):
     links = re.findall(r"\]\((https://[^)]+)\)", upstream)
     assert links and all(re.search(r"/blob/v\d+\.\d+\.\d+(\.post\d+)?/.+#L\d+$", u) for u in links), upstream
     assert "- **History:** [sglang@160a06cab (#15207)](https://github.com/sgl-project/sglang/commit/160a06cab)" in out
-    assert "- **Rule page:** [`docs/spec/graphs.md#cg-004`](docs/spec/graphs.md#cg-004)" in out
+    # no --base-url: the rule page is an absolute link under the repository's blob (pyproject's Repository URL)
+    assert "- **Rule page:** [`docs/spec/graphs.md#cg-004`](https://github.com/refspec/refspec/blob/main/docs/spec/"\
+           "graphs.md#cg-004)" in out
     shown = next(x for x in lines if x.startswith("- **Shown by:** "))
     node = re.search(r"`pytest '([^']+)'`", shown).group(1)
     path, _, name = node.partition("::")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from refspec.conformance import lines, rules
+from refspec.conformance.compare import UNREAD
 
 FA_SRC = '''
 import torch
@@ -168,13 +169,14 @@ def _md(K, table_rows):
             "max_seq_len_q": 1, "max_seq_len_k": 0, "page_table": i32(table_rows)}
 
 
-@pytest.mark.spec("TR-014", "TR-018", "PA-003")
+@pytest.mark.spec("TR-014", "TR-018", "PA-003", "PA-007")
 @pytest.mark.parametrize("pin", ["0.5.12.post1", "0.5.23"])
 def test_a_tree_expand_width_fails_only_below_the_kernel_bound(pin):
     """P = 2, expand K = [2, 3] (lp + s + 1): rows read ceil(2/2) = 1 and ceil(3/2) = 2 pages, the kernel
     bound is 2 columns.  refspec's s + 2 = 3 wide buffer vs upstream's 2 (``decode_length + 1`` at s = 1):
     a width difference at the bound, documented in every phase; upstream's 1 column drops row 1's second
-    page: PA-003 eager / CG-008 in a graph phase, never documented; a dead column that differs still fails."""
+    page: PA-003 eager / CG-008 in a graph phase, never documented; a dead column that differs is reported
+    as not read by the FA3 kernel (PA-007), never a failure."""
     from refspec.conformance.cases import Job
     from refspec.conformance.run import rows_for
 
@@ -190,15 +192,16 @@ def test_a_tree_expand_width_fails_only_below_the_kernel_bound(pin):
         (row,) = rows_for(pin, [job], {job.id: {(phase, 1): below}})
         assert not row.ok and {f.rule for f in row.findings} == {"PA-003" if phase == "eager" else "CG-008"}
         (row,) = rows_for(pin, [job], {job.id: {(phase, 1): content}})
-        assert not row.ok and [d.field for d in row.undocumented] == ["expand:page_table[dead]"]
+        assert row.ok and [(d.field, d.documented) for d in row.diffs] == [("expand:page_table[dead]", UNREAD)]
         # negative control: the prefix part's width entry does not reach the expand table
         assert all(d.documented != "tree-prefix-table-width" for d in row.diffs)
 
 
 def test_an_exception_in_a_helper_also_cites_the_backend_hook_that_ran_it(tmp_path, monkeypatch):
-    """worker.describe: the innermost upstream frame (the helper's scatter_) and the innermost backend hook's
+    """upstream_common.describe: the innermost upstream frame (the helper's scatter_) and the innermost backend hook's
     line (``init_forward_metadata*``) that was running it; the finding carries that line as ``via``."""
-    from refspec.conformance import report, worker
+    from refspec.conformance import report
+    from refspec.conformance import upstream_common as worker  # (describe: what the worker reports)
 
     site = _site(tmp_path)
     monkeypatch.setitem(sys.modules, "sglang", NS(__path__=[str(site / "sglang")]))
@@ -230,8 +233,9 @@ def test_an_exception_in_a_helper_also_cites_the_backend_hook_that_ran_it(tmp_pa
 @pytest.mark.spec("TR-018")
 def test_a_failure_like_a_known_bug_on_other_code_says_so_and_still_fails():
     """draft-expand-unsliced-scatter (known.BUGS) is recognised only at its pins; on other code (a PR tree) a
-    row with its error, or its dead-column field in the draft-decode replay, carries the hint naming the PR
-    that introduced it and the one that fixed it (sglang#15469, sglang#27360) and stays a failure."""
+    row with its error in the draft-decode replay carries the hint naming the PR that introduced it and the
+    one that fixed it (sglang#15469, sglang#27360) and stays a failure.  Its dead-column field alone (S = 3)
+    is not read by the kernel: reported, never a failure, so no hint either."""
     from refspec.conformance import known, report
     from refspec.conformance.cases import Job
     from refspec.conformance.run import rows_for
@@ -243,7 +247,11 @@ def test_a_failure_like_a_known_bug_on_other_code_says_so_and_still_fails():
     theirs = {"prefix": prefix, "expand": _md([2, 3], [[7, 8, 0], [9, 10, 11]])}  # extra pages in dead columns
     err = ("RuntimeError at sglang/srt/layers/attention/flashattention_backend.py:2501 (run from "
            "flashattention_backend.py:1852): index 2 is out of bounds for dimension 1 with size 2")
-    for phase, got, hinted in (("replay", theirs, True), ("replay", err, True), ("eager", theirs, False)):
+    for phase in ("replay", "eager"):
+        job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {(phase, 0): ours})
+        (row,) = rows_for("@ /src/pr", [job], {job.id: {(phase, 0): theirs}})
+        assert row.ok and row.like is None and {d.documented for d in row.diffs} == {UNREAD}
+    for phase, got, hinted in (("replay", err, True), ("eager", err, False)):
         job = Job("tree_draft_decode/k2/P2", "tree_draft_decode", 2, "k2", True, {}, {(phase, 0): ours})
         (row,) = rows_for("@ /src/pr", [job], {job.id: {(phase, 0): got}})
         assert not row.ok and row.bug is None

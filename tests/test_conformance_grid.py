@@ -245,7 +245,7 @@ def test_an_unreachable_idle_case_is_not_run_is_named_and_does_not_fail(tmp_path
             assert "not reachable upstream" not in text
             continue
         assert "idle/P4/B3/bs4" not in ran and ran and out.ok
-        assert [(j, why.split(":")[0]) for _, j, why in out.unreachable] == [("idle/P4/B3/bs4", "an empty batch")]
+        assert [(j, why.split(":")[0]) for _, j, why, _ in out.unreachable] == [("idle/P4/B3/bs4", "an empty batch")]
         assert "idle" not in {r.mode for r in out.rows}
         line = next(x for x in text.splitlines() if "not reachable upstream" in x)
         assert line.startswith(f"== not reachable upstream: sglang {t.label}: 1 job not run (idle/P4/B3/bs4): an "
@@ -261,7 +261,7 @@ def test_an_unreachable_draft_extend_v2_graph_is_not_run_is_named_and_does_not_f
     out = conformance.run(sglang=[t], page_sizes=(4,), modes=("draft_extend_v2",), log=quiet)
     assert out.ok and "draft_extend_v2/P4/B3/bs4" in ran and not [j for j in ran if j.endswith("/graphs")]
     assert {r.phase for r in out.rows} == {"eager"}
-    assert "draft_extend_v2/P4/B3/bs4/graphs" in [j for _, j, _ in out.unreachable]
+    assert "draft_extend_v2/P4/B3/bs4/graphs" in [j for _, j, _, _ in out.unreachable]
     line = next(x for x in conformance.render(out).splitlines() if "not reachable upstream" in x)
     assert "its capture and replay: sglang/srt/speculative/eagle_worker_v2.py:" in line
 

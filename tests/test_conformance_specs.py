@@ -124,7 +124,7 @@ def test_a_graph_hook_tree_is_driven_by_the_graph_adapter_with_its_modes(tmp_pat
         assert t.kind == "tree" and t.site == str(tree / "python") and t.label == f"@ {spec}"  # "sglang @ ..." once
         assert t.paths[0] == str(tree / "python")  # used in place: nothing copied
     s = t.shape
-    assert s.hooks == "graph" and s.adapter == "refspec.conformance.upstream_0523"
+    assert s.hooks == "graph" and s.adapter == "refspec.conformance.upstream_graph"
     assert (s.draft_extend_v1, s.draft_extend_v2, s.topk, s.staged, s.own_tree) == (False, True, True, True, False)
     assert s.modes == ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend_v2", "idle")
     assert s.toggles == {"111": ["sglang.srt.layers.attention.flashattention_backend.FlashAttentionBackend."
@@ -135,7 +135,7 @@ def test_a_graph_hook_tree_is_driven_by_the_graph_adapter_with_its_modes(tmp_pat
 def test_a_legacy_hook_tree_with_v1_is_driven_by_the_legacy_adapter(tmp_path):
     tree = fake_tree(tmp_path, LEGACY_FA, modes="DRAFT_EXTEND = auto()")
     s = install.detect(str(tree / "python"))
-    assert s.hooks == "legacy" and s.adapter == "refspec.conformance.upstream_0512"
+    assert s.hooks == "legacy" and s.adapter == "refspec.conformance.upstream_legacy"
     # no FlashAttentionMultiStepBackend here: draft decode is not compared, and says why
     assert "draft_decode" not in s.modes and "FlashAttentionMultiStepBackend" in s.no_draft_decode
     assert s.modes == ("decode", "extend", "extend_prefix", "verify", "draft_extend")
@@ -161,7 +161,7 @@ def test_graph_hooks_without_the_runtime_context_are_driven(tmp_path):
     # 0.5.13: the graph hooks, no srt/runtime_context.py (server args published through
     # server_args.py and read from the model runner): the graph adapter drives it without one
     s = install.detect(str(fake_tree(tmp_path, GRAPH_FA, runner_files=False) / "python"))
-    assert s.adapter == "refspec.conformance.upstream_0523" and s.missing is None
+    assert s.adapter == "refspec.conformance.upstream_graph" and s.missing is None
 
 
 def test_specs_that_name_nothing_are_one_line_errors(tmp_path):

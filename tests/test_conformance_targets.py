@@ -37,8 +37,8 @@ def new():
 
 def test_the_pinned_releases_shapes_pick_their_adapters_from_the_code():
     new, old = (install.resolve(p, log=quiet) for p in install.PINS)
-    assert (new.shape.hooks, new.shape.adapter) == ("graph", "refspec.conformance.upstream_0523")
-    assert (old.shape.hooks, old.shape.adapter) == ("legacy", "refspec.conformance.upstream_0512")
+    assert (new.shape.hooks, new.shape.adapter) == ("graph", "refspec.conformance.upstream_graph")
+    assert (old.shape.hooks, old.shape.adapter) == ("legacy", "refspec.conformance.upstream_legacy")
     assert not new.shape.draft_extend_v1 and old.shape.draft_extend_v1
     assert new.shape.staged and new.shape.own_tree and not old.shape.staged and not old.shape.own_tree
     assert new.shape.kernels == "sglang/kernels/ops/attention/metadata.py"
@@ -127,10 +127,12 @@ def test_the_sweep_measures_a_release_and_writes_its_row(tmp_path):
     """One release through the sweep: its cells come from the run, and the doc part is replaced
     between the markers (the full sweep: ``make sweep``)."""
     e = sweep.measure("0.5.12.post1", install.default_root(), log=quiet)
-    # 0.5.12.post1 predates #27360's slice: its one failing row at P = 1, 4 is that known upstream bug
-    # (tree draft-decode replay, expand dead columns; it raises at num_steps 6, P = 2: test_conformance_controls)
-    assert e["status"].endswith(", 1 failing") and e["rules"]["CG-003"] == "holds"
-    assert e["rules"]["TR-018"] == "differs: expand:page_table[dead]"
+    # the sweep grid holds the edges where the known bugs show: 0.5.12.post1's context wall (P = 16) and its
+    # unsliced draft expand scatter, which raises at num_steps 6, P = 2 (at S = 3 it reaches only dead columns)
+    assert "failing (context-wall-page-table, draft-expand-unsliced-scatter)" in e["status"]
+    assert sweep.cell(e["rules"]["CG-003"]) == "holds"
+    assert sweep.cell(e["rules"]["TR-018"]) == "differs on upstream error (P = 2)"
+    assert sweep.cell(e["rules"]["CG-008"]).startswith("differs on page_table[live] (P = 16)")
     doc = tmp_path / "versions.md"
     doc.write_text(f"# x\n\n{sweep.BEGIN}\nstale table\n{sweep.END}\n\nafter\n")
     sweep.write_doc([e], "python -m refspec conformance --sweep", 60.0, str(doc))
@@ -202,3 +204,23 @@ def test_old_releases_are_driven_by_the_adapter_their_shape_picks(version, modes
         assert all(r.error is None for r in rows)
     if version == "0.5.19":
         assert all(r.ok for r in rows), [r.findings for r in rows if not r.ok]
+
+
+@pytest.mark.spec("CG-003", "MD-009")
+def test_an_accept_length_field_the_adapter_does_not_know_is_an_adapter_gap_with_exit_3():
+    """A planted rename of the v1 draft extend's accepted counts (``patches/mutants/``: 0.5.12.post1 reading
+    ``spec_info.num_accepted_drafts_plus_one``, as a PR renaming them would): refspec cannot lay out what
+    that code reads, so every draft-extend result is an adapter gap, said as such, never a rule failure
+    (CG-003 is not accused), and the run exits 3."""
+    from refspec.conformance import controls
+
+    t = controls.Code("0.5.12.post1", ("draft-extend-unknown-accept-name",)).target(log=quiet)
+    assert "spec_info.num_accepted_drafts_plus_one" in t.shape.gaps["draft_extend"]
+    p = subprocess.run([sys.executable, "-m", "refspec", "conformance", "--sglang", t.site, "--modes", "draft_extend",
+                        "--page-sizes", "4"], capture_output=True, text=True, cwd=REPO, check=False,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 3, p.stdout + p.stderr
+    gaps = [x for x in p.stdout.splitlines() if x.startswith("  ADAPTER GAP ")]
+    assert gaps and all("no rule broken; refspec cannot drive this code yet" in x for x in gaps)
+    assert "CG-003" not in p.stdout and "== FAIL" not in p.stdout
+    assert "== ADAPTER GAP: 6 results not compared (no rule broken; refspec cannot drive this code yet)" in p.stdout

@@ -23,6 +23,8 @@ import re
 import sys
 from typing import Callable, Sequence
 
+from refspec.harness.devices import device_problem  # the wording --device and Scenario(device=) share
+
 PROG = "python -m refspec"
 
 
@@ -177,21 +179,6 @@ def device_name(text: str, auto: bool = False) -> str:
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
-
-
-def device_problem(text, auto: bool = False) -> str | None:
-    """Why ``text`` is not a device refspec runs on here (None when it is): the one wording of
-    ``--device`` and of :class:`~refspec.harness.scenario.Scenario` ``device=``."""
-    if auto and text == "auto":
-        return None
-    if text not in ("cpu", "cuda"):
-        return f"{text!r}: choose {'auto, ' if auto else ''}cpu or cuda"
-    if text == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"no CUDA device here (torch {torch.__version__}); use cpu"
-    return None
 
 
 def run(body: Callable[[list[str]], int], argv: Sequence[str] | None, prog: str) -> int:

@@ -7,9 +7,10 @@ For each ID it prints a block that reads well pasted into a GitHub review commen
 * the SGLang versions it matches and the pins ``python -m refspec conformance`` checks;
 * the upstream sources: permalinks at a release tag or commit, with a line, first; then the PRs
   and commits that made or broke the rule (its history);
-* the rule's page: ``docs/spec/<page>.md#<id>``, a path that works in a clone, or a full link
-  under ``--base-url URL`` (or ``$REFSPEC_DOCS_URL``), e.g.
-  ``--base-url https://github.com/<owner>/refspec/blob/<tag>`` for a link GitHub renders;
+* the rule's page ``docs/spec/<page>.md#<id>`` as a full link: under ``--base-url URL`` (or
+  ``$REFSPEC_DOCS_URL``), e.g. ``--base-url https://github.com/<owner>/refspec/blob/<tag>``, else
+  under this repository's GitHub blob (``main``) when its URL is known, else repo-relative
+  (:func:`refspec.harness.docs_links.docs_base`, as the conformance report links it);
 * the refspec test that shows it (the first ``@pytest.mark.spec`` test found by
   ``docs/spec_index.py``; ``--tests`` lists them all) as a ``pytest`` command;
 * a review line to complete.
@@ -29,46 +30,18 @@ An instrument: a learner reading the reference can skip this module.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 import re
 import sys
 from functools import cache
-from pathlib import Path
 from typing import NamedTuple
 
 from refspec.cli._args import PROG, ArgumentParser, CLIError, run
 from refspec.core.invariants import RULES
 from refspec.core.sources import Level, Source
+from refspec.harness.docs_links import BASE_URL_ENV, ROOT, docs_base, load_spec_index, spec_link
 
-#: environment variable: the base URL ``cite`` puts in front of ``docs/...`` links
-BASE_URL_ENV = "REFSPEC_DOCS_URL"
 ID_LIKE = re.compile(r"^[A-Za-z]{2,3}-?\d{1,4}$")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@cache
-def load_spec_index():
-    """``docs/spec_index.py`` of this checkout: cite reads the checkout's ``docs/spec`` and ``tests/``.
-
-    Raises CLIError when refspec does not run from a checkout (an installed wheel has neither).
-    """
-    if "spec_index" in sys.modules:  # already imported with docs/ on sys.path (pytest, the docs build)
-        return sys.modules["spec_index"]
-    path = ROOT / "docs" / "spec_index.py"
-    if not path.is_file():
-        raise CLIError(f"cite needs a refspec checkout: {path} not found")
-    spec = importlib.util.spec_from_file_location("spec_index", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["spec_index"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def spec_link(inv_id: str, base_url: str = "") -> str:
-    """The ID's entry: ``docs/spec/<page>.md#<id>`` (repo-relative), under ``base_url`` if given."""
-    path = f"docs/spec/{load_spec_index().family_page(inv_id)}#{inv_id.lower()}"
-    return f"{base_url.rstrip('/')}/{path}" if base_url else path
 
 
 def _is_permalink(s: Source) -> bool:
@@ -239,7 +212,8 @@ def _main(argv) -> int:
     parser.add_argument("--format", choices=("markdown", "text"), default="markdown",
                         help="markdown (default: pastes into a GitHub comment) or plain text")
     parser.add_argument("--base-url", default=os.environ.get(BASE_URL_ENV, ""), metavar="URL",
-                        help=f"put URL in front of docs/ links (default ${BASE_URL_ENV}, else repo-relative paths)")
+                        help=f"put URL in front of docs/ links (default ${BASE_URL_ENV}, else this repository's "
+                             f"GitHub blob when its URL is known, else repo-relative paths)")
     parser.add_argument("--tests", action="store_true", help="list every test that cites the ID, not only the first")
     args = parser.parse_args(argv)
     level = LEVEL_NAMES[args.level] if args.level else None
@@ -265,7 +239,8 @@ def _main(argv) -> int:
         resolved.append(inv_id)
     index = load_spec_index().build_index()
     sep = "\n\n---\n\n" if args.format == "markdown" else "\n\n"
-    print(sep.join(render(i, index.tests.get(i, []), args.format, args.base_url, args.tests) for i in resolved))
+    base = docs_base(args.base_url)[0]  # absolute links: --base-url, else the repository's blob
+    print(sep.join(render(i, index.tests.get(i, []), args.format, base, args.tests) for i in resolved))
     return 0
 
 

@@ -6,14 +6,18 @@ is the pinned pair.  Installs (``--no-deps``, into ``.conformance/``) are reused
 shape is read from the code and picks the adapter and the modes.  Runs upstream's
 ``FlashAttentionBackend`` / ``FlashAttentionMultiStepBackend`` in a subprocess on the same
 ``req_to_token`` and batches as refspec's FA3 wing (Triton replay kernels in Triton's
-interpreter), and compares every kernel-read field bitwise.  Every failing row names the rule
-(ID and level), both values and the upstream file:line it read.  Exit 1 on an undocumented
-difference or an upstream error that no known upstream bug explains (a row of a known bug,
-``known.BUGS``, is printed as failing with the rule it breaks and does not change the exit
-status); 2 on a usage error, on code whose API shape no adapter drives, and on a selection that
-compares nothing.  ``--baseline SPEC`` with one ``--sglang SPEC`` reviews a PR: both run on the same
-grid and only what changed is reported (new failures: exit 1; pre-existing ones, fixes, results only
-the code under test has, the unchanged count).  See docs/conformance.md.
+interpreter), runs upstream's forward with a recorder in place of the kernel, and compares every
+kernel-read field and kernel argument bitwise.  Every failing row names the rule (ID and level),
+both values and the upstream file:line it read.  Exit status: 0 when no rule is broken on the
+inputs upstream can reach; 1 when a rule is broken (a known upstream bug reproduced included,
+named as known with its PR; ``--expect-bugs LABEL:KEY,...`` states the known bugs expected per
+target and makes them strict: the run passes only when exactly those show); 3 when no rule is
+broken but refspec's adapter cannot drive some results (an adapter gap: no rule broken; refspec
+cannot drive this code yet); 2 on a usage error, on code whose API shape no adapter drives, and on
+a selection that compares nothing.  ``--baseline SPEC`` with one ``--sglang SPEC`` reviews a PR:
+both run on the same grid and only what changed is reported (new failures: exit 1; adapter gaps
+under test: 3; pre-existing ones, fixes, results only the code under test has, the unchanged
+count).  See docs/conformance.md.
 
 An instrument: a learner reading the reference can skip this module.
 """
@@ -28,14 +32,14 @@ from refspec.cli._args import PROG, ArgumentParser, CLIError, choice_list, int_l
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Compare; 0 if every case agrees, differs only as documented or fails only on a known upstream
-    bug, 1 if not, 2 on a usage error."""
+    """Compare; 0 if no rule is broken on reachable inputs, 1 if one is (a known upstream bug
+    included), 3 on an adapter gap alone, 2 on a usage error."""
     return run(_main, argv, f"{PROG} conformance")
 
 
 def _main(argv) -> int:
     from refspec.mutants import tree_variants, variants
-    from refspec.conformance import cases, install, report, run as conformance, tree_cases
+    from refspec.conformance import cases, install, mla_forward, report, run as conformance, tree_cases
 
     ap = ArgumentParser(prog=f"{PROG} conformance", description=__doc__.splitlines()[0])
     ap.add_argument("--sglang", "--pins", "--pin", dest="sglang", type=_specs, default=None,
@@ -52,6 +56,10 @@ def _main(argv) -> int:
                     help="run upstream with one of its registered fixes reverted (the PR numbers of "
                          "sglang/srt/debug_utils/pr_fix_toggle.py, e.g. 27360); with --baseline, on the code "
                          "under test only")
+    ap.add_argument("--expect-bugs", metavar="LABEL:KEY[,...]", default=None,
+                    help="strict expected failures: the known upstream bugs (refspec/conformance/known.py) each "
+                         "target is expected to reproduce, e.g. 0.5.23:context-wall-page-table; the run then passes "
+                         "only when each target fails on exactly those (a bug that disappears fails it too)")
     ap.add_argument("--report", metavar="FILE.md", default=None,
                     help="also write the failures as a Markdown review comment (rules, values, upstream lines)")
     ap.add_argument("--base-url", default=os.environ.get("REFSPEC_DOCS_URL", ""), metavar="URL",
@@ -63,11 +71,15 @@ def _main(argv) -> int:
     ap.add_argument("--page-sizes", "--page-size", type=int_list(1, "page sizes"), default=list(cases.PAGE_SIZES),
                     metavar="P[,P...]",
                     help=f"page sizes, comma-separated, from {','.join(map(str, cases.PAGE_SIZES))} (default: all)")
-    modes = sorted(cases.MODES) + list(tree_cases.MODES)
+    modes = sorted(cases.MODES) + list(tree_cases.MODES) + list(mla_forward.MODES)
     ap.add_argument("--modes", "--mode", type=choice_list(modes, "modes"), default=None,
                     metavar="MODE[,MODE...]",
                     help=f"restrict the modes, comma-separated, from {', '.join(modes)} "
-                         "(default: every mode the pin has; the tree_* modes are top-k > 1)")
+                         "(default: every mode the pin has; the tree_* modes are top-k > 1; the mla_* modes run "
+                         "upstream's MLA forward path, docs/conformance.md#mla)")
+    ap.add_argument("--mla-grid", choices=mla_forward.GRIDS, default="default",
+                    help="the grid of the mla_* modes: default (P = 1, 4, 16, B = 3 in a graph of 4: what CI runs), "
+                         "full (also P = 2, 64 and B = 5 in a graph of 8), off (no MLA rows)")
     ap.add_argument("--topks", "--topk", type=int_list(2, "top-k values"), default=list(tree_cases.TOPKS),
                     metavar="K[,K...]",
                     help=f"top-k values of the tree_* modes, comma-separated, from "
@@ -87,7 +99,15 @@ def _main(argv) -> int:
     bad = [k for k in ns.topks if k not in tree_cases.TOPKS]
     if bad:
         ap.error(f"argument --topks: {bad} not among the compared top-k values {','.join(map(str, tree_cases.TOPKS))}")
+    expect = None
+    if ns.expect_bugs is not None:
+        try:
+            expect = conformance.parse_expected(ns.expect_bugs)
+        except (ValueError, KeyError) as e:
+            ap.error(f"argument --expect-bugs: {str(e).strip(chr(39))}")
     if ns.baseline is not None:
+        if ns.expect_bugs is not None:
+            ap.error("argument --expect-bugs: not with --baseline (the baseline sets pre-existing failures apart)")
         if ns.sweep:
             ap.error("argument --baseline: not with --sweep (the sweep runs every release)")
         if ns.sglang is None or len(ns.sglang) != 1:
@@ -106,16 +126,16 @@ def _main(argv) -> int:
         return _review(ns, argv)
     try:
         out = conformance.run(ns.sglang, ns.page_sizes, ns.modes, ns.variant, ns.root, topks=tuple(ns.topks),
-                              revert_fix=ns.revert_fix)
+                              revert_fix=ns.revert_fix, mla_grid=ns.mla_grid)
     except (install.UnsupportedSpec, conformance.NoCases) as e:
         raise CLIError(str(e)) from None
-    print(conformance.render(out, ns.verbose))
+    print(conformance.render(out, ns.verbose, expect))
     if ns.report:
         with open(os.path.expanduser(ns.report), "w") as f:
             f.write(report.markdown(out, " ".join(["python -m refspec conformance", *argv]), ns.base_url) + "\n")
         print(f"wrote {ns.report}")
     sys.stdout.flush()
-    return 0 if not out.unexplained else 1
+    return conformance.verdict(out, expect)[0]
 
 
 def _review(ns, argv) -> int:
@@ -124,7 +144,7 @@ def _review(ns, argv) -> int:
 
     try:
         rev = conformance.review(ns.baseline, ns.sglang[0], ns.page_sizes, ns.modes, ns.variant, ns.root,
-                                 topks=tuple(ns.topks), revert_fix=ns.revert_fix)
+                                 topks=tuple(ns.topks), revert_fix=ns.revert_fix, mla_grid=ns.mla_grid)
     except (install.UnsupportedSpec, conformance.NoCases) as e:
         raise CLIError(str(e)) from None
     print(conformance.render_review(rev, ns.verbose))
@@ -134,7 +154,7 @@ def _review(ns, argv) -> int:
                     + "\n")
         print(f"wrote {ns.report}")
     sys.stdout.flush()
-    return 1 if rev.new_failures else 0
+    return rev.exit_code
 
 
 def _check_report(path: str) -> None:

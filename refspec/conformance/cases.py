@@ -24,9 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from refspec.conformance.recorder import Recorder, installed
 from refspec.core import batch as fbatch
 from refspec.core.kv_cache import KVCache, KVPool
+from refspec.core.layer import AttentionLayer
 from refspec.core.modes import ForwardMode
+from refspec.fa3 import kernel as fa3_kernel
 from refspec.fa3.backend import FlashAttentionBackend, FlashAttentionMultiStepBackend
 from refspec.graphs.runner import GraphRunner
 
@@ -153,6 +156,32 @@ def snapshot_metadata(md) -> dict:
             for f in FIELDS}
 
 
+#: the key of a result's fields that carries its forward's kernel calls (the worker's ``upstream_common.KERNEL``)
+KERNEL = "kernel_calls"
+#: the modes whose forward runs for its kernel arguments (top-k = 1; IDLE runs no kernel)
+KERNEL_MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode", "draft_extend", "draft_extend_v2")
+#: the layer refspec's forward runs (upstream's side: ``upstream_common.layer``, the same constants):
+#: one query head and one KV head of dimension 8 (the pools' ``num_kv_heads`` / ``head_dim``), the
+#: default softmax scale, no softcap, no window
+LAYER = AttentionLayer(layer_id=0, num_heads=1, num_kv_heads=1, head_dim=8)
+
+
+def kernel_calls(be, fb) -> list[dict]:
+    """refspec's kernel call for a forward of ``be`` on ``fb`` (:meth:`FlashAttentionBackend.forward`:
+    ``kernel.attention``, recorded by a :class:`~refspec.conformance.recorder.Recorder` bound to
+    FA3's ``flash_attn_with_kvcache`` signature, no new K/V), one query row per position of ``fb``;
+    the :class:`~refspec.conformance.recorder.Call` objects (their tensor references kept)."""
+    rec = Recorder("flash_attn_with_kvcache")
+    q = torch.zeros(int(fb.positions.numel()), LAYER.num_heads, LAYER.head_dim)
+    with installed(fa3_kernel, {"attention": rec}):
+        be.forward(q, None, None, LAYER, fb)
+    return rec.calls
+
+
+def _plain(calls) -> list[dict]:
+    return [c.plain() for c in calls]
+
+
 def _backends(mode: str, kv, pool, sd: int):
     common = {"validate": False}  # conformance compares raw builders
     if mode == "draft_decode":
@@ -164,9 +193,15 @@ def _eager(mode: str, kv, pool, live, sd: int) -> dict:
     backends = _backends(mode, kv, pool, sd)
     if mode == "draft_decode":
         rows, L = live.req_pool_indices.tolist(), live.seq_lens_cpu.tolist()
-        return {("eager", s): snapshot_metadata(be.init_forward_metadata(fbatch.draft_decode_batch(kv, rows, L, s)))
-                for s, be in enumerate(backends)}
-    return {("eager", None): snapshot_metadata(backends[0].init_forward_metadata(live))}
+        steps = [(s, be, fbatch.draft_decode_batch(kv, rows, L, s)) for s, be in enumerate(backends)]
+    else:
+        steps = [(None, backends[0], live)]
+    out = {}
+    for s, be, fb in steps:
+        out[("eager", s)] = snapshot_metadata(be.init_forward_metadata(fb))
+        if mode in KERNEL_MODES:
+            out[("eager", s)][KERNEL] = _plain(kernel_calls(be, fb))
+    return out
 
 
 def _graph(mode: str, kv, pool, live, bs: int, staged: bool, sd: int) -> tuple[dict, dict, dict]:
@@ -180,14 +215,20 @@ def _graph(mode: str, kv, pool, live, bs: int, staged: bool, sd: int) -> tuple[d
     runner = GraphRunner(m, backends, lambda fb, x: fb.positions.clone(), kv=kv, capture_bs=[bs],
                          tokens_per_req=W, num_draft_tokens=N, split=split)
     steps = list(range(sd - 1)) if mode == "draft_decode" else [None]
-    res = {}
-    cap_in = snapshot_batch(runner.static[bs])
+    res, captured = {}, {}
+    static = runner.static[bs]
+    cap_in = snapshot_batch(static)
     for s, be in zip(steps, backends):
         res[("capture", s)] = snapshot_metadata(be.forward_metadata)
+        if mode in KERNEL_MODES:  # the call a graph captures: its buffers by reference, its scalars by value
+            captured[s] = kernel_calls(be, static if s is None else fbatch.draft_step_view(static, s, sd))
+            res[("capture", s)][KERNEL] = _plain(captured[s])
     runner.replay(live)
     rep_in = snapshot_batch(runner.static[bs])
     for s, be in zip(steps, backends):
         res[("replay", s)] = snapshot_metadata(be.forward_metadata)
+        if s in captured:  # what the replayed graph hands the kernel: the captured call, its buffers read again
+            res[("replay", s)][KERNEL] = _plain(c.reread() for c in captured[s])
     if staged and mode == "draft_extend_v2":  # upstream's second replay order: the same live values
         res[("replay-staged", None)] = res[("replay", None)]
     cap_in["num_tokens"] = rep_in["num_tokens"] = bs * W

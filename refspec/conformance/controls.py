@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from refspec.conformance import cases, install, known, patches, report, tree_cases
+from refspec.conformance import cases, install, known, mla_forward, patches, report, tree_cases
 from refspec.conformance.run import rows_for, run_worker, select
 
 
@@ -70,6 +70,24 @@ def _de_v2(t: install.Target) -> list[cases.Job]:
     return cases.build_jobs(("draft_extend_v2",), (1, 4), ("B3/bs4",), staged=t.shape.staged)
 
 
+def _mla_verify(t: install.Target) -> list[cases.Job]:
+    return mla_forward.build_jobs((1, 4), modes=("mla_tree_verify",))
+
+
+def _mla_move(t: install.Target) -> list[cases.Job]:
+    """Eager top-k 2 draft decode at P = 1 (no tail to copy) and P = 4 (a partial tail: the move):
+    the graph phases would also show 0.5.12.post1's slot-0 write (its own control)."""
+    return [mla_forward.tree_job("mla_tree_draft_decode", P, 7 * P + 3, graphs=False) for P in (1, 4)]
+
+
+#: the MLA modes a CUDA graph captures at top-k = 1 (where a padded row's store reaches slot 0)
+MLA_GRAPHED = ("mla_decode", "mla_verify", "mla_draft_decode", "mla_draft_extend_v2")
+
+
+def _mla_slot0(t: install.Target) -> list[cases.Job]:
+    return mla_forward.build_jobs((4,), modes=MLA_GRAPHED)
+
+
 NEW, OLD = Code("0.5.23"), Code("0.5.12.post1")
 CONTROLS: tuple[Control, ...] = (
     Control("context-wall-page-table", NEW, Code("0.5.23", ("pr35985-page-table-width",)), _grid,
@@ -78,6 +96,15 @@ CONTROLS: tuple[Control, ...] = (
     Control("draft-expand-unsliced-scatter", OLD, NEW, _long_tree, frozenset({("tree_draft_decode", "replay")})),
     Control("draft-extend-v2-double-count", Code("0.5.23", ("pr26512-draft-extend-v2-double-count",)), NEW, _de_v2,
             frozenset({("draft_extend_v2", "eager")})),
+)
+#: the MLA forward path's known bugs (:mod:`refspec.conformance.mla_forward`: upstream's own MLA forward, pool
+#: and worker), pinned by ``tests/test_conformance_mla.py``
+MLA_CONTROLS: tuple[Control, ...] = (
+    Control("mla-verify-expand-paged-view", NEW, Code("0.5.23", ("mla-verify-expand-page1",)), _mla_verify,
+            frozenset({("mla_tree_verify", "eager"), ("mla_tree_verify", "capture"), ("mla_tree_verify", "replay")})),
+    Control("mla-pool-no-move-kv-cache", OLD, NEW, _mla_move, frozenset({("mla_tree_draft_decode", "eager")})),
+    Control("mla-store-writes-slot-0", OLD, NEW, _mla_slot0,
+            frozenset((m, ph) for m in MLA_GRAPHED for ph in ("capture", "replay"))),
 )
 
 

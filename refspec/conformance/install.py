@@ -66,13 +66,13 @@ BASE_MODES = ("decode", "extend", "extend_prefix", "verify", "draft_decode")
 TREE_MODES = ("tree_verify", "tree_draft_decode")
 #: what each adapter calls on the backend; a missing one makes the code undrivable (name it)
 ADAPTERS = {
-    "graph": ("refspec.conformance.upstream_0523", {
+    "graph": ("refspec.conformance.upstream_graph", {
         "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state", "init_forward_metadata_out_graph",
                                   "init_forward_metadata_in_graph"),
         "FlashAttentionMultiStepBackend": ("init_forward_metadata", "init_forward_metadata_out_graph",
                                            "init_forward_metadata_in_graph")},
         ()),
-    "legacy": ("refspec.conformance.upstream_0512", {
+    "legacy": ("refspec.conformance.upstream_legacy", {
         "FlashAttentionBackend": ("init_forward_metadata", "init_cuda_graph_state",
                                   "init_forward_metadata_capture_cuda_graph:bs,req_pool_indices,seq_lens,forward_mode,"
                                   "spec_info",
@@ -130,6 +130,14 @@ class Shape:
     #: (:func:`draft_extend_graph_unreachable`)
     draft_extend_graph_unreachable: str | None = None
     tree_missing: str | None = None  #: the first of OWN_TREE_FILES this code lacks, or None
+    #: the v1 draft extend's accept-length fields as this release's worker lays them out (:func:`accept_layout`):
+    #: ``{"device", "host", "host_is_n", "at"}``, or None where the backend reads none or the layout is unknown
+    accept: dict | None = None
+    #: the draft ``out_cache_loc`` order of this release's top-k > 1 worker (:func:`draft_loc_layout`):
+    #: ``"bs,topk,steps"`` / ``"bs,steps,topk"``, with the worker line; None where unknown
+    draft_loc: dict | None = None
+    #: what refspec's adapter does not know how to lay out for this code (``{mode: why}``): adapter gaps
+    gaps: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -352,9 +360,11 @@ def draft_extend_graph_unreachable(site: str) -> str | None:
     build in :data:`V2_WORKERS` sits in the body of an ``if`` that holds only on an NPU (0.5.6.post2:
     ``if self.draft_extend_attn_backend and _is_npu:``, under ``# FIXME cuda not support
     draft_extend capture``, and no multi-layer worker yet), FA3's DRAFT_EXTEND_V2 capture / replay
-    hooks never run on CUDA: their rows are not reachable upstream.  None where a build may run on
-    CUDA (0.5.7 on: the multi-layer worker builds one unconditionally; a backend allowlist, as at
-    0.5.12.post1, counts as reachable) or no build is found (the comparison then runs)."""
+    hooks never run on CUDA: their rows are not reachable upstream.  Where a build may run on CUDA
+    (0.5.7 on: the multi-layer worker builds one unconditionally; a backend allowlist, as at
+    0.5.12.post1, counts as reachable), the runner it builds may still capture the draft extend in
+    the v1 mode (:func:`v1_mode_runners`, 0.5.4.post2).  None where no build is found (the
+    comparison then runs) or a CUDA runner captures DRAFT_EXTEND_V2."""
     builds, guards = 0, []
     for rel in V2_WORKERS:
         text = _read(site, rel)
@@ -367,14 +377,111 @@ def draft_extend_graph_unreachable(site: str) -> str | None:
             if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and any(
                     isinstance(t, ast.Attribute) and t.attr == "cuda_graph_runner_for_draft_extend" for t in n.targets):
                 builds += 1
-                if id(n) not in npu_bodies:
-                    return None
-                guards.append((rel, npu_bodies[id(n)]))
+                if id(n) in npu_bodies:
+                    guards.append((rel, npu_bodies[id(n)]))
     if not builds:
         return None
+    if not guards or len(guards) < builds:  # a build may run on CUDA: with which mode does its runner capture?
+        return v1_mode_runners(site)
     rel, g = guards[0]
     return (f"{rel}:{g.lineno} builds the draft-extend CUDA graph only on an NPU (`if {ast.unparse(g.test)}:`), "
             f"and no other spec-v2 worker builds one: on CUDA, DRAFT_EXTEND_V2 runs eager")
+
+
+#: upstream's CUDA draft-extend graph runners (one-layer, multi-layer): the files that capture and replay it
+DRAFT_EXTEND_RUNNERS = ("sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py",
+                        "sglang/srt/speculative/multi_layer_eagle_draft_extend_cuda_graph_runner.py")
+
+
+def v1_mode_runners(site: str) -> str | None:
+    """Why a spec-v2 worker's draft-extend CUDA graph never runs FA3 in DRAFT_EXTEND_V2 mode, or None:
+    where no CUDA draft-extend graph runner of the code names ``ForwardMode.DRAFT_EXTEND_V2`` and
+    they capture with ``forward_mode=ForwardMode.DRAFT_EXTEND`` (0.5.4.post2: the spec-v2 worker
+    reuses the v1 runner, which captures and replays the draft extend as ``DRAFT_EXTEND``), the
+    backend's DRAFT_EXTEND_V2 capture and replay hooks never run (the v1 mode's are compared)."""
+    at = None
+    for rel in DRAFT_EXTEND_RUNNERS:
+        text = _read(site, rel)
+        if text is None:
+            continue
+        if "DRAFT_EXTEND_V2" in text:
+            return None
+        n = next((i for i, x in enumerate(text.splitlines(), 1) if "forward_mode=ForwardMode.DRAFT_EXTEND," in x), None)
+        at = at or (f"{rel}:{n}" if n else None)
+    if at is None:
+        return None
+    return (f"{at} (the draft-extend CUDA graph runner the spec-v2 worker builds) captures and replays with "
+            f"forward_mode=ForwardMode.DRAFT_EXTEND and no runner names DRAFT_EXTEND_V2: the backend's "
+            f"DRAFT_EXTEND_V2 graph hooks never run (its DRAFT_EXTEND v1 graph rows are compared)")
+
+
+SPEC_DIR = "sglang/srt/speculative"
+#: the v1 draft extend's accept-length layouts refspec's adapters know: (device field, host field,
+#: host holds n rather than a = n + 1, the worker statement that shows it).  The device field always
+#: holds a = n + 1 when the backend reads it (MD-009): 0.4.x .. 0.5.10 add 1 in place before the
+#: draft extend (``self.accept_length.add_(1)``, their host list keeping n); 0.5.11 renamed them
+#: ``num_accepted_tokens`` (sglang#23962) and 0.5.12 ``num_accept_tokens``, a on both sides
+ACCEPT_LAYOUTS = (
+    ("num_accept_tokens", "num_accept_tokens_cpu", False, r"num_accept_tokens_cpu = \w+ \+ 1\b"),
+    ("num_accepted_tokens", "num_accepted_tokens_cpu", False, r"num_accepted_tokens_cpu = \w+ \+ 1\b"),
+    ("accept_length", "accept_length_cpu", True, r"self\.accept_length\.add_\(1\)"),
+)
+
+
+def _grep(site: str, folder: str, pattern: str) -> str | None:
+    """``file:line`` (relative to ``site``) of the first line of a ``folder`` module matching ``pattern``."""
+    rx = re.compile(pattern)
+    for path in sorted(glob.glob(os.path.join(site, folder, "*.py"))):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if rx.search(line):
+                    return f"{os.path.relpath(path, site)}:{n}"
+    return None
+
+
+def accept_layout(site: str, fa: str) -> tuple[dict | None, str | None]:
+    """``(layout, gap)``: the accept-length fields the backend reads from ``spec_info`` at v1 draft
+    extend, laid out as this release's worker does (:data:`ACCEPT_LAYOUTS`, the worker statement
+    found in ``sglang/srt/speculative/``); ``gap`` says why the adapter cannot lay them out (a
+    name it does not know, or no worker statement shows the values); both None where the backend
+    reads none."""
+    read = list(dict.fromkeys(re.findall(r"spec_info\.(\w*accept\w*)", fa)))
+    if not read:
+        return None, None
+    for device, host, host_is_n, shows in ACCEPT_LAYOUTS:
+        if device in read:
+            unknown = [n for n in read if n not in (device, host)]
+            if unknown:
+                return None, (f"the backend reads spec_info.{', spec_info.'.join(unknown)} besides {device}: "
+                              f"accept-length fields refspec's adapter does not know")
+            at = _grep(site, SPEC_DIR, shows)
+            if at is None:
+                return None, (f"the backend reads spec_info.{device}, but no worker statement in {SPEC_DIR} shows its "
+                              f"values (refspec's adapter knows {shows!r})")
+            return {"device": device, "host": host, "host_is_n": host_is_n, "at": at}, None
+    return None, (f"the backend reads spec_info.{', spec_info.'.join(read)}: accept-length fields refspec's adapter "
+                  f"does not know (it knows {', '.join(d for d, *_ in ACCEPT_LAYOUTS)})")
+
+
+#: the draft out_cache_loc orders of the top-k > 1 worker: a line of its ``draft_forward`` that reads it so
+DRAFT_LOC_LAYOUTS = (
+    ("bs,topk,steps", r"forward_batch\.batch_size, self\.topk, self\.speculative_num_steps\b"),
+    ("bs,steps,topk", r":, self\.topk \* i : self\.topk \* \(i \+ 1\)"),
+)
+EAGLE_WORKER = "sglang/srt/speculative/eagle_worker.py"
+
+
+def draft_loc_layout(site: str) -> dict | None:
+    """The order in which this release's EAGLE worker lays out the top-k > 1 draft ``out_cache_loc``
+    (``draft_forward``): ``[bs, topk, steps]`` (0.4.7.post1 on, sglang#7239: branch-major) or
+    ``[bs, steps, topk]`` (0.4.5 .. 0.4.7: step-major); ``{"order", "at"}`` (``at``: the worker's
+    line), None where the worker file is absent or neither line is found."""
+    text = _read(site, EAGLE_WORKER)
+    for order, pattern in DRAFT_LOC_LAYOUTS:
+        for n, line in enumerate((text or "").splitlines(), 1):
+            if re.search(pattern, line):
+                return {"order": order, "at": f"{EAGLE_WORKER}:{n}"}
+    return None
 
 
 def detect(site: str) -> Shape:
@@ -438,10 +545,18 @@ def detect(site: str) -> Shape:
     if shape.draft_extend_v2:
         modes.append("draft_extend_v2")
     if hooks == "graph":
-        modes.append("idle")  # the legacy-hooks releases never build metadata for an empty batch (upstream_0512)
+        modes.append("idle")  # the legacy-hooks releases never build metadata for an empty batch (upstream_legacy)
     if shape.topk and (hooks == "legacy" or shape.own_tree):
         modes += [m_ for m_ in TREE_MODES if not (multi_lacks and m_ == "tree_draft_decode")]
     shape.modes = tuple(modes)
+    shape.accept, gap = accept_layout(site, fa)
+    if gap and shape.draft_extend_v1:
+        shape.gaps["draft_extend"] = gap
+    if "tree_draft_decode" in modes and not shape.own_tree:  # refspec lays out the draft slots: in the worker's order
+        shape.draft_loc = draft_loc_layout(site)
+        if shape.draft_loc is None:
+            shape.gaps["tree_draft_decode"] = (f"the draft out_cache_loc order of this release's worker is not one "
+                                               f"refspec's adapter knows ({EAGLE_WORKER} draft_forward)")
     return shape
 
 

@@ -331,6 +331,49 @@ BUGS: tuple[Bug, ...] = (
         "#26651 fixed the test fixture instead",
         "DRAFT_EXTEND_V2's seq_lens already counts the N draft tokens (eagle_info_v2 adds them before the "
         "backend runs); #26512 adds extend_seq_lens again, so K_b = L + 2N", issue=26512),
+    # --- the MLA forward path (refspec.conformance.mla_forward: upstream's own MLA forward, pool and worker) ---
+    Bug("mla-verify-expand-paged-view", "ML-011", ("PA-011",), BOTH, ("mla_tree_verify",),
+        ("eager", "capture", "replay"), ("kernel:expand.k_cache", "kernel:expand.v_cache", "mla:out"), "",
+        (("0.5.23", FA, 2036), ("0.5.23", FA, 1949), ("0.5.23", FA, 1844), ("0.5.12.post1", FA, 1001),
+         ("0.5.12.post1", FA, 958), ("0.5.12.post1", FA, 857)),
+        "open: no upstream issue or PR known (found by this comparison, 2026-12-07); reachable at 0.5.23 (its "
+        "ServerArgs allow fa3 with top-k > 1 and page size > 1: arg_groups/speculative_hook.py L1271-1283, "
+        "_PAGE_TREE_SPEC_BACKENDS; no MLA guard); at 0.5.12.post1 the verify forward runs too (server_args.py "
+        "L3837-3844 allows fa3), but every such round then ends in mla-pool-no-move-kv-cache "
+        "(eagle_info.py:543 after the verify, eagle_worker.py:729 before the draft when a tail page is partial)",
+        "MLA + top-k > 1 + P > 1, TARGET_VERIFY: the MLA branch of forward_extend hands the cascade's expand "
+        "call the P-paged views (k_rope_cache, c_kv_cache: [slots / P, P, 1, D]) with "
+        "forward_metadata_spec_decode_expand.page_table, whose entries are token slots; the MHA branch reads "
+        "paged_view(cache, 1) there (sglang#7725). The kernel reads page `slot` at element slot * P * row: "
+        "outside the pool for most slots (refspec's emulator refuses page id >= slots / P, PA-011), another "
+        "request's rows for the rest; every verify row's output is wrong (smallest case: bs = 3, P = 4, k = 2, "
+        "eager)"),
+    Bug("mla-pool-no-move-kv-cache", "ML-012", (), OLD, ("mla_tree_draft_decode",), ("eager",), (),
+        "move_kv_cache",
+        (("0.5.12.post1", "python/sglang/srt/speculative/eagle_worker.py", 729),
+         ("0.5.12.post1", "python/sglang/srt/speculative/eagle_info.py", 543),
+         ("0.5.12.post1", "python/sglang/srt/mem_cache/memory_pool.py", 1618),
+         ("0.5.23", "python/sglang/srt/mem_cache/memory_pool.py", 5079)),
+        "fixed by sglang#26982 (https://github.com/sgl-project/sglang/pull/26982: MLATokenToKVPool.move_kv_cache); "
+        "#14817 / #9742 note MLA models did not support top-k > 1 with page size > 1",
+        "MLA + EAGLE top-k > 1 + P > 1: the v1 worker's draft preprocess copies each request's partial prefix "
+        "tail page into the branches with self.draft_model_runner.token_to_kv_pool.move_kv_cache, which "
+        "0.5.12.post1's MLATokenToKVPool does not have: AttributeError before the first draft forward (when "
+        "some L mod P != 0; verify's own tail moves, eagle_info.py:543, fail the same way)",
+        issue=26982, fixed_by=26982),
+    Bug("mla-store-writes-slot-0", "ML-002", (), OLD,
+        ("mla_decode", "mla_verify", "mla_draft_decode", "mla_draft_extend", "mla_draft_extend_v2",
+         "mla_tree_verify", "mla_tree_draft_decode"), ("capture", "replay"), ("mla:slot0", "mla:out[padded]"), "",
+        (("0.5.12.post1", "python/sglang/srt/mem_cache/utils.py", 101),
+         ("0.5.12.post1", "python/sglang/srt/mem_cache/memory_pool.py", 1750),
+         ("0.5.23", "python/sglang/kernels/ops/kvcache/mla_buffer.py", 42)),
+        "fixed by sglang#36003 (https://github.com/sgl-project/sglang/pull/36003: reserved_skip_index=0 in the "
+        "MLA writers; #36207)",
+        "the MLA KV writer (set_mla_kv_buffer_triton) stores every row, a CUDA graph's padded rows "
+        "(out_cache_loc 0) into the reserved padding slot 0 too; the padded rows then read that row "
+        "(mla:out[padded]: the output differs on padded rows only), and a later read of slot 0 sees whatever "
+        "padding wrote",
+        issue=36003, fixed_by=36003),
 )
 
 
@@ -340,6 +383,22 @@ def bug(code: str, mode: str, phase: str, undocumented: list[str], error: str | 
     ``short``: a differing page table is below the kernel bound, lacking only live pages
     (:meth:`Bug.matches`, :func:`below_bound`)."""
     return next((b for b in BUGS if b.matches(code, mode, phase, undocumented, error, short)), None)
+
+
+def cover(code: str, mode: str, phase: str, undocumented) -> list[tuple[str, Bug]]:
+    """``[(field, bug)]`` when every undocumented :class:`~refspec.conformance.compare.Diff` of a
+    failing row of ``code`` is a field of some known bug at (``mode``, ``phase``), each field's bug
+    (the first of :data:`BUGS` that matches it alone), else ``[]``: a row that shows two known bugs
+    at once (an MLA graph replay at 0.5.12.post1: the padded rows' slot-0 write of
+    ``mla-store-writes-slot-0`` beside the verify expand call of ``mla-verify-expand-paged-view``).
+    :func:`bug` names a row that one bug explains."""
+    out = []
+    for d in undocumented:
+        b = bug(code, mode, phase, [d.field], None, below_bound([d]))
+        if b is None:
+            return []
+        out.append((d.field, b))
+    return out
 
 
 def resembles(code: str, mode: str, phase: str, undocumented: list[str], error: str | None,

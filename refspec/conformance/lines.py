@@ -106,6 +106,20 @@ class Tracer:
         return out
 
 
+@contextlib.contextmanager
+def paused():
+    """No line tracing inside (a forward run for its kernel calls: its lines are not the metadata's);
+    the running job's tracing resumes on exit.  A no-op when not tracing."""
+    if _active is None:
+        yield
+        return
+    sys.settrace(None)
+    try:
+        yield
+    finally:
+        sys.settrace(_active._call)
+
+
 def mark(fields: dict) -> dict:
     """Close the running job's segment of executed lines for ``fields`` (no-op when not tracing);
     returns ``fields``."""

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from refspec.conformance.install import STAMP
 
 PATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")
+#: planted mutants of upstream code (no PR: negative controls of the comparison itself), ``patches/mutants/``
+MUTANT_DIR = os.path.join(PATCH_DIR, "mutants")
+#: refspec's proposed fixes of known upstream bugs no upstream PR addresses yet, ``patches/proposed/``
+#: (their header's ``PR:`` says so)
+PROPOSED_DIR = os.path.join(PATCH_DIR, "proposed")
 #: ``git apply -p2``: ``a/python/sglang/x.py`` -> ``sglang/x.py`` inside an install directory
 STRIP = 2
 HEADER_KEYS = ("PR", "Base", "Provenance", "Expect")
@@ -49,15 +54,28 @@ def default_root() -> str:
 
 
 def names() -> list[str]:
-    """Every stored patch name (file stem), sorted."""
+    """Every stored patch name (file stem) of an upstream PR, sorted (not the mutants: :func:`mutants`)."""
     return sorted(f[:-5] for f in os.listdir(PATCH_DIR) if f.endswith(".diff"))
 
 
+def mutants() -> list[str]:
+    """Every stored planted mutant (``patches/mutants/<name>.diff``), sorted."""
+    return sorted(f[:-5] for f in os.listdir(MUTANT_DIR) if f.endswith(".diff"))
+
+
+def proposed() -> list[str]:
+    """Every stored proposed fix (``patches/proposed/<name>.diff``), sorted."""
+    return sorted(f[:-5] for f in os.listdir(PROPOSED_DIR) if f.endswith(".diff"))
+
+
 def load(name: str) -> Patch:
-    """The stored patch ``name``.  Raises ValueError naming the known ones if there is none."""
+    """The stored patch (or planted mutant) ``name``.  Raises ValueError naming the known ones if there is none."""
     path = os.path.join(PATCH_DIR, f"{name}.diff")
+    for folder in (MUTANT_DIR, PROPOSED_DIR):
+        if not os.path.exists(path):
+            path = os.path.join(folder, f"{name}.diff")
     if not os.path.exists(path):
-        raise ValueError(f"no conformance patch {name!r}; stored: {', '.join(names())}")
+        raise ValueError(f"no conformance patch {name!r}; stored: {', '.join(names() + mutants() + proposed())}")
     header, key = {}, None
     with open(path) as f:
         for line in f:

@@ -11,14 +11,17 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from refspec.conformance import rules
+from refspec.conformance import cases, install, rules
+from refspec.conformance.compare import KERNEL_ARGS as KERNEL_ARG_NAMES
 from refspec.conformance.compare import Diff
 from refspec.conformance.known import BUGS, KNOWN, by_key, link
+from refspec.harness import docs_links
+from refspec.harness.docs_links import repository_url, spec_link
 
-#: the "rule" of an error raised in refspec's adapter (upstream_*.py), not in upstream: not a rule broken
+#: the "rule" of an adapter gap (:func:`is_gap`): refspec's adapter, not upstream, cannot go on; not a rule broken
 ADAPTER = "ADAPTER"
-#: the refspec spec pages a finding links to (repository-relative)
-SPEC_BASE = "docs/spec"
+#: what an adapter gap says, wherever it is printed
+GAP_WORDS = "no rule broken; refspec cannot drive this code yet"
 #: ``Finding.how``: the line ran and wrote the field (traced in the worker, :func:`rules.ran`)
 RAN = "ran"
 #: ``Finding.how``: the traceback's line of an upstream exception
@@ -28,8 +31,9 @@ STATIC = "static"
 #: how each kind of upstream line is said after it (console, report)
 HOW = {RAN: "", TRACEBACK: "", STATIC: "not traced, read statically"}
 #: rules a passing run has not checked: the comparison reads values, never addresses
-NOT_BY_VALUES = (("CG-001", "buffer identity: captured buffers rewritten in place, not rebound; values are compared, "
-                            "not addresses"),)
+NOT_BY_VALUES = (("CG-001", "buffer identity: captured buffers rewritten in place, not rebound; the metadata's "
+                            "values are compared, not addresses; only a legacy-hooks replay re-reads the kernel's "
+                            "captured call, where a rebound buffer shows as stale kernel arguments"),)
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,10 @@ class Finding:
     #: metadata hook: the backend's line that ran it
     via: tuple[str, int] | None = None
     via_url: str | None = None
+    padded: bool = False  #: the values shown are a graph's padding row (``Diff.padded``)
 
     @property
     def spec(self) -> str:
-        from refspec.cli.cite import spec_link
         return spec_link(self.rule)
 
 
@@ -71,9 +75,19 @@ class Row:
     error: str | None = None  #: upstream raised (or produced no result): counts as undocumented
     findings: list[Finding] = field(default_factory=list)  #: one per undocumented diff / the error (:func:`find`)
     bug: str | None = None  #: the known upstream bug (``known.BUGS`` key) this failing row shows
+    #: further known upstream bugs the same row shows (each of its findings names its own: ``known.cover``)
+    also: tuple[str, ...] = ()
     #: a known upstream bug (``known.BUGS`` key) this failing row resembles on code it is not recognised on
     #: (:func:`known.resembles`): said on the row, the row still fails
     like: str | None = None
+    #: refspec's adapter cannot drive this result (or its kernel part) here: upstream read something the
+    #: adapter does not lay out (:func:`is_gap`).  No rule broken; the row is not counted as agreeing either
+    gap: str | None = None
+    batch: int | None = None  #: requests in the batch this phase hands the backend (eager: live B; graphs: bs)
+    topk: int = 1  #: top-k of the configuration
+    num_steps: int | None = None  #: speculative_num_steps S of the configuration
+    kernel_calls: int = 0  #: kernel calls whose arguments were compared (0: no forward ran on both sides)
+    sched_checked: int = 0  #: of them, the calls handed a scheduler_metadata (checked against its maker: PA-013)
 
     @property
     def label(self) -> str:
@@ -85,14 +99,134 @@ class Row:
         return [d for d in self.diffs if d.documented is None]
 
     @property
+    def broken(self) -> bool:
+        """A rule broken here: upstream raised, or a field differs undocumented."""
+        return self.error is not None or bool(self.undocumented)
+
+    @property
     def ok(self) -> bool:
-        return self.error is None and not self.undocumented
+        """Everything compared agrees (or differs only as documented) and nothing is an adapter gap."""
+        return not self.broken and self.gap is None
+
+
+def is_gap(text: str) -> bool:
+    """Whether an error text is refspec's adapter failing, not upstream: upstream read an attribute
+    the adapter does not lay out (``AdapterGap``), used a package the worker stubs
+    (``StubUsed``), or the exception was raised in refspec's own adapter code."""
+    head = text.split(":", 1)[0]
+    return text.startswith(("AdapterGap", "StubUsed")) or (
+        _AT.search(text) is None and " at " in text and "/refspec/conformance/" in head + text)
+
+
+#: the case dimensions a headline's condition is looked for in, in this order: (name shown, Row attribute)
+DIMS = (("bs", "batch"), ("P", "page_size"), ("k", "topk"), ("S", "num_steps"), ("step", "step"))
+PHASE_ORDER = ("eager", "capture", "replay", "replay-staged")
+
+
+def _case_key(r: Row) -> tuple:
+    return (r.batch or 0, r.page_size, r.topk, r.num_steps or 0, -1 if r.step is None else r.step,
+            PHASE_ORDER.index(r.phase) if r.phase in PHASE_ORDER else 9, r.job)
+
+
+def condition(failing: list[Row], pool: list[Row]) -> str:
+    """The condition under which ``failing`` rows fail among ``pool`` (the rows of the same modes
+    compared on the same code): the first case dimension (:data:`DIMS`) whose failing values all lie
+    above (or below) every passing value -- ``bs >= 2 (every bs = 1 case holds)`` --, else where
+    it fails in how many cases."""
+    ids = {id(r) for r in failing}
+    passing = [r for r in pool if id(r) not in ids and not r.broken]
+    if not passing:
+        return f"in every case compared ({len(failing)})"
+    for name, attr in DIMS:
+        fail = {getattr(r, attr) for r in failing if getattr(r, attr) is not None}
+        hold = {getattr(r, attr) for r in passing if getattr(r, attr) is not None}
+        if not fail or not hold:
+            continue
+        if min(fail) > max(hold):
+            held = f"{name} = {max(hold)}" if len(hold) == 1 else f"{name} <= {max(hold)}"
+            return f"when {name} >= {min(fail)} (every {held} case holds)"
+        if max(fail) < min(hold):
+            held = f"{name} = {min(hold)}" if len(hold) == 1 else f"{name} >= {min(hold)}"
+            return f"when {name} <= {max(fail)} (every {held} case holds)"
+    return f"in {len(failing)} of {len(failing) + len(passing)} cases (no one case dimension separates them)"
+
+
+@dataclass
+class Headline:
+    """One broken rule on one target, as a reviewer pastes it: the rule, the smallest failing case,
+    the condition that triggers it, both values and upstream's line."""
+
+    rule: str
+    level: str
+    row: Row  #: the smallest failing case (:func:`_case_key`)
+    finding: Finding
+    condition: str
+    count: int  #: failing results under this rule
+    bug: str | None  #: the known upstream bug all of them are, or None
+
+    def case(self) -> str:
+        r = self.row
+        bits = [f"bs = {r.batch}" if r.batch is not None else None, f"P = {r.page_size}", f"k = {r.topk}",
+                f"S = {r.num_steps}" if r.num_steps is not None else None, f"step {r.step}" if r.step is not None
+                else None]
+        return f"{r.mode} {r.phase}, " + ", ".join(b for b in bits if b) + f" ({r.job})"
+
+
+def headlines(rows: list[Row], label: str) -> list[Headline]:
+    """One :class:`Headline` per rule broken on ``label``'s rows (adapter gaps left out): the
+    rules no known upstream bug explains first (cause first), then the known bugs' rules."""
+    mine = [r for r in rows if r.pin == label and (r.gap is None or r.broken)]
+    by_rule: dict[str, list[tuple[Row, Finding]]] = defaultdict(list)
+    for r in mine:
+        for f in r.findings:
+            if f.rule != ADAPTER:
+                by_rule[f.rule].append((r, f))
+    out = []
+    for rid in rules.by_cause(set(by_rule)):
+        items = by_rule[rid]
+        failing = list({id(r): r for r, _ in items}.values())
+        modes, phases = {r.mode for r in failing}, {r.phase for r in failing}
+        # the condition among the same modes and phases; where every such case fails, among the modes' other
+        # phases too (a capture only binds buffers, so its rows do not count)
+        cond = condition(failing, [r for r in mine if r.mode in modes and r.phase in phases])
+        if cond.startswith("in every case"):
+            wider = condition(failing, [r for r in mine if r.mode in modes and r.phase != "capture"])
+            cond = wider if wider.startswith("when") else cond
+        r0, f0 = min(items, key=lambda it: (it[1].padded, _case_key(it[0])))  # a real request's row first
+        # the known bug of this rule on each row (a row may show two: Row.also, each finding its own rule)
+        bugs = {next((b for b in (r.bug, *r.also) if b and by_key(b).rule == rid), r.bug) for r in failing}
+        out.append(Headline(rid, f0.level, r0, f0, cond, len(failing),
+                            next(iter(bugs)) if len(bugs) == 1 and None not in bugs else None))
+    return sorted(out, key=lambda h: h.bug is not None)
+
+
+def headline_line(h: Headline, label: str, i: int, n: int) -> str:
+    """``== FINDING 1 of 2: TR-014 (upstream behaviour) broken by sglang 0.4.7, when bs >= 2 ...``."""
+    f = h.finding
+    at = f" at {f.where[0].rsplit('/', 1)[-1]}:{f.where[1]}" if f.where else ""
+    via = f" (run from {f.via[0].rsplit('/', 1)[-1]}:{f.via[1]})" if f.via else ""
+    if f.field is None:
+        values = f"upstream raised: {f.theirs}"
+    elif f.field == "kernel:scheduler_metadata":
+        values = f"{f.field}: the kernel call passes {f.ours} | planned by {f.theirs}"
+    else:
+        values = f"{f.field}: refspec {f.ours} | upstream {f.theirs}"
+    bug = f"; {by_key(h.bug).marker}" if h.bug else ""
+    return (f"== FINDING {i} of {n}: {h.rule} ({h.level}) broken by sglang {label} in {_n(h.count, 'result')}, "
+            f"{h.condition}{bug}; smallest case {h.case()}: {values}; upstream line{at}{via}")
+
+
+def _site_rel(at: tuple[str, int]) -> tuple[str, int]:
+    """A recorded caller ``(absolute file, line)`` as ``(file relative to the folder holding sglang/, line)``."""
+    f = at[0]
+    i = f.rfind("/sglang/")
+    return (f[i + 1:] if i >= 0 else f), int(at[1])
 
 
 #: ``Finding.ours`` when upstream raised or returned nothing: refspec's side of that result
 BUILT = "the metadata built"
 _AT = re.compile(r" at ((?:\S*/)?sglang/\S+?\.py):(\d+)")
-#: the backend hook's line an upstream exception's text names (``worker.describe``)
+#: the backend hook's line an upstream exception's text names (``upstream_common.describe``)
 _RUN_FROM = re.compile(r"^[^:]* at \S+?\.py:\d+ \(run from (\S+?\.py):(\d+)\)")
 
 
@@ -112,17 +246,20 @@ def find(row: Row, target=None, executed=None) -> None:
         w = rules.ran(target.site, executed, fld)
         if w is not None:
             return (w[0], w[1]), RAN, (None if w[2] is None else (rules.FA, w[2]))
-        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld), STATIC, None
+        return rules.locate(target.site, files, shape.hooks, row.mode, row.phase, fld, executed), STATIC, None
 
     def url(w):
         return rules.link(target, *w) if w else None
 
+    if row.gap:  # refspec's adapter cannot drive this here: no rule is broken (the upstream line that read it)
+        m = _AT.search(row.gap)
+        w = (m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))) if m else None
+        row.findings.append(Finding(ADAPTER, "adapter gap", None, BUILT, row.gap, w, url(w), how=TRACEBACK))
+    if row.error and is_gap(row.error):  # (a caller that did not sort it out: the same)
+        row.gap, row.error = row.error, None
+        return find(row, target, executed)
     if row.error:
         m = _AT.search(row.error)
-        if m is None and " at " in row.error and "/refspec/conformance/" in row.error.split(":", 1)[0] + row.error:
-            # raised in refspec's own adapter, not in upstream: the code cannot be driven there, no rule is broken
-            row.findings.append(Finding(ADAPTER, "cannot drive", None, BUILT, row.error, None, None))
-            return
         w, how, _ = ((m.group(1)[m.group(1).rfind("sglang/"):], int(m.group(2))), TRACEBACK, None) if m \
             else where(None)
         src = os.path.join(target.site, w[0]) if m and target is not None else None
@@ -134,15 +271,15 @@ def find(row: Row, target=None, executed=None) -> None:
         row.findings.append(Finding(rid, rules.level(rid), None, BUILT, row.error, w, url(w), note, how, via=via,
                                     via_url=url(via)))
     for d in row.undocumented:
-        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool)
-        w, how, via = where(d.field)
+        rid = rules.rule_for(row.mode, row.phase, d.field, d.short_table, d.out_of_pool, d.stale)
+        w, how, via = where(d.field) if d.at is None else (_site_rel(d.at), RAN, None)
         row.findings.append(Finding(rid, rules.level(rid), d.field, d.ours, d.theirs, w, url(w), how=how, via=via,
-                                    via_url=url(via)))
+                                    via_url=url(via), padded=d.padded))
 
 
 def _cell(rows: list[Row]) -> str:
     ids = rules.by_cause({f.rule for r in rows for f in r.findings})
-    bugs = sorted({r.bug for r in rows if not r.ok and r.bug})
+    bugs = sorted({b for r in rows if not r.ok for b in (r.bug, *r.also) if b})
     likes = sorted({r.like for r in rows if not r.ok and r.like and not r.bug})
     tag = f" [{','.join(ids)}{''.join(', ' + by_key(b).marker for b in bugs)}" \
           f"{''.join(', matches known upstream bug ' + b for b in likes)}]" if ids else ""
@@ -162,11 +299,14 @@ def finding_line(r: Row, f: Finding) -> str:
     via = f", run from {f.via[0].rsplit('/', 1)[-1]}:{f.via[1]}" if f.via else ""
     at = f" (upstream {f.where[0]}:{f.where[1]}{via}{', ' + HOW[f.how] if HOW[f.how] else ''})" if f.where else ""
     if f.rule == ADAPTER:
-        return f"  ERROR {where}: refspec's adapter cannot drive this code here (no rule broken): {f.theirs}"
-    bug = f" [{by_key(r.bug).marker}]" if r.bug else (f" [{by_key(r.like).hint}; still a failure here]"
-                                                       if r.like else "")
+        return f"  ADAPTER GAP {where}: {GAP_WORDS}: {f.theirs}"
+    bug = f" [{', '.join(by_key(b).marker for b in (r.bug, *r.also))}]" if r.bug else (
+        f" [{by_key(r.like).hint}; still a failure here]" if r.like else "")
     if f.field is None:
         return f"  ERROR {where}: {f.rule} ({f.level}): {f.note or 'upstream exception'}: {f.theirs}{at}{bug}"
+    if f.field == "kernel:scheduler_metadata":  # upstream against itself: the call and what planned it
+        return (f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: the kernel call passes {f.ours} | its "
+                f"scheduler_metadata was planned by {f.theirs}{at}{bug}")
     return f"  DIFFERS {where}: {f.rule} ({f.level}) {f.field}: refspec {f.ours} | upstream {f.theirs}{at}{bug}"
 
 
@@ -186,7 +326,8 @@ def table(rows: list[Row], pin: str, verbose: bool = False, target=None, limit: 
     for (label, P, phase), rs in shown.items():
         lines.append(f"{label:<{w}}  {P:>3}  {phase:<13} {len(rs):>5}  {_cell(rs)}")
     out = []
-    for r in rows:
+    # the rows no known upstream bug explains first: a known bug never pushes a new finding out of the preview
+    for r in sorted(rows, key=lambda r: r.bug is not None):
         if r.pin != pin or (r.ok and not (verbose and r.diffs)):
             continue
         if verbose:
@@ -202,31 +343,10 @@ def table(rows: list[Row], pin: str, verbose: bool = False, target=None, limit: 
     return "\n".join(lines + out)
 
 
-def repository_url() -> str:
-    """This repository's URL as refspec's package metadata states it (``Project-URL: Repository``
-    from ``pyproject.toml``), or '' when none is recorded."""
-    from importlib.metadata import PackageNotFoundError, metadata
-
-    try:
-        urls = metadata("refspec").get_all("Project-URL") or []
-    except PackageNotFoundError:
-        return ""
-    return next((u.split(",", 1)[1].strip() for u in urls if u.split(",", 1)[0].strip() == "Repository"), "")
-
-
 def docs_base(base_url: str = "") -> tuple[str, str]:
-    """``(prefix, how)`` for the spec links of a report: ``base_url`` (``--base-url`` /
-    ``$REFSPEC_DOCS_URL``, as ``cite`` takes it); else the GitHub blob of this repository's
-    ``main`` when its URL is known (:func:`repository_url`); else '' (repo-relative links);
-    ``how`` is the footer sentence saying which."""
-    if base_url:
-        return base_url.rstrip("/"), f"spec links are under {base_url.rstrip('/')} (--base-url / $REFSPEC_DOCS_URL)"
-    repo = repository_url()
-    if repo.startswith("https://github.com/"):
-        return f"{repo.rstrip('/')}/blob/main", (f"spec links go to {repo.rstrip('/')}/blob/main (the repository "
-                                                 "URL in refspec's package metadata; --base-url URL overrides)")
-    return "", ("spec links are repository-relative (docs/spec/...): no repository URL is known; pass --base-url "
-                "URL or set $REFSPEC_DOCS_URL for absolute links")
+    """``(prefix, how)`` for the spec links of a report (:func:`refspec.harness.docs_links.docs_base`,
+    the repository URL read through this module's :func:`repository_url`)."""
+    return docs_links.docs_base(base_url, repository_url())
 
 
 def markdown(out, command: str = "", base_url: str = "") -> str:
@@ -249,8 +369,20 @@ def _target_md(rows: list[Row], label: str, base: str) -> list[str]:
     """One target's part of :func:`markdown`: its summary line, then :func:`_rules_md` of its findings."""
     s = summary(rows, label)
     known_bug = f", {s['known_bug']} of them on known upstream bugs" if s["known_bug"] else ""
-    lines = [f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug} "
+    gaps = f", {s['gaps']} adapter gaps ({GAP_WORDS})" if s["gaps"] else ""
+    lines = [f"**sglang {label}**: {s['cases']} cases compared, {s['undocumented']} failing{known_bug}{gaps} "
              f"({s['same']} identical, {s['documented']} with only documented differences).", ""]
+    hs = headlines(rows, label)
+    for i, h in enumerate(hs, 1):
+        f = h.finding
+        at = f" at {_at(f.where, f.url)}" if f.where else ""
+        values = (f"upstream raised `{f.theirs}`" if f.field is None else
+                  f"`{f.field}`: refspec `{f.ours}`, upstream `{f.theirs}`")
+        bug = f" ({_bug_link(h.bug)})" if h.bug else ""
+        lines.append(f"{i}. **{h.rule}** ({h.level}){bug}, {_n(h.count, 'result')}, {h.condition}; smallest case "
+                     f"{h.case()}: {values}; upstream line{at}")
+    if hs:
+        lines.append("")
     return lines + _rules_md([r for r in rows if r.pin == label and r.findings], base)
 
 
@@ -280,9 +412,7 @@ def _rules_md(mine: list[Row], base: str, verdict: bool = True) -> list[str]:
     """The findings of the failing rows ``mine``: the rules broken (ID, level, spec link, how many
     results break each), each distinct finding (:func:`distinct`) with both values and the upstream
     line, the closing words (the rules cause first; the known bugs).  ``verdict`` False (every row on
-    a known upstream bug, which does not fail the run): no "this code violates" line."""
-    from refspec.cli.cite import spec_link
-
+    a known upstream bug): no "this code violates" line, the known bugs named with their PR."""
     if not mine:
         return []
     lines: list[str] = []
@@ -292,8 +422,9 @@ def _rules_md(mine: list[Row], base: str, verdict: bool = True) -> list[str]:
         by_rule[rid] += items
     adapter = [(r, f) for r in mine for f in r.findings if f.rule == ADAPTER]
     if adapter:
-        lines += [f"{len(adapter)} results not compared: refspec's adapter cannot drive this code there "
-                  f"(`{adapter[0][1].theirs[:200]}`); no rule is reported for them.", ""]
+        texts = list(dict.fromkeys(f.theirs[:200] for _, f in adapter))
+        lines += [f"**Adapter gap** ({GAP_WORDS}): {len(adapter)} results not compared, e.g. `{texts[0]}`"
+                  + (f" ({len(texts)} distinct)" if len(texts) > 1 else "") + ".", ""]
     if not by_rule:
         return lines
     lines += ["| rule | level | failing results | fields |", "|---|---|---|---|"]
@@ -318,6 +449,8 @@ def _rules_md(mine: list[Row], base: str, verdict: bool = True) -> list[str]:
         step = "" if r.step is None else f" step {r.step}"
         if f.field is None:
             values = f"{f.note or 'upstream exception'}: refspec builds the metadata, upstream `{f.theirs}`"
+        elif f.field == "kernel:scheduler_metadata":
+            values = f"`{f.field}`: the kernel call passes `{f.ours}`, planned by `{f.theirs}`"
         else:
             values = f"`{f.field}`: refspec `{f.ours}`, upstream `{f.theirs}`"
         lines.append(f"- **{rid}** ({f.level}), {r.mode} P = {r.page_size} {r.phase}{step} (`{r.job}`): {values}; "
@@ -336,7 +469,7 @@ def _rules_md(mine: list[Row], base: str, verdict: bool = True) -> list[str]:
         if verdict or i:
             lines.append(">")
         lines.append(f"> {', '.join(f'**{x}**' for x in rids)} in {n} of these results: the {_bug_link(key)} "
-                     f"(status: {b.status}); it does not fail the run.")
+                     f"(status: {b.status}); a known bug reproduced is still a broken rule.")
     lines.append("")
     return lines
 
@@ -366,7 +499,8 @@ def summary(rows: list[Row], pin: str) -> dict:
     mine = [r for r in rows if r.pin == pin]
     return {"cases": len(mine), "same": sum(not r.diffs and not r.error for r in mine),
             "documented": sum(bool(r.diffs) and r.ok for r in mine),
-            "undocumented": sum(not r.ok for r in mine), "known_bug": sum(bool(r.bug) for r in mine)}
+            "undocumented": sum(r.broken for r in mine), "known_bug": sum(bool(r.bug) for r in mine),
+            "gaps": sum(r.gap is not None and not r.broken for r in mine)}
 
 
 def bugs_table(keys: set[str], rows: list[Row] = ()) -> str:
@@ -385,9 +519,9 @@ def bugs_table(keys: set[str], rows: list[Row] = ()) -> str:
         lines.append(f"      status: {b.status}")
         here = {}
         for r in rows:
-            if r.bug == b.key:
+            if b.key in (r.bug, *r.also):
                 for f in r.findings:
-                    if f.where:
+                    if f.where and (r.bug == b.key and not r.also or f.rule == b.rule):
                         here.setdefault((r.pin, f.where, f.via), f.url)
         for (pin, (rel, n), via), url in here.items():
             run_from = f", run from {via[0].split('/')[-1]}:{via[1]}" if via else ""
@@ -423,8 +557,9 @@ PRE_EXISTING = "pre-existing"  #: fails on both by the same rules and fields
 FIXED = "fixed"  #: fails on the baseline, passes under test
 UNCHANGED = "unchanged"  #: passes on both
 GONE = "only on the baseline"  #: a result the code under test no longer has (a mode or phase it dropped)
+GAP = "adapter gap"  #: refspec cannot drive the code under test here (no rule broken; not compared)
 #: the order the changes are listed in
-CHANGES = (NEW_FAILURE, NEW_DIFFERS, FIXED, NEW_SAME, GONE, PRE_EXISTING, UNCHANGED)
+CHANGES = (NEW_FAILURE, NEW_DIFFERS, GAP, FIXED, NEW_SAME, GONE, PRE_EXISTING, UNCHANGED)
 
 
 @dataclass(frozen=True)
@@ -437,39 +572,45 @@ class Change:
 
     @property
     def fails(self) -> bool:
-        """A new failure that no known upstream bug explains (``--baseline``'s exit 1)."""
-        return self.status in (NEW_FAILURE, NEW_DIFFERS) and self.row.bug is None
+        """A new failure (``--baseline``'s exit 1); one on a known upstream bug too, named as known."""
+        return self.status in (NEW_FAILURE, NEW_DIFFERS)
 
 
 def broken(row: Row) -> set[tuple[str, str | None]]:
-    """The (rule, field) pairs a row fails by (field None: upstream raised)."""
-    return {(f.rule, f.field) for f in row.findings}
+    """The (rule, field) pairs a row fails by (field None: upstream raised; adapter gaps left out)."""
+    return {(f.rule, f.field) for f in row.findings if f.rule != ADAPTER}
 
 
 def changes(base_rows: list[Row], test_rows: list[Row]) -> list[Change]:
     """Match each result of the code under test with the baseline's by (job, phase, step), the job
     id naming mode, page size and case, and classify it (:data:`CHANGES`).  A row failing on
     both is pre-existing only when it breaks no (rule, field) the baseline's row does not: a PR
-    that makes a failing row fail in one more way is a new failure.  The rows are the existing
-    comparison's (:func:`refspec.conformance.run.rows_for`), known upstream bugs included."""
+    that makes a failing row fail in one more way is a new failure.  A row refspec cannot drive
+    under test (an adapter gap, no rule broken) is :data:`GAP`; a baseline row that was only a gap
+    counts as no baseline result.  The rows are the existing comparison's
+    (:func:`refspec.conformance.run.rows_for`), known upstream bugs included."""
     base = {(r.job, r.phase, r.step): r for r in base_rows}
     seen, out = set(), []
     for r in test_rows:
         key = (r.job, r.phase, r.step)
         seen.add(key)
         b = base.get(key)
-        if b is None:
-            status = NEW_SAME if r.ok else NEW_DIFFERS
-        elif r.ok:
-            status = UNCHANGED if b.ok else FIXED
+        if b is not None and b.gap and not b.broken:
+            b = None
+        if r.gap and not r.broken:
+            status = GAP
+        elif b is None:
+            status = NEW_DIFFERS if r.broken else NEW_SAME
+        elif not r.broken:
+            status = FIXED if b.broken else UNCHANGED
         else:
-            status = NEW_FAILURE if b.ok or broken(r) - broken(b) else PRE_EXISTING
+            status = NEW_FAILURE if not b.broken or broken(r) - broken(b) else PRE_EXISTING
         out.append(Change(status, r, b))
     out += [Change(GONE, b, b) for key, b in base.items() if key not in seen]
     return out
 
 
-def _rule_ids(rows: list[Row]) -> str:
+def rule_ids(rows: list[Row]) -> str:
     """``MD-008, CG-004`` and the known bugs' keys of failing ``rows``."""
     ids = rules.by_cause({f.rule for r in rows for f in r.findings})
     bugs = sorted({by_key(r.bug).marker for r in rows if r.bug})
@@ -484,24 +625,77 @@ def change_summary(chs: list[Change], test: str, baseline: str) -> str:
     """``sglang @ pr against the baseline sglang @ base: 3 new failures [MD-008], 0 fixed, ...``."""
     n = change_counts(chs)
     fails = [c.row for c in chs if c.fails]
-    known = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and not c.fails]
+    known = [r for r in fails if r.bug]
     return (f"sglang {test} against the baseline sglang {baseline}: {_n(len(fails), 'new failure')}"
-            + (f" [{_rule_ids(fails)}]" if fails else "")
-            + (f" ({len(known)} more on known upstream bugs [{_rule_ids(known)}])" if known else "")
+            + (f" [{rule_ids(fails)}]" if fails else "")
+            + (f" ({len(known)} of them on known upstream bugs)" if known else "")
             + f", {n[FIXED]} fixed, {_n(n[NEW_SAME] + n[NEW_DIFFERS], 'new result')} ({n[NEW_SAME]} same, "
               f"{n[NEW_DIFFERS]} DIFFERS), {n[PRE_EXISTING]} pre-existing, {n[UNCHANGED]} unchanged"
-            + (f", {n[GONE]} only on the baseline" if n[GONE] else ""))
+            + (f", {n[GONE]} only on the baseline" if n[GONE] else "")
+            + (f", {_n(n[GAP], 'adapter gap')} ({GAP_WORDS})" if n[GAP] else ""))
 
 
 def _n(k: int, noun: str) -> str:
     return f"{k} {noun}{'' if k == 1 else 's'}"
 
 
-def unreachable_md(out) -> list[str]:
-    """Markdown lines for ``out.unreachable`` (:func:`refspec.conformance.run.unreachable_lines`) and
-    for the results run without CPU mirrors (:func:`refspec.conformance.run.mirror_lines`)."""
-    from refspec.conformance.run import mirror_lines, unreachable_lines
+def kernel_lines(out, side: str = "") -> list[str]:
+    """One line per target: how many results compared the kernel's real arguments (upstream's
+    forward run with a recorder in place of the kernel, :mod:`refspec.conformance.recorder`), how
+    many calls were handed a ``scheduler_metadata`` checked against its ``get_scheduler_metadata``
+    call (PA-013), and which results compared none, and why."""
+    lines = []
+    for label in dict.fromkeys(r.pin for r in out.rows):
+        mine = [r for r in out.rows if r.pin == label and not r.mode.startswith("mla_")]  # (MLA: its own line)
+        if not mine:
+            continue
+        done = [r for r in mine if r.kernel_calls]
+        calls, sched = sum(r.kernel_calls for r in done), sum(r.sched_checked for r in done)
+        trees = sum(r.mode.startswith("tree_") for r in mine)
+        sched_said = (f"{sched} of them handed a scheduler_metadata, checked against the get_scheduler_metadata "
+                      f"call that made it (PA-013)" if sched else
+                      "no call was handed a scheduler_metadata (this code computes none on these paths), so PA-013 "
+                      "is not checked here")
+        lines.append(f"== {side}kernel arguments: sglang {label}: {len(done)} of {len(mine)} results compared the "
+                     f"{calls} flash_attn_with_kvcache calls the forward really makes ({', '.join(KERNEL_ARG_NAMES)}); "
+                     f"{sched_said}"
+                     + (f"; not compared: {trees} top-k > 1 results (the cascade's two calls and merge are not "
+                        f"recorded yet)" if trees else "")
+                     + ("; idle runs no kernel" if any(r.mode == "idle" for r in mine) else ""))
+    return lines
 
+
+def unreachable_lines(out, side: str = "") -> list[str]:
+    """One line per target and reason: the jobs not run because upstream's own code never builds
+    their batch, counted and named (``== not reachable upstream: ...``); ``out``: a
+    :class:`refspec.conformance.run.Outcome`."""
+    groups: dict = {}
+    for label, job, why, *_ in getattr(out, "unreachable", ()):
+        groups.setdefault((label, why), []).append(job)
+    def named(jobs):
+        return ", ".join(jobs) if len(jobs) <= 8 else f"{', '.join(jobs[:6])}, ... {len(jobs) - 6} more"
+
+    return [f"== {side}not reachable upstream: sglang {label}: {len(jobs)} job{'' if len(jobs) == 1 else 's'} not run "
+            f"({named(jobs)}): {why}" for (label, why), jobs in groups.items()]
+
+
+def mirror_lines(out, side: str = "") -> list[str]:
+    """One line per target whose ``/no-cpu-mirrors`` results ran: why their CPU mirrors are None
+    (:func:`refspec.conformance.install.mirror_reason`)."""
+    lines = []
+    for label, t in out.targets.items():
+        n = sum(r.pin == label and r.job.endswith(f"/{cases.NO_MIRROR_TAG}") for r in out.rows)
+        why = install.mirror_reason(t.site) if n and t is not None else None
+        if why:
+            lines.append(f"== {side}no CPU mirrors: sglang {label}: {n} `/{cases.NO_MIRROR_TAG}` result"
+                         f"{'' if n == 1 else 's'} ran "
+                         f"DRAFT_EXTEND_V2 with seq_lens_cpu / extend_seq_lens_cpu None: {why}")
+    return lines
+
+
+def unreachable_md(out) -> list[str]:
+    """Markdown lines for ``out.unreachable`` (:func:`unreachable_lines`) and for the results run
+    without CPU mirrors (:func:`mirror_lines`)."""
     said = unreachable_lines(out) + (mirror_lines(out) if getattr(out, "targets", None) else [])
     return [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in said] + ([""] if said else [])
 
@@ -543,7 +737,7 @@ def pre_existing_line(chs: list[Change]) -> str:
         return ""
     bugs = sum(bool(r.bug) for r in pre)
     return (f"pre-existing: {_n(len(pre), 'result')} {'fails' if len(pre) == 1 else 'fail'} on the baseline too "
-            f"[{_rule_ids(pre)}]"
+            f"[{rule_ids(pre)}]"
             + (f" ({bugs} on known upstream bugs)" if bugs else "") + "; they do not fail this run")
 
 
@@ -566,7 +760,9 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12, las
     if not said:
         lines += absent_lines(last)
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS)]
+    new.sort(key=lambda r: r.bug is not None)  # a known upstream bug never pushes a new finding out of the preview
     found = [finding_line(r, f) for r in new for f in r.findings]
+    found += [finding_line(c.row, f) for c in chs if c.status == GAP for f in c.row.findings if f.rule == ADAPTER]
     if not verbose and len(found) > limit:
         found = found[:limit] + [more_line(len(found) - limit, new, "of new failures ")]
     lines += found
@@ -637,9 +833,12 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
     if any(not r.bug for r in new):
         lines += ["New failures:", ""] + _rules_md(new, base)
-    elif new:  # every new result is on a known upstream bug: nothing here fails the run or is this PR's
-        lines += ["New results on known upstream bugs (they do not fail the run; not a finding against this "
-                  "change):", ""] + _rules_md(new, base, verdict=False)
+    elif new:  # every new result is on a known upstream bug: still a broken rule, named as known (with its PR)
+        lines += ["New failures, each on a known upstream bug (a known bug this change reaches in more results; "
+                  "the rule it breaks is named with the bug's PR):", ""] + _rules_md(new, base, verdict=False)
+    gap = [c.row for c in chs if c.status == GAP]
+    if gap:
+        lines += _rules_md(gap, base, verdict=False)
     pre = pre_existing_line(chs)
     if pre:
         lines += [pre[0].upper() + pre[1:] + " (not this change).", ""]

@@ -31,9 +31,11 @@ TREE_PART = {"custom_mask": "TR-004", "positions": "TR-005", "retrive_index": "T
              "retrive_next_sibling": "TR-003", "draft_tokens": "TR-002", "parent_list": "TR-002",
              "top_scores_index": "TR-002", "out_cache_loc": "TR-015", "tail_copy": "TR-015"}
 GRAPH_PHASES = ("capture", "replay", "replay-staged")
+MLA_PREFIX = "mla_"  #: an MLA mode (``mla_decode``, ...): the base mode through the MLA forward path
 
 
-def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False) -> str:
+def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False, out_of_pool: bool = False,
+             stale: bool = False) -> str:
     """The rule ID governing ``field`` of ``mode`` at ``phase`` (``field`` None: an upstream error
     in that (mode, phase)).  ``short_table``: upstream's page table has fewer columns than the
     ceil(K_b / P) live pages: PA-003, or at capture / replay its graph-buffer form CG-008 (one
@@ -43,6 +45,13 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     ``out_of_pool``: a live page id upstream hands the kernel is not a page of the pool
     (``Diff.out_of_pool``): PA-011 (a kernel contract), before any rule of the values."""
     graph = phase in GRAPH_PHASES
+    if mode.startswith(MLA_PREFIX):  # the MLA forward path: its own fields, the base mode's metadata rules
+        from refspec.conformance.mla_forward import rule_for as mla_rule
+
+        return mla_rule(mode, phase, field, base_rule=lambda m, p, f: rule_for(m, p, f, short_table, out_of_pool,
+                                                                               stale))
+    if (field or "").startswith("kernel:"):
+        return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool, stale)
     if out_of_pool and base_field(field or "") == "page_table[live]":
         return "PA-011"
     if mode.startswith("tree_"):
@@ -73,6 +82,30 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
     return "CG-002" if graph else "MD-003"
 
 
+#: the rule of each compared kernel argument (``kernel:<arg>``) that no metadata field stands for
+KERNEL_RULE = {"causal": "PA-004", "window_size": "PA-012", "softmax_scale": "PA-012", "softcap": "PA-012",
+               "num_splits": "PA-012", "attention_chunk": "PA-012", "k_cache": "PA-011", "new_kv": "PA-009",
+               "scheduler_metadata": "PA-013"}
+#: the metadata field whose rule a kernel argument read from it takes
+KERNEL_FIELD = {"cache_seqlens": "cache_seqlens_int32", "cu_seqlens_q": "cu_seqlens_q", "max_seqlen_q": "max_seq_len_q",
+                "page_table[live]": "page_table[live]"}
+
+
+def kernel_rule(mode: str, phase: str, arg: str, short_table: bool = False, out_of_pool: bool = False,
+                stale: bool = False) -> str:
+    """The rule of kernel argument ``arg`` (``kernel:<arg>``, :func:`refspec.conformance.compare.kernel_diffs`):
+    an argument read from a metadata field takes that field's rule (:data:`KERNEL_FIELD`: the
+    mode's K rule for ``cache_seqlens``, ...), the others :data:`KERNEL_RULE`; ``calls`` (a call
+    missing, another kernel, or upstream raising in its forward) the mode's rule.  ``stale`` (a
+    replay's kernel reads a captured buffer the replay hook did not rewrite, the metadata field
+    itself being right: ``Diff.stale``): CG-001, the captured buffers rewritten in place."""
+    if stale:
+        return "CG-001"
+    if arg in KERNEL_FIELD:
+        return rule_for(mode, phase, KERNEL_FIELD[arg], short_table, out_of_pool)
+    return KERNEL_RULE.get(arg) or rule_for(mode, phase, None)
+
+
 #: an upstream exception at the page-table bound: indexing past a table's columns (dimension 1)
 _BOUND = re.compile(r"^IndexError\b.*out of bounds for dimension 1\b")
 _TABLES = re.compile(r"\b(req_to_token|page_table)\b")
@@ -92,6 +125,10 @@ def error_rule(mode: str, phase: str, error: str, statement: str = "", field: st
     which of the two it is."""
     if _BOUND.search(error) and _TABLES.search(statement):
         return "CG-008", "upstream exception past a table's width (req_to_token / page_table: the page-table bound)"
+    if mode.startswith(MLA_PREFIX) and field is None:
+        from refspec.conformance.mla_forward import rule_for as mla_rule
+
+        return mla_rule(mode, phase, None, error), "upstream exception on the MLA forward path (no field was compared)"
     if field is not None:
         return rule_for(mode, phase, field), f"upstream exception in the statement that computes {field}"
     return rule_for(mode, phase, None), "upstream exception (the mode's rule: no field was compared)"
@@ -143,7 +180,7 @@ def computed_field(path: str, line: int, mode: str = "") -> str | None:
                 best = node
     if best is None:
         return None
-    tree_mode = mode.startswith("tree_")
+    tree_mode = mode.removeprefix(MLA_PREFIX).startswith("tree_")
     test = getattr(best, "test", None) if isinstance(best, (ast.If, ast.While)) else \
         getattr(best, "iter", None) if isinstance(best, ast.For) else None
     if test is not None and test.lineno <= line <= test.end_lineno:
@@ -478,14 +515,46 @@ def _outside(path: str, span: tuple[int, int], mode: str) -> set[int]:
     return (other - mine) | path_other
 
 
-def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None
-           ) -> tuple[str, int] | None:
+def _blocks(path: str, line: int) -> list[tuple[int, int]]:
+    """The statement blocks (an ``if`` / ``else`` body, a loop or ``with`` body) holding ``line``,
+    innermost first, as (first line, last line)."""
+    try:
+        tree, _ = _tree(path)
+    except (OSError, SyntaxError):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        for attr in ("body", "orelse", "finalbody"):
+            block = getattr(node, attr, None)
+            if isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try)) and isinstance(block, list) and \
+                    block and block[0].lineno <= line <= block[-1].end_lineno:
+                out.append((block[0].lineno, block[-1].end_lineno))
+    return sorted(out, key=lambda b: b[1] - b[0])
+
+
+def taken(path: str, rel: str, line: int, executed) -> bool:
+    """Whether the branch holding ``line`` of ``path`` is proven taken by the trace ``executed``
+    (``((file, line, via), ...)``): some executed line of the same file lies in the innermost
+    block that holds ``line``; a line in no block, in a function the trace entered at all."""
+    ran = {n for f, n, _ in executed if f == rel}
+    blocks = _blocks(path, line)
+    if blocks:
+        lo, hi = blocks[0]
+        return any(lo <= n <= hi for n in ran)
+    return bool(ran)
+
+
+def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str, field: str | None,
+           executed=None) -> tuple[str, int] | None:
     """``(file relative to site, line)``: where the code under ``site`` writes ``field`` for
     ``mode`` at ``phase`` (the first write after the mode's branch in the phase's functions, in the
     order they run, never a line in another mode's branch: :func:`_outside`), or the def line of
     the phase's first function when they write it nowhere; None if none of the functions is found,
     or when the only writes are in other modes' branches (no line rather than a wrong one).  Read
-    statically: the fallback when no executed line writes the field (:func:`ran`)."""
+    statically: the fallback when no executed line writes the field (:func:`ran`).  With a trace
+    (``executed``: the lines that ran while the result was built), a write is cited only where its
+    branch is proven taken (:func:`taken`): a branch that did not run for the mode is never cited."""
+    mode = mode.removeprefix(MLA_PREFIX)  # an MLA mode's metadata is its base mode's (ML-004)
     pat = _field_pattern(field)
     branch = re.compile(MODE_BRANCH.get(mode, r"$^"))
     fallback, elsewhere = None, False
@@ -506,7 +575,7 @@ def locate(site: str, files: tuple[str, ...], hooks: str, mode: str, phase: str,
             skip = _outside(path, span, mode)
             for i in (*range(start, hi), *range(lo, start)):
                 if _is_write(path, i + 1, lines[i], pat):
-                    if i + 1 in skip:
+                    if i + 1 in skip or (executed and not taken(path, rel, i + 1, executed)):
                         elsewhere = True
                         continue
                     return rel, i + 1

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refspec.conformance import cases, install, known, lines, report, rules, tree_cases
-from refspec.conformance.compare import compare, compare_parts
+from refspec.conformance import cases, install, known, lines, mla_forward, report, rules, tree_cases
+from refspec.conformance.compare import (KERNEL_ALIASES, SCHED_KEY, UNREAD, Diff, compare, compare_parts,
+                                         kernel_diffs, unread_by)
+from refspec.conformance.report import mirror_lines, unreachable_lines
 
 WORKER_TIMEOUT: float | None = None  #: seconds a worker may run (None: no limit; the sweep sets one)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,22 +76,34 @@ class Outcome:
     info: dict  #: target label -> worker info (import / run seconds, interpreter check, ...)
     seconds: dict  #: install / per-target timings
     targets: dict = field(default_factory=dict)  #: label -> install.Target
-    #: (target label, job id, why) of the jobs not run: upstream's own runner never builds that batch
+    #: (target label, job id, why, job) of the jobs not compared: upstream's own code never builds that batch
+    #: (its runner, or its guards refusing or rewriting the configuration)
     unreachable: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """Every row agrees (or differs only as documented): False on a known upstream bug too."""
+        """Every row agrees (or differs only as documented): False on a known upstream bug, and on an
+        adapter gap, too."""
         return all(r.ok for r in self.rows)
 
     @property
+    def failures(self) -> list[report.Row]:
+        """Rows that break a rule (a known upstream bug's included: item 6 of issue 39)."""
+        return [r for r in self.rows if r.broken]
+
+    @property
     def unexplained(self) -> list[report.Row]:
-        """Failing rows that no known upstream bug (:data:`known.BUGS`) explains: the CLI's exit 1."""
-        return [r for r in self.rows if not r.ok and r.bug is None]
+        """Failing rows that no known upstream bug (:data:`known.BUGS`) explains."""
+        return [r for r in self.rows if r.broken and r.bug is None]
+
+    @property
+    def gaps(self) -> list[report.Row]:
+        """Rows refspec's adapter could not drive, in whole or in their kernel part (no rule broken)."""
+        return [r for r in self.rows if r.gap]
 
     def bugs(self) -> set[str]:
         """The known upstream bugs (:data:`known.BUGS` keys) that rows showed."""
-        return {r.bug for r in self.rows if r.bug}
+        return {b for r in self.rows for b in (r.bug, *r.also) if b}
 
     def failing_fields(self) -> set[str]:
         return {d.field for r in self.rows for d in r.undocumented} | ({"ERROR"} if any(r.error for r in self.rows)
@@ -127,41 +141,141 @@ def run_worker(target: install.Target, jobs: list[cases.Job]) -> tuple[dict, dic
 
 def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
     """Compare every (job, phase, step) of ``jobs`` with upstream's ``results`` (``target``: an
-    :class:`install.Target`, or a pinned release's version string)."""
+    :class:`install.Target`, or a pinned release's version string): the metadata fields, and where
+    both sides ran the forward, the kernel calls (:func:`compare.kernel_diffs`).  A field the FA3
+    call does not read is reported, never a failure (:data:`compare.UNREAD`).  An adapter gap
+    (:func:`report.is_gap`) is the row's ``gap``, not an error."""
     rows = []
     pin, label = known_as(target), _label(target)
     for j in jobs:
         theirs = results.get(j.id, "no result from the worker")
+        if unreachable_why(theirs):  # the release's own guards refuse this configuration: no row (Outcome.unreachable)
+            continue
+        sched = theirs.get(SCHED_KEY) if isinstance(theirs, dict) else None
         for (phase, step), ours in j.refspec.items():
-            row = report.Row(label, j.id, j.mode, j.page_size, j.shape, phase, step)
+            row = report.Row(label, j.id, j.mode, j.page_size, j.shape, phase, step, topk=j.inputs.get("topk", 1),
+                             num_steps=j.inputs.get("num_steps"), batch=_batch(j, phase))
             got = theirs.get((phase, step)) if isinstance(theirs, dict) else None
             if got is None or isinstance(got, str):  # a phase's own upstream error is its result
                 missing = theirs if isinstance(theirs, str) else f"upstream gave no {phase} step {step} result"
-                row.error = got or missing
+                text = got or missing
+                if report.is_gap(text):
+                    row.gap = text
+                else:
+                    row.error = text
             else:
-                if "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
+                mla = mla_forward.is_mla(j.mode)
+                if mla:  # the MLA forward path: metadata, kernel calls, output, store (mla_forward.diffs)
+                    raw = mla_forward.diffs(j, phase, ours, got, _batch(j, phase))
+                    row.kernel_calls = sum(c["name"].startswith("flash_attn") for c in got.get(cases.KERNEL) or ()
+                                           if isinstance(c, dict))
+                elif "prefix" in ours:  # top-k > 1: the verify expand table holds slots (page size 1)
                     if not _own_tree(target):
                         ours = {part: v for part, v in ours.items() if part != "tree"}
-                    raw = compare_parts(ours, got, j.page_size, 1 if j.mode == "tree_verify" else j.page_size)
+                    B, k, N = _batch(j, "eager"), j.inputs.get("topk", 1), j.inputs.get("num_draft_tokens", 1)
+                    real = None if B is None else {"prefix": B, "expand": B * N} if j.mode == "tree_verify" else \
+                        {"prefix": B * k, "expand": B * k}
+                    raw = compare_parts(ours, got, j.page_size, 1 if j.mode == "tree_verify" else j.page_size, real)
                 else:
-                    raw = compare(ours, got, j.page_size)
+                    raw = compare(ours, got, j.page_size, real=_batch(j, "eager"))
+                handed: set[str] = set()
+                if not mla:  # (mla_forward.diffs compares the MLA calls' arguments itself)
+                    handed = _handed_right(ours.get(cases.KERNEL), got.get(cases.KERNEL), j.page_size, sched)
+                    raw += _kernel(row, ours.get(cases.KERNEL), got.get(cases.KERNEL), raw, j.page_size, sched)
+                calls = got.get(cases.KERNEL)
+                if isinstance(calls, list):
+                    calls = [c for c in calls if c["name"].startswith("flash_attn")]
                 for d in raw:
-                    k = known.match(pin, j.mode, phase, d.field, d)
+                    k = known.match(pin, mla_forward.base_mode(j.mode), phase, d.field, d)
+                    if k is None and (unread_by(calls, d.field) or d.field in handed):
+                        d = replace(d, documented=UNREAD)
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
             report.find(row, target if not isinstance(target, str) else None,
                         got.get(lines.EXECUTED) if isinstance(got, dict) else None)
-            if not row.ok:  # a known upstream bug (by its signature, or at its pins): its rule names the row
+            if row.broken:  # a known upstream bug (by its signature, or at its pins): its rule names the row
                 b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
                               known.below_bound(row.undocumented))
-                if b is not None:
+                cover = known.cover(label, j.mode, phase, row.undocumented) if b is None and \
+                    mla_forward.is_mla(j.mode) and row.error is None else None
+                if cover:  # an MLA result showing two known bugs (each field is one's): each finding names its own
+                    keys = list(dict.fromkeys(c.key for _, c in cover))
+                    row.bug, row.also = keys[0], tuple(keys[1:])
+                    by = {f: c for f, c in cover}
+                    row.findings = [f if f.rule == report.ADAPTER or f.field not in by else
+                                    replace(f, rule=by[f.field].rule, level=rules.level(by[f.field].rule))
+                                    for f in row.findings]
+                elif b is not None:
                     row.bug = b.key
-                    row.findings = [replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
+                    row.findings = [f if f.rule == report.ADAPTER else
+                                    replace(f, rule=b.rule, level=rules.level(b.rule)) for f in row.findings]
                 else:
                     like = known.resembles(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
                                            known.below_bound(row.undocumented))
                     row.like = like.key if like is not None else None
             rows.append(row)
     return rows
+
+
+#: the key of a job's upstream result when the release's own guards refuse or rewrite its configuration
+#: (``upstream_common.UNREACHABLE``, :mod:`refspec.conformance.reach`)
+UNREACHABLE = "unreachable"
+
+
+def unreachable_why(result) -> str | None:
+    """Why the release's own code never runs a job (its result's :data:`UNREACHABLE` text), or None."""
+    return result.get(UNREACHABLE) if isinstance(result, dict) else None
+
+
+def _batch(j: cases.Job, phase: str) -> int | None:
+    """The requests in the batch ``phase`` hands the backend: the live batch eager, the graph's (padded) at capture
+    and replay."""
+    if phase != "eager" and "bs" in j.inputs:
+        return int(j.inputs["bs"])
+    d = j.inputs.get("eager")
+    return int(d["req_pool_indices"].numel()) if d is not None else None
+
+
+def _handed_right(ours, theirs, page_size: int, sched) -> set[str]:
+    """The kernel-read metadata fields whose value the kernel does not take from the metadata: where
+    both sides' calls were recorded and the call upstream made agrees with refspec's on the argument
+    read from that field (``max_seqlen_q=1`` passed as a literal while the metadata holds 0, 0.4.x's
+    decode), the field's own difference is not what the kernel reads (reported, not a failure)."""
+    if not isinstance(ours, list) or not isinstance(theirs, list):
+        return set()
+    if [c["name"] for c in ours if c["name"].startswith("flash_attn")] != \
+            [c["name"] for c in theirs if c["name"].startswith("flash_attn")]:
+        return set()
+    differ = {d.field.removeprefix("kernel:") for d in kernel_diffs(ours, theirs, page_size, sched)}
+    return {field for arg, field in KERNEL_ALIASES.items() if arg not in differ}
+
+
+def _kernel(row: report.Row, ours, theirs, metadata: list, page_size: int, sched) -> list:
+    """The ``kernel:`` diffs of one result (:func:`compare.kernel_diffs`), without those that only
+    repeat a metadata field's difference (the same values: the metadata finding cites the line
+    that wrote them); a forward that raised is one ``kernel:calls`` diff (upstream's exception) or
+    the row's adapter gap.  None on either side: no forward ran (not compared)."""
+    if ours is None or theirs is None:
+        return []
+    if isinstance(theirs, str):
+        if report.is_gap(theirs):
+            row.gap = row.gap or theirs
+            return []
+        return [Diff("kernel:calls", "the kernel call", f"upstream's forward raised: {theirs}")]
+    seen = {(d.field, d.ours, d.theirs) for d in metadata}
+    out = []
+    row.kernel_calls = sum(c["name"].startswith("flash_attn") for c in theirs)
+    row.sched_checked = sum(c["name"].startswith("flash_attn") and c["args"].get("scheduler_metadata") is not None
+                            for c in theirs)
+    differing = {d.field for d in metadata}
+    for d in kernel_diffs(ours, theirs, page_size, sched):
+        field = KERNEL_ALIASES.get(d.field.removeprefix("kernel:"))
+        if field is not None and (field, d.ours, d.theirs) in seen:
+            continue
+        if field is not None and field != "max_seq_len_q" and field not in differing and \
+                row.phase in rules.GRAPH_PHASES:
+            d = replace(d, stale=True)  # the metadata is right, the captured buffer the graph reads is not
+        out.append(d)
+    return out
 
 
 def digest(inputs: dict) -> str:
@@ -194,20 +308,26 @@ def targets(sglang, root: str | None = None, log=print, revert_fix: str | None =
     return [t if isinstance(t, install.Target) else install.resolve(t, root, log, revert_fix) for t in sglang]
 
 
-def select(target: install.Target, page_sizes, modes, topks, variant: str | None = None) -> list[cases.Job]:
-    """The jobs of ``target``'s modes (restricted to ``modes`` if given) at ``page_sizes`` / ``topks``.
+def select(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
+           edges=None, mla_grid: str = "default") -> list[cases.Job]:
+    """The jobs of ``target``'s modes (restricted to ``modes`` if given) at ``page_sizes`` / ``topks``,
+    and the edge jobs (the context wall, long chains, small tree batches) at ``edges`` (default:
+    ``page_sizes``; the sweep adds the edges where the known upstream bugs show to a smaller grid).
+    The MLA modes (``mla_*``, :mod:`refspec.conformance.mla_forward`) are the target's modes through
+    the MLA forward path, on ``mla_grid`` (:func:`mla_forward.grid`: ``default``, ``full``, ``off``).
 
     Raises: NoCases naming what was asked for and what the code has, when a given mode is not
     compared on this code, or a page size / top-k yields no case, or nothing is selected at all.
     """
-    have = target.shape.modes
+    have = (*target.shape.modes, *mla_forward.modes_for(target))
     if modes is not None:
         lack = [m for m in modes if m not in have]
         if lack:
             raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
-                          f"{_why_not(target, lack)})")
-    pm = [m for m in have if modes is None or m in modes]
-    jobs = _jobs(target, page_sizes, pm, topks, variant)
+                          f"{_why_not(target, [mla_forward.base_mode(m) for m in lack])})")
+    pm = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
+          (modes is not None and m in modes)]
+    jobs = _jobs(target, page_sizes, pm, topks, variant, edges) + _mla_jobs(page_sizes, pm, variant, mla_grid)
     if not jobs:
         raise NoCases(f"sglang {target.label}: no case compares modes {', '.join(pm)} at page sizes "
                       f"{', '.join(map(str, page_sizes))} (tree modes: page sizes "
@@ -218,7 +338,7 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
                       f"{', '.join(map(str, page_sizes))} (tree modes compare page sizes "
                       f"{', '.join(map(str, tree_cases.PAGE_SIZES))})")
     unused = [P for P in page_sizes if P not in {j.page_size for j in jobs}]
-    if unused:
+    if unused and not all(mla_forward.is_mla(m) for m in pm):  # (the MLA grid is its own: mla_forward.grid)
         raise NoCases(f"sglang {target.label}: page size {', '.join(map(str, unused))} has no case in modes "
                       f"{', '.join(pm)} (tree modes compare page sizes {', '.join(map(str, tree_cases.PAGE_SIZES))})")
     if any(m in tree_cases.MODES for m in pm):
@@ -231,19 +351,32 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
     return jobs
 
 
-def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None = None) -> list[cases.Job]:
-    """The jobs of ``modes`` (all of them modes of ``target``) at ``page_sizes`` / ``topks``, with
-    ``target``'s staged draft-extend replay where its shape has one; no guard (:func:`select` has them)."""
+def _mla_jobs(page_sizes, modes, variant: str | None = None, mla_grid: str = "default") -> list[cases.Job]:
+    """The MLA jobs (:mod:`refspec.conformance.mla_forward`) of the ``mla_*`` modes among ``modes`` on
+    ``mla_grid`` (its page sizes among ``page_sizes``), refspec's side under ``variant``."""
+    mla = tuple(m for m in modes if mla_forward.is_mla(m))
+    if not mla or mla_grid == "off":
+        return []
+    with _variant(variant):
+        return mla_forward.build_jobs(*mla_forward.grid(mla_grid, page_sizes), modes=mla)
+
+
+def _jobs(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
+          edges=None) -> list[cases.Job]:
+    """The jobs of ``modes`` (all of them modes of ``target``) at ``page_sizes`` / ``topks`` (the edge
+    jobs at ``edges``, default ``page_sizes``), with ``target``'s staged draft-extend replay where its
+    shape has one; no guard (:func:`select` has them).  (The ``mla_*`` modes: :func:`_mla_jobs`.)"""
+    edges = page_sizes if edges is None else edges
     with _variant(variant):
         flat, tree = [m for m in modes if m in cases.MODES], [m for m in modes if m in tree_cases.MODES]
         jobs = cases.build_jobs(flat, page_sizes, staged=target.shape.staged)
-        jobs += cases.edge_jobs(flat, page_sizes, staged=target.shape.staged)
+        jobs += cases.edge_jobs(flat, edges, staged=target.shape.staged)
         if not target.shape.cpu_mirrors:  # upstream's worker publishes no seq_lens_cpu here
             jobs += cases.without_mirrors(jobs)
         cases.mark_unreachable(jobs, target.shape.idle_unreachable)
         jobs = cases.mark_graph_unreachable(jobs, target.shape.draft_extend_graph_unreachable)
         jobs += tree_cases.build_jobs(tree, page_sizes, topks)
-        jobs += tree_cases.edge_jobs(tree, page_sizes, topks)
+        jobs += tree_cases.edge_jobs(tree, edges, topks)
     return jobs
 
 
@@ -265,12 +398,13 @@ def _why_not(target: install.Target, lack: list[str]) -> str:
 
 def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
         root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
-        revert_fix: str | None = None, pins=None) -> Outcome:
+        revert_fix: str | None = None, pins=None, edges=None, mla_grid: str = "default") -> Outcome:
     """The whole comparison, for each SPEC of ``sglang`` (:func:`install.resolve`: a release,
     a wheel file or a source tree; or an already resolved Target).  ``modes`` restricts every
     target's mode list (None: all its shape has); ``topks`` the top-k values of the tree modes;
     ``revert_fix`` an upstream fix toggle reverted on every target; ``pins`` is the old name of
-    ``sglang``.
+    ``sglang``; ``mla_grid`` the MLA forward path's grid (``default``, ``full``, ``off``:
+    :func:`mla_forward.grid`).
 
     ``cache`` (a dict kept by the caller) lets several runs share upstream's results for
     byte-identical inputs: a refspec variant that leaves the inputs unchanged costs no worker.
@@ -280,7 +414,7 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     t0 = time.perf_counter()
     tgts = targets(pins if pins is not None else sglang, root, log, revert_fix)
     seconds = {"install": round(time.perf_counter() - t0, 1)}
-    plans = [(t, select(t, page_sizes, modes, topks, variant)) for t in tgts]  # every NoCases before any worker
+    plans = [(t, select(t, page_sizes, modes, topks, variant, edges, mla_grid)) for t in tgts]  # every NoCases first
     return _compare(plans, cache, seconds, t0)
 
 
@@ -289,46 +423,25 @@ def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
     rows, info, unreachable = [], {}, []
     for t, jobs in plans:
         tt = time.perf_counter()
-        unreachable += [(t.label, j.id, j.unreachable) for j in jobs if j.unreachable]
+        unreachable += [(t.label, j.id, j.unreachable, j) for j in jobs if j.unreachable]
         jobs = [j for j in jobs if not j.unreachable]
         if not jobs:  # a baseline without any of the selected modes (review): no worker
             info[t.label] = {}
             continue
         results, info[t.label] = _upstream(t, jobs, cache)
+        unreachable += [(t.label, j.id, unreachable_why(results.get(j.id)), j) for j in jobs
+                        if unreachable_why(results.get(j.id))]
         rows += rows_for(t, jobs, results)
         seconds[t.label] = round(time.perf_counter() - tt, 1)
     seconds["total"] = round(time.perf_counter() - t0, 1)
     return Outcome(rows, info, seconds, {t.label: t for t, _ in plans}, unreachable)
 
 
-def unreachable_lines(out: Outcome, side: str = "") -> list[str]:
-    """One line per target and reason: the jobs not run because upstream's own runner never builds
-    their batch, counted and named (``== not reachable upstream: ...``)."""
-    groups: dict = {}
-    for label, job, why in getattr(out, "unreachable", ()):
-        groups.setdefault((label, why), []).append(job)
-    return [f"== {side}not reachable upstream: sglang {label}: {len(jobs)} job{'' if len(jobs) == 1 else 's'} not run "
-            f"({', '.join(jobs)}): {why}" for (label, why), jobs in groups.items()]
-
-
-def mirror_lines(out: Outcome, side: str = "") -> list[str]:
-    """One line per target whose ``/no-cpu-mirrors`` results ran: why their CPU mirrors are None
-    (:func:`refspec.conformance.install.mirror_reason`)."""
-    lines = []
-    for label, t in out.targets.items():
-        n = sum(r.pin == label and r.job.endswith(f"/{cases.NO_MIRROR_TAG}") for r in out.rows)
-        why = install.mirror_reason(t.site) if n and t is not None else None
-        if why:
-            lines.append(f"== {side}no CPU mirrors: sglang {label}: {n} `/{cases.NO_MIRROR_TAG}` result"
-                         f"{'' if n == 1 else 's'} ran "
-                         f"DRAFT_EXTEND_V2 with seq_lens_cpu / extend_seq_lens_cpu None: {why}")
-    return lines
-
-
 def not_on_baseline(base: install.Target, test_jobs: list[cases.Job]) -> dict[str, str]:
     """``{mode: why}`` for the modes of ``test_jobs`` the baseline's shape does not compare."""
-    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in base.shape.modes]
-    return {m: _why_not(base, [m]).lstrip("; ") or "not among its modes" for m in lack}
+    have = (*base.shape.modes, *mla_forward.modes_for(base))
+    lack = [m for m in dict.fromkeys(j.mode for j in test_jobs) if m not in have]
+    return {m: _why_not(base, [mla_forward.base_mode(m)]).lstrip("; ") or "not among its modes" for m in lack}
 
 
 @dataclass
@@ -344,13 +457,22 @@ class Review:
     @property
     def new_failures(self) -> list[report.Change]:
         """Rows failing under test that pass or do not exist on the baseline (or fail there by
-        fewer rules), no known upstream bug explaining them: the CLI's exit 1."""
+        fewer rules), known upstream bugs included (named as known): the CLI's exit 1."""
         return [c for c in self.changes if c.fails]
+
+    @property
+    def gaps(self) -> list[report.Change]:
+        """Results refspec cannot drive on the code under test (no rule broken): exit 3 without a new failure."""
+        return [c for c in self.changes if c.status == report.GAP]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAIL if self.new_failures else EXIT_GAP if self.gaps else EXIT_OK
 
 
 def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: str | None = None,
            root: str | None = None, log=print, cache: dict | None = None, topks=tree_cases.TOPKS,
-           revert_fix: str | None = None) -> Review:
+           revert_fix: str | None = None, mla_grid: str = "default") -> Review:
     """Compare the code under test ``sglang`` and the ``baseline`` (each one SPEC as :func:`run`
     takes it, or a resolved Target) on the same grid, and what changed between them.
 
@@ -365,18 +487,21 @@ def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     base = targets([baseline], root, log)[0]
     test = targets([sglang], root, log, revert_fix)[0]
     seconds = {"install": round(time.perf_counter() - t0, 1)}
-    jobs = select(test, page_sizes, modes, topks, variant)
-    on_base = [m for m in base.shape.modes if modes is None or m in modes]
-    base_jobs = _jobs(base, page_sizes, on_base, topks, variant)
+    jobs = select(test, page_sizes, modes, topks, variant, mla_grid=mla_grid)
+    have = (*base.shape.modes, *mla_forward.modes_for(base))
+    on_base = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
+               (modes is not None and m in modes)]
+    base_jobs = _jobs(base, page_sizes, on_base, topks, variant) + _mla_jobs(page_sizes, on_base, variant, mla_grid)
     t1 = time.perf_counter()
     base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
     test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
     return Review(base_out, test_out, report.changes(base_out.rows, test_out.rows), not_on_baseline(base, jobs))
 
 
-def render(out: Outcome, verbose: bool = False) -> str:
+def render(out: Outcome, verbose: bool = False, expect: dict[str, set[str]] | None = None) -> str:
     """Every target's summary line and table, each failing row with its rule, level, both values
-    and the upstream line; with ``verbose`` also the documented-differences table."""
+    and the upstream line; with ``verbose`` also the documented-differences table; last the
+    :func:`verdict` (``expect``: the known bugs expected per target, strict)."""
     parts = []
     for label in dict.fromkeys(r.pin for r in out.rows):
         s = report.summary(out.rows, label)
@@ -385,8 +510,11 @@ def render(out: Outcome, verbose: bool = False) -> str:
         how = f", {t.shape.hooks} hooks" if t is not None else ""
         parts.append(f"== sglang {label}: {s['cases']} cases, {s['same']} identical, {s['documented']} with only "
                      f"documented differences, {s['undocumented']} failing"
-                     + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else "") + " "
+                     + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else "")
+                     + (f", {s['gaps']} adapter gaps" if s["gaps"] else "") + " "
                      f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s{how})")
+        hs = report.headlines(out.rows, label)
+        parts += [report.headline_line(h, label, i, len(hs)) for i, h in enumerate(hs, 1)]
         if verbose:
             for k, v in inf.items():
                 if k.startswith(("replay kernels", "tree kernel")):
@@ -396,6 +524,8 @@ def render(out: Outcome, verbose: bool = False) -> str:
             parts.append(tab)
     parts += unreachable_lines(out)
     parts += mirror_lines(out)
+    parts += report.kernel_lines(out)
+    parts += mla_forward.console_lines(out)
     if verbose:
         used = {d.documented for r in out.rows for d in r.diffs if d.documented}
         parts.append("== documented differences (* = seen in this run)")
@@ -403,12 +533,100 @@ def render(out: Outcome, verbose: bool = False) -> str:
     if out.bugs():
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")
         parts.append(report.bugs_table(out.bugs(), out.rows))
-    verdict = "OK" if out.ok else "FAIL" if out.unexplained else "KNOWN UPSTREAM BUGS ONLY"
-    parts.append(f"== {verdict}: timings {out.seconds}")
-    if not out.unexplained:
+    code, said = verdict(out, expect)
+    parts += said
+    parts.append(f"   timings {out.seconds}")
+    if code in (EXIT_OK, EXIT_GAP):
         unchecked = ", ".join(f"{rid} ({why})" for rid, why in report.NOT_BY_VALUES)
         parts.append(f"   not checked by this comparison: {unchecked}")
     return "\n".join(parts)
+
+
+#: exit statuses of a comparison (``python -m refspec conformance``); 2 is a usage error (refspec.cli)
+EXIT_OK, EXIT_FAIL, EXIT_GAP = 0, 1, 3
+
+
+def parse_expected(text: str) -> dict[str, set[str]]:
+    """``--expect-bugs LABEL:KEY[,LABEL:KEY...]`` -> ``{target label: {known bug key, ...}}``.
+
+    Raises: ValueError naming an item without ``:`` or a key :data:`known.BUGS` does not have."""
+    out: dict[str, set[str]] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        label, sep, key = item.rpartition(":")
+        if not sep or not label:
+            raise ValueError(f"{item!r}: expected LABEL:KEY (e.g. 0.5.23:context-wall-page-table)")
+        known.by_key(key)  # KeyError naming it
+        out.setdefault(label, set()).add(key)
+    return out
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
+def _ids(rows) -> str:
+    """The rule IDs the rows break, cause first (adapter gaps left out)."""
+    return ", ".join(rules.by_cause({f.rule for r in rows for f in r.findings if f.rule != report.ADAPTER}))
+
+
+def _breaks(k: int) -> str:
+    return "1 result breaks" if k == 1 else f"{k} results break"
+
+
+def verdict(out: Outcome, expect: dict[str, set[str]] | None = None) -> tuple[int, list[str]]:
+    """``(exit status, the closing lines)`` of a comparison (issue 39 item 6).
+
+    * 0 ``OK``: no rule broken on the inputs upstream can reach, nothing refspec could not drive;
+    * 1 ``FAIL``: a rule broken -- a known upstream bug reproduced is a broken rule too, named as
+      known with its PR; with ``expect`` (``{target: {bug key}}``, CI's stated known bugs at its
+      pins: strict expected failures) the run passes only when each target's failing rows are all
+      on its expected bugs and every expected bug shows (one that disappears fails the run: it was
+      fixed, or the comparison lost it);
+    * 3 ``ADAPTER GAP``: no rule broken, but some results refspec cannot drive yet (their upstream
+      reads something the adapter does not lay out).
+    """
+    lines, code = [], EXIT_OK
+    failures, gaps = out.failures, out.gaps
+    if expect is not None:
+        labels = list(dict.fromkeys(r.pin for r in out.rows))
+        for label in labels:
+            want = expect.get(label, set())
+            mine = [r for r in failures if r.pin == label]
+            shown = {b for r in mine for b in (r.bug, *r.also) if b}
+            other = [r for r in mine if r.bug not in want or any(b not in want for b in r.also)]
+            for key in sorted(want - shown):
+                b = known.by_key(key)
+                lines.append(f"== FAIL: sglang {label}: the expected {b.marker} did not show (fixed upstream, or lost "
+                             f"by the comparison): update --expect-bugs and known.BUGS")
+                code = EXIT_FAIL
+            if other:
+                code = EXIT_FAIL
+                lines.append(f"== FAIL: sglang {label}: {_breaks(len(other))} a rule not among the expected known "
+                             f"bugs [{_ids(other)}]")
+            elif want and want <= shown:
+                lines.append(f"== EXPECTED KNOWN UPSTREAM BUGS: sglang {label}: "
+                             f"{', '.join(known.by_key(k).marker for k in sorted(want))} reproduced as expected, "
+                             f"nothing else fails")
+        unknown = sorted(set(expect) - set(labels))
+        if unknown:
+            lines.append(f"== FAIL: --expect-bugs names {', '.join(unknown)}, which this run does not compare")
+            code = EXIT_FAIL
+        if code == EXIT_OK and gaps:
+            code = EXIT_GAP
+    elif failures:
+        code = EXIT_FAIL
+        bugs = [r for r in failures if r.bug]
+        named = ", ".join(sorted({known.by_key(b).marker for r in bugs for b in (r.bug, *r.also)}))
+        lines.append(f"== FAIL: {_breaks(len(failures))} a rule [{_ids(failures)}]"
+                     + (f"; {len(bugs)} of them reproduce known upstream bugs ({named})" if bugs else ""))
+    elif gaps:
+        code = EXIT_GAP
+    if gaps:
+        lines.append(f"== ADAPTER GAP: {_n(len(gaps), 'result')} not compared ({report.GAP_WORDS})"
+                     + ("" if code == EXIT_GAP else "; the failures above stand"))
+    if code == EXIT_OK:
+        lines.append("== OK: no rule broken on the inputs upstream can reach")
+    return code, lines
 
 
 def render_review(rev: Review, verbose: bool = False) -> str:
@@ -436,8 +654,10 @@ def render_review(rev: Review, verbose: bool = False) -> str:
     if bugs:
         parts.append("== known upstream bugs reproduced (their rows above name the rule)")
         parts.append(report.bugs_table(bugs, [c.row for c in rev.changes if c.status != report.UNCHANGED]))
-    n = len(rev.new_failures)
+    n, g = len(rev.new_failures), len(rev.gaps)
     verdict = (f"FAIL: {n} new failure{'' if n == 1 else 's'} against the baseline" if n
+               else f"ADAPTER GAP: no new failure against the baseline; {_n(g, 'result')} not compared under test "
+                    f"({report.GAP_WORDS})" if g
                else "OK: no new failure against the baseline")
     seconds = {"baseline": rev.baseline.seconds.get("total"), "under test": rev.test.seconds.get("total")}
     parts.append(f"== {verdict} (timings {seconds})")

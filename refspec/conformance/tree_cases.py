@@ -65,7 +65,7 @@ def _width(mode: str, Ls: list[int], k: int, P: int, S: int = S) -> int:
     return -(-max(need) // 64) * 64
 
 
-def _cache(width: int, P: int, seed: int, extra: int = 0):
+def _cache(width: int, P: int, seed: int, extra: int = 0, B: int = B):
     """``req_to_token`` of ``width + extra`` columns (``extra``: SGLang's headroom,
     :func:`refspec.conformance.cases.headroom` with this top-k), pages shuffled, B rows in shuffled order."""
     kv = KVCache(max_reqs=12, max_context=width, extra=extra, num_pages=width * 6 // P + 2, page_size=P, seed=seed)
@@ -76,7 +76,7 @@ def _cache(width: int, P: int, seed: int, extra: int = 0):
     return kv, pool, rows
 
 
-def draw_tree(k: int, seed: int, S: int = S) -> dict:
+def draw_tree(k: int, seed: int, S: int = S, B: int = B) -> dict:
     """SGLang's draft-side tree inputs for B requests from random draft probabilities.
 
     ``select_top_k_tokens_first`` on the root's k children, then S - 1 expansions
@@ -167,18 +167,20 @@ class _Runners:
         self._tree_verify_fn = self._tree_draft_fn = lambda fb, x: (fb.positions.clone(),)
 
 
-def _job(mode: str, k: int, P: int, seed: int, num_steps: int = S) -> cases.Job:
-    """One tree job (module doc); ``num_steps`` = speculative_num_steps (draft steps 0 .. num_steps - 2)."""
+def _job(mode: str, k: int, P: int, seed: int, num_steps: int = S, batch: tuple[int, int] = (B, BS)) -> cases.Job:
+    """One tree job (module doc); ``num_steps`` = speculative_num_steps (draft steps 0 .. num_steps - 2);
+    ``batch``: (live requests B, graph batch BS), the job id naming them where not the default (3, 4)."""
     N, Sd = num_draft_tokens(k), num_steps
+    B, BS = batch
     Ls = cases.lengths(P, B)
     width = _width(mode, Ls, k, P, Sd)
-    kv, pool, rows = _cache(width, P, seed, cases.headroom(P, N, Sd, k))
+    kv, pool, rows = _cache(width, P, seed, cases.headroom(P, N, Sd, k), B)
     inputs = {"page_size": P, "context_len": width, "topk": k, "num_steps": Sd, "num_draft_tokens": N, "bs": BS}
     kv.alloc_extend(rows, [0] * B, Ls)
     ref: dict = {}
     if mode == "tree_verify":
         kv.alloc_extend(rows, Ls, [L + N for L in Ls])
-        tree = draw_tree(k, seed, Sd)
+        tree = draw_tree(k, seed, Sd, B)
         organized = tree_build.organize_draft_results(tree["score_list"], tree["token_list"], tree["parents_list"], N)
         built = tree_build.build_tree(tree["verified_id"], *organized, torch.tensor(Ls), k, N)
         live = tree_verify_batch(kv, rows, Ls, N, k, built["positions"], built["custom_mask"])
@@ -212,7 +214,7 @@ def _job(mode: str, k: int, P: int, seed: int, num_steps: int = S) -> cases.Job:
     inputs["replay"] = snapshot_batch(runner.static[BS][0])
     for s, be in zip(steps, backends):
         ref[("replay", s)] = snapshot(be)
-    shape = f"k{k}" if Sd == S else f"k{k} S{Sd}"
+    shape = f"k{k}" + ("" if Sd == S else f" S{Sd}") + ("" if batch == (3, 4) else f" B{B}")
     return cases.Job(f"{mode}/{shape.replace(' ', '/')}/P{P}", mode, P, shape, True, inputs, ref)
 
 
@@ -229,10 +231,21 @@ def build_jobs(modes=MODES, page_sizes=PAGE_SIZES, topks=TOPKS, seed: int = 0, n
 LONG = {"num_steps": 6, "page_sizes": (2, 8), "topks": (2,)}
 
 
+#: small batches (top-k > 1): B = 1 and B = 2 live requests (graphs of 2 and 4) at P = 1, k = 2, so that a
+#: defect that needs two requests to show (0.4.7's draft expand table, sglang#7239) is seen with its
+#: condition: the B = 1 rows hold, the B >= 2 rows fail
+SMALL = {"batches": ((1, 2), (2, 4)), "page_sizes": (1,), "topks": (2,)}
+
+
 def edge_jobs(modes=MODES, page_sizes=PAGE_SIZES, topks=TOPKS, seed: int = 0) -> list[cases.Job]:
-    """The long-chain draft-decode jobs (:data:`LONG`) at the selected page sizes and top-k values."""
-    if "tree_draft_decode" not in modes:
-        return []
-    return build_jobs(("tree_draft_decode",), [P for P in LONG["page_sizes"] if P in page_sizes],
-                      [k for k in LONG["topks"] if k in topks], seed=seed, num_steps=(LONG["num_steps"],))
+    """The long-chain draft-decode jobs (:data:`LONG`) and the small batches (:data:`SMALL`) at the
+    selected page sizes and top-k values."""
+    jobs = []
+    if "tree_draft_decode" in modes:
+        jobs += build_jobs(("tree_draft_decode",), [P for P in LONG["page_sizes"] if P in page_sizes],
+                           [k for k in LONG["topks"] if k in topks], seed=seed, num_steps=(LONG["num_steps"],))
+    jobs += [_job(m, k, P, seed + 7 * P + k + 500 + b, S, (b, bs)) for m in modes if m in MODES
+             for k in SMALL["topks"] if k in topks for P in SMALL["page_sizes"] if P in page_sizes
+             for b, bs in SMALL["batches"]]
+    return jobs
 

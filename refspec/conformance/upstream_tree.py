@@ -1,6 +1,8 @@
-"""SGLang's top-k > 1 FA3 metadata (worker subprocess only): the tree jobs of
-:mod:`refspec.conformance.tree_cases`, at 0.5.23 (:class:`TreeUpstream`) and 0.5.12.post1
-(:func:`run_legacy`, the legacy graph hooks; see its doc for what differs in the set-up).
+"""SGLang's top-k > 1 FA3 metadata (worker subprocess only): the helpers both adapters share for
+the tree jobs of :mod:`refspec.conformance.tree_cases`.  :class:`TreeUpstream` runs them where
+upstream builds its own tree (the graph-hooks adapter, :mod:`refspec.conformance.upstream_graph`);
+the legacy-hooks adapter (:meth:`refspec.conformance.upstream_legacy.Upstream.run_tree`) takes
+only :meth:`TreeUpstream.parts`.  This module imports no adapter.
 
 Server args: ``speculative_eagle_topk = k``, ``speculative_num_draft_tokens = N``,
 ``speculative_num_steps = S`` (upstream's ``override_server_args``).  Per job:
@@ -56,7 +58,8 @@ TREE_FIELDS = ("custom_mask", "positions", "retrive_index", "retrive_next_token"
 
 
 class TreeUpstream:
-    """The tree half of :class:`refspec.conformance.upstream_0523.Upstream` (same imports, same runner)."""
+    """The tree half of the graph-hooks adapter ``up`` (:class:`refspec.conformance.upstream_graph.Upstream`:
+    same imports, same runner)."""
 
     def __init__(self, up):
         import sglang.kernels.ops.speculative.cache_locs as cl
@@ -159,27 +162,15 @@ class TreeUpstream:
         fb.spec_info = self.spec_info(mode, tree, d, k, S, N)
         return fb
 
-    def run(self, job: dict) -> dict:
-        """``{(phase, step): {"prefix": fields, "expand": fields[, "tree": fields]}}`` for one tree job."""
+    def run(self, job: dict, sa) -> dict:
+        """``{(phase, step): {"prefix": fields, "expand": fields[, "tree": fields]}}`` for one tree job
+        (``sa``: the job's ServerArgs, installed by the adapter)."""
         P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
-        from refspec.conformance.upstream_0523 import _server_args, installed
-
-        over = dict(page_size=P, speculative_algorithm="EAGLE", speculative_eagle_topk=k, speculative_num_steps=S,
-                    speculative_num_draft_tokens=N, device="cpu", attention_backend="fa3")
-        if self.up.context is None:  # no runtime-context override: published, and on the model runner
-            sa = _server_args(self.up.ServerArgs, **over)
-            self.up.publish(sa)
-            return self._run(job, mode, P, N, S, k, sa)
-        override = self.up.context().override_server_args(**over)
-        sa = installed(self.up.context(), override)
-        try:
-            return self._run(job, mode, P, N, S, k, sa)
-        finally:
-            override.restore()
+        return self._run(job, mode, P, N, S, k, sa)
 
     def _run(self, job, mode, P, N, S, k, sa) -> dict:
         fa = self.up.fa
-        mr = self.up._runner(job["req_to_token"], P, job["context_len"], mode == "tree_draft_decode", sa)
+        mr = self.up.runner(job["req_to_token"], P, job["context_len"], mode == "tree_draft_decode", sa)
         if mode == "tree_draft_decode":
             be = fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
             steps = uc.draft_steps(be, S)
@@ -209,74 +200,3 @@ class TreeUpstream:
     def parts(b) -> dict:
         return {"prefix": uc.fields(b.forward_metadata), "expand": uc.fields(b.forward_metadata_spec_decode_expand)}
 
-
-def run_legacy(up, job: dict, server_args) -> dict:
-    """The tree job at 0.5.12.post1 (``up``: :class:`refspec.conformance.upstream_0512.Upstream`).
-
-    That release builds trees only with the CUDA ``sgl_kernel.build_tree_kernel_efficient``, so
-    its ``spec_info`` carries the tree of the job's batch snapshot -- refspec's ``build_tree``,
-    which the 0.5.23 jobs check bitwise against upstream's own tree kernel -- in a namespace with
-    the fields the metadata path reads (``custom_mask``, ``positions``, ``topk``; for draft decode
-    ``is_draft_input``), as the top-k = 1 cases do (typed as upstream's class where the backend
-    module names one: ``Upstream.typed``).  Capture / replay: the legacy
-    ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks.  An error in the
-    capture or replay hook is that phase's result (the error text, as the worker reports a failed
-    job; a failed capture is also replay's), so the same job's earlier phases are still compared.
-    """
-    P, N, S, k, mode = job["page_size"], job["num_draft_tokens"], job["num_steps"], job["topk"], job["mode"]
-    up.publish(server_args)
-    R = job["req_to_token"]
-    rows = uc.NS(req_to_token=R, size=R.shape[0] - 1)
-    mr = uc.NS(server_args=server_args, sliding_window_size=None,
-               model_config=uc.model_config(job["context_len"], up.arch.MHA), device="cpu", req_to_token_pool=rows,
-               token_to_kv_pool=uc.KVPoolStub(), kv_cache_dtype=None, page_size=P, attn_cp_size=1, tp_size=1,
-               attention_chunk_size=None, is_hybrid=False, is_hybrid_swa=False)
-    draft = mode == "tree_draft_decode"
-    FM = up.FM["DECODE" if draft else "TARGET_VERIFY"]
-
-    def fb(phase):
-        d = job[phase]
-        spec = up.typed(uc.NS(is_draft_input=lambda: draft, positions=d["positions"], custom_mask=d["custom_mask"],
-                              topk=k, num_tokens_per_req=k if draft else N), "draft_decode" if draft else "verify")
-        return uc.NS(forward_mode=FM, batch_size=int(d["req_pool_indices"].numel()),
-                     req_pool_indices=d["req_pool_indices"], seq_lens=d["seq_lens"].long(),
-                     seq_lens_cpu=d["seq_lens_cpu"], seq_lens_sum=int(d["seq_lens_cpu"].sum()),
-                     extend_seq_lens=None, extend_seq_lens_cpu=None, extend_prefix_lens_cpu=None, encoder_lens=None,
-                     out_cache_loc=d["out_cache_loc"], positions=d["positions"], req_to_token_pool=rows, spec_info=spec)
-
-    if draft:
-        be = up.fa.FlashAttentionMultiStepBackend(mr, topk=k, speculative_num_steps=S)
-        steps = uc.draft_steps(be, S)
-    else:
-        be = up.fa.FlashAttentionBackend(mr)
-        steps = [(None, be)]
-    be.init_forward_metadata(fb("eager"))
-    out = {("eager", s): TreeUpstream.parts(b) for s, b in steps}
-    bs, T = job["bs"], job["bs"] * (k * S if draft else N)
-    from refspec.conformance.upstream_0512 import call
-
-    call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=T)  # (<= 0.4.x: max_bs only)
-    cap, rep = fb("capture"), fb("replay")
-    from refspec.conformance.worker import describe
-
-    try:
-        if draft:
-            be.init_forward_metadata_capture_cuda_graph(cap)
-        else:
-            be.init_forward_metadata_capture_cuda_graph(bs, T, cap.req_pool_indices, cap.seq_lens, None, FM,
-                                                        cap.spec_info)
-    except Exception as e:  # noqa: BLE001 -- the capture's own error (replay has nothing to run on); eager stands
-        out.update({(ph, s): describe(e) for ph in ("capture", "replay") for s, _ in steps})
-        return out
-    out.update({("capture", s): TreeUpstream.parts(b) for s, b in steps})
-    try:
-        if draft:
-            be.init_forward_metadata_replay_cuda_graph(rep, bs)
-        else:
-            be.init_forward_metadata_replay_cuda_graph(bs, rep.req_pool_indices, rep.seq_lens, rep.seq_lens_sum, None,
-                                                       FM, rep.spec_info, rep.seq_lens_cpu, rep.out_cache_loc)
-    except Exception as e:  # noqa: BLE001 -- the replay's own error; eager and capture results stand
-        out.update({("replay", s): describe(e) for s, _ in steps})
-        return out
-    out.update({("replay", s): TreeUpstream.parts(b) for s, b in steps})
-    return out

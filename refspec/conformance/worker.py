@@ -21,42 +21,8 @@ import importlib.util
 import os
 import sys
 import time
-import traceback
 
 import torch
-
-
-FA = "sglang/srt/layers/attention/flashattention_backend.py"
-#: the backend methods that build a phase's metadata: an exception's row also cites the innermost of them
-HOOKS = ("init_forward_metadata", "_apply_cuda_graph_metadata", "_init_full_cg_decode_metadata",
-         "_set_decode_page_metadata", "stage_draft_extend_metadata")
-
-
-def _rel(name: str) -> str:
-    i = name.rfind("/sglang/")
-    return name[i + 1:] if i >= 0 else name
-
-
-def _where(exc: BaseException) -> str:
-    """``file:line`` of the innermost upstream frame, and ``(run from flashattention_backend.py:N)``
-    when that frame is not itself the innermost backend hook (:data:`HOOKS`, or any
-    ``init_forward_metadata*``) that ran it: the hook's line."""
-    tb = list(traceback.walk_tb(exc.__traceback__))
-    frames = [(f, n) for f, n in tb if "/sglang/" in f.f_code.co_filename] or tb
-    f, n = frames[-1]
-    at = f"{_rel(f.f_code.co_filename)}:{n}"
-    hook = next(((g, m) for g, m in reversed(frames) if _rel(g.f_code.co_filename) == FA and
-                 g.f_code.co_name.startswith(HOOKS)), None)
-    if hook is not None and hook[0] is not f:
-        at += f" (run from {FA.rsplit('/', 1)[-1]}:{hook[1]})"
-    return at
-
-
-def describe(exc: BaseException) -> str:
-    """``Type at file:line: message`` of an upstream exception (the text a result row carries);
-    ``Type at file:line (run from flashattention_backend.py:N): message`` when it was raised in a
-    helper or kernel the backend's metadata hook called (:func:`_where`)."""
-    return f"{type(exc).__name__} at {_where(exc)}: {exc}"
 
 
 def main(argv: list[str]) -> int:
@@ -72,6 +38,7 @@ def main(argv: list[str]) -> int:
     up = importlib.import_module(shape.adapter).Upstream(site, shape)
     t_import = time.perf_counter() - t0
     from refspec.conformance import lines, stubs
+    from refspec.conformance.upstream_common import describe
 
     tracer = lines.Tracer(site)
     results = {}
@@ -82,7 +49,7 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 -- reported per job; the comparison counts it as an error
             results[job_id] = describe(e)
     info = dict(up.info(), site=site, import_s=round(t_import, 1), run_s=round(time.perf_counter() - t0 - t_import, 1),
-                placeholders=len(stubs.handed_out()))
+                placeholders=len(stubs.handed_out()), guards_undetermined=sorted(up.undetermined))
     torch.save({"results": results, "info": info}, out_path)
     return 0
 

@@ -43,12 +43,17 @@ FWD_MHA = "srt/models/deepseek_common/attention_forward_methods/forward_mha.py"
 DSV2 = "srt/models/deepseek_v2.py"
 MLA_PAGE = "mla.md"
 
-#: the MLA verify-cascade defect (ML-011), read from the code at both pins
+#: the MLA verify-cascade defect (ML-011): run at both pins, reachable at v0.5.23
 MLA_VERIFY_EXPAND = ("v0.5.12.post1 and v0.5.23: the MLA branch of forward_extend passes the P-paged views "
                      "(k_rope_cache, c_kv_cache) to the TARGET_VERIFY expand call, whose table holds token slots, "
                      "where the MHA branch passes paged_view(., 1) (sglang#7725); at P > 1 with top-k > 1 a verify "
-                     "row then reads slot * P + offset instead of its own slots (read from the code at both pins, "
-                     "not run; docs/mla.md)")
+                     "row then reads page `slot` (another request's rows, or past the pool) instead of its own slot. "
+                     "Run, not read: python -m refspec conformance drives upstream's own MLA forward and shows it as "
+                     "the known upstream bug mla-verify-expand-paged-view at both pins (mla_tree_verify, P >= 4). "
+                     "Reachable at v0.5.23 (its guard lets fa3 run top-k > 1 with P > 1: "
+                     "arg_groups/speculative_hook.py L1271-1283; no MLA guard); at v0.5.12.post1 the configuration "
+                     "passes server_args.py L3837-3844 but no round survives ML-012's missing move_kv_cache "
+                     "(sglang#26982), so the wrong verify output is never committed there (docs/mla.md)")
 
 
 #: the one context-wall defect (CG-008 and PA-003: one level, cross-referenced)
@@ -92,6 +97,14 @@ RULES: dict[str, Rule] = {
                    (fa3("flash_api.cpp", 745, "mha_fwd"), doc(FACTS, "max-seqlen-q"))),
     "PA-011": Rule("kernel arguments are well formed (dtypes, shapes, page ids in the pool)", K,
                    (fa3("flash_api.cpp", 735, "mha_fwd"), fa3("flash_api.cpp", 744, "mha_fwd"))),
+    "PA-012": Rule("the attention call passes the layer's constants: softmax_scale, softcap, window_size; num_splits "
+                   "0 (the kernel's choice)", U,
+                   (_fb(2285, "FlashAttentionBackend.forward_decode", NEW),
+                    _fb(1789, "FlashAttentionBackend.forward_extend", NEW)), BOTH, BOTH),
+    "PA-013": Rule("a precomputed scheduler_metadata is computed from its own call's batch, lengths, heads, page size "
+                   "and flags (rewritten before every replay)", K,
+                   (fa3("flash_api.cpp", 1004, "mha_fwd"), fa3("flash_api.cpp", 522, "mha_fwd_get_scheduler_metadata"),
+                    _fb(409, "FlashAttentionBackend._compute_scheduler_metadata", NEW), pr(21104, "the precompute"))),
     # --- KV accounting -----------------------------------------------------------------
     "KV-001": Rule("alloc_extend continues the request's last partial page (INV-PAGE is kept)", U,
                    (sgl(ALLOC, V55, 459, "PagedTokenToKVPoolAllocator.alloc_extend"),), (V55, OLD)),
@@ -367,8 +380,11 @@ RULES: dict[str, Rule] = {
                    (sgl(MP, NEW, 5079, "MLATokenToKVPool.move_kv_cache"), pr(26982, "add it"),
                     sgl("srt/speculative/eagle_worker.py", OLD, 729, "EAGLEWorker._draft_preprocess_decode")), (NEW,),
                    violated_by="v0.5.12.post1: MLATokenToKVPool has no move_kv_cache, so MLA + EAGLE with top-k > 1 "
-                               "and P > 1 fails at its first tail copy (eagle_worker.py, _draft_preprocess_decode); "
-                               "added by sglang#26982"),
+                               "and P > 1 fails at its first tail copy (eagle_worker.py L729, "
+                               "_draft_preprocess_decode) or, when every tail page is full, right after the verify "
+                               "(eagle_info.py L543); reachable (server_args.py L3837-3844 lets fa3 run top-k > 1 "
+                               "with P > 1) and run: python -m refspec conformance shows it as the known upstream bug "
+                               "mla-pool-no-move-kv-cache; added by sglang#26982"),
     "ML-013": Rule("on CUDA, MLA runs only on an FA3 build whose configuration has the hdim 64/512 kernel (and, "
                    "for the prefill, 192/128); refspec refuses any other build", H,
                    (fa3("setup.py", 71, "DISABLE_HDIMDIFF64"), fa3("setup.py", 102, "create_build_config_file"),

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from refspec.core import batch as B
-from refspec.cli._args import device_problem
 from refspec.core.args import count, int_list, is_int
 from refspec.fa3.backend import FlashAttentionBackend
+from refspec.harness.devices import device_problem
 from refspec.graphs.runner import GraphRunner
 from refspec.core.kv_cache import KVCache, KVPool
 from refspec.core.layer import AttentionLayer
