@@ -39,8 +39,9 @@ def test_cite_prints_rule_level_sources_and_tests(capsys):
     assert "](https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/layers/attention/" \
            "flashattention_backend.py#L2432)" in out
     assert "](https://github.com/sgl-project/sglang/pull/29665)" in out
-    # a test known (by reading tests/test_cases_graphs.py) to carry @pytest.mark.spec("CG-008")
-    assert "- **Shown by:** `pytest 'tests/test_cases_graphs.py::test_case_B07_" in out  # a public case first
+    # a public case first, and of those the one that cites CG-008 alone (tests/test_mutants.py, read by hand:
+    # @pytest.mark.spec("CG-008"); tests/test_cases_graphs.py's B07 cites CG-008 and MD-010)
+    assert "- **Shown by:** `pytest 'tests/test_mutants.py::test_case_B07_page_table_width_at_the_context_wall'`" in out
     assert "> violates **CG-008** (kernel contract:" in out
 
 
@@ -194,3 +195,120 @@ def test_level_alone_lists_that_level(capsys):
     rc, out, _ = run(capsys, "req_pool_indices", "--level", "hardening")
     assert rc == 0 and "CG-005" in out.split() and {r.split()[0] for r in out.strip().splitlines()} <= {
         i for i, r in RULES.items() if str(r.level) == "refspec hardening"}
+
+
+# ---------------------------------------------------------------- the rule word for word, labels, the first test
+def _rule_paragraph_from_page(page: str, inv_id: str) -> str:
+    """The ``**Rule.**`` paragraph under ``### ID`` on ``docs/spec/<page>``, lines joined by one space
+    (read here, independently of ``cite.spec_entries``)."""
+    lines = (ROOT / "docs" / "spec" / page).read_text().splitlines()
+    start = next(n for n, x in enumerate(lines) if x.startswith(f"### {inv_id} "))
+    first = next(n for n in range(start + 1, len(lines)) if lines[n].startswith("**Rule.**"))
+    assert not any(x.startswith("#") for x in lines[start + 1:first]), "the Rule paragraph is in the next entry"
+    end = next(n for n in range(first, len(lines)) if not lines[n].strip())
+    return " ".join(x.strip() for x in lines[first:end])
+
+
+@pytest.mark.parametrize("inv_id, fragment", [
+    ("ML-011", "with the `qv` call's arguments, `causal=False`, the LSE returned, and merge them (TR-012)"),
+    ("ML-011", "the draft-decode expand call reads the P-paged views (its table holds pages)"),
+    ("ML-012", "with all sources read before any target is written"),
+])
+def test_cite_prints_the_rule_paragraph_word_for_word(capsys, inv_id, fragment):
+    """The reviewer's report: ``cite ML-011`` / ``ML-012`` printed the title only, a paraphrase."""
+    rule = _rule_paragraph_from_page("mla.md", inv_id)
+    assert fragment in rule and fragment not in RULES[inv_id].title  # the title alone would miss it
+    rc, out, _ = run(capsys, inv_id)
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0] == f"**{inv_id}** — {RULES[inv_id].title}" and lines[1] == ""
+    assert lines[2] == rule  # the paragraph itself, right under the title
+    assert fragment in lines[2]
+    # the review line keeps the one-line title
+    assert lines[-1].startswith(f"> violates **{inv_id}** ({RULES[inv_id].level}: {RULES[inv_id].title}): ")
+    rc, out, _ = run(capsys, inv_id, "--format", "text")
+    plain = rule.replace("**", "").replace("`", "")
+    assert rc == 0 and out.splitlines()[2] == plain and fragment.replace("`", "") in plain
+    assert "`" not in out.splitlines()[2] and "**" not in out.splitlines()[2]
+
+
+def test_every_rule_has_its_rule_paragraph():
+    for inv_id in RULES:
+        assert cite.rule_paragraph(inv_id).startswith("**Rule.** "), inv_id
+        assert "\n" not in cite.rule_paragraph(inv_id), inv_id
+
+
+def test_rule_paragraph_links_leave_docs_spec():
+    """ML-013's entry links ``../mla.md``: relative to docs/spec/, so printed as docs/mla.md (or under a base)."""
+    text = "[MLA](../mla.md#the-gpu-build) and [TR-020](tree.md#tr-020)"
+    entry = {"XX-001": f"### XX-001 — t\n\n**Rule.** See {text}.\n\n**Why.** x\n"}
+    orig = cite.spec_entries
+    try:
+        cite.spec_entries = lambda: entry
+        assert cite.rule_paragraph("XX-001") == ("**Rule.** See [MLA](docs/mla.md#the-gpu-build) and "
+                                                 "[TR-020](docs/spec/tree.md#tr-020).")
+        assert cite.rule_paragraph("XX-001", "https://h/b", markdown=False) == (
+            "Rule. See MLA <https://h/b/docs/mla.md#the-gpu-build> and TR-020 <https://h/b/docs/spec/tree.md#tr-020>.")
+    finally:
+        cite.spec_entries = orig
+
+
+def test_links_to_one_symbol_at_two_lines_get_distinct_labels(capsys):
+    """ML-011 cites ``forward_extend`` twice: the MHA expand call (L1844) and the MLA one (L2034)."""
+    rc, out, _ = run(capsys, "ML-011")
+    upstream = next(x for x in out.splitlines() if x.startswith("- **Upstream:** "))
+    pairs = re.findall(r"\[`([^`]+)`\]\((https://[^)]+)\)", upstream)
+    labels = [lab for lab, _ in pairs]
+    assert rc == 0 and len(pairs) == len(RULES["ML-011"].sources) - 1  # all but the PR (History)
+    assert len(set(labels)) == len(labels), labels
+    fe = [(lab, url) for lab, url in pairs if "forward_extend" in lab]
+    assert [lab.split(":")[-1] for lab, _ in fe] == ["FlashAttentionBackend.forward_extend L1844@v0.5.23",
+                                                     "FlashAttentionBackend.forward_extend L2034@v0.5.23"]
+    assert all(url.endswith("#L" + lab.split(" L")[1].split("@")[0]) for lab, url in fe)
+    # a label that is not repeated stays as the catalogue has it
+    assert any(lab.endswith(":FlashAttentionBackend.forward_decode@v0.5.23") for lab in labels)
+
+
+def test_source_labels_only_change_repeated_labels():
+    from refspec.core.sources import Source
+    a = Source("f.py:g@v1", "https://x/blob/v1/f.py#L10")
+    b = Source("f.py:g@v1", "https://x/blob/v1/f.py#L20")
+    c = Source("f.py:h@v1", "https://x/blob/v1/f.py#L30")
+    d = Source("note", "https://x/blob/v1/g.py#L5")
+    e = Source("note", "https://x/blob/v1/g.py#L6")
+    assert cite.source_labels([a, b, c, d, e]) == ["f.py:g L10@v1", "f.py:g L20@v1", "f.py:h@v1", "note L5", "note L6"]
+    assert cite.source_labels([a, c]) == ["f.py:g@v1", "f.py:h@v1"]
+
+
+@pytest.mark.parametrize("inv_id, first", [
+    ("ML-011", "tests/test_mla_backend.py::test_verify_expand_on_the_paged_views_reads_the_wrong_keys"),
+    ("ML-012", "tests/test_conformance_mla.py::"
+               "test_mla_pool_without_move_kv_cache_fails_on_0512_at_a_partial_tail_and_0523_moves_rows"),
+])
+def test_shown_by_names_a_test_that_reproduces_the_rule_not_the_shared_guard(capsys, inv_id, first):
+    """``test_mla_topk_gt1_paged_fa3_passes_the_releases_own_guards`` (reachability, cites ML-011 and ML-012)
+    sorted first by name; the first test must be one that cites the rule alone (read by hand from its module)."""
+    path, _, name = first.partition("::")
+    assert re.search(rf'@pytest\.mark\.spec\("{inv_id}"\)\ndef {name}\(', (ROOT / path).read_text())
+    rc, out, _ = run(capsys, inv_id)
+    shown = next(x for x in out.splitlines() if x.startswith("- **Shown by:** "))
+    assert rc == 0 and shown.startswith(f"- **Shown by:** `pytest '{first}'`"), shown
+    assert "passes_the_releases_own_guards" not in shown
+
+
+def test_pick_tests_order():
+    """GPU last; public cases first; fewer rules cited first; the module holding most of the rule's tests
+    first; file order inside a module (this file's own tests, whose lines are known)."""
+    here = "tests/test_cite.py::"
+    tests = [here + "test_text_format_has_no_markdown", here + "test_cite_several_ids",
+             "tests/test_gpu_x.py::test_one", "tests/test_a.py::test_case_B01_x", "tests/test_a.py::test_many",
+             "tests/test_b.py::test_alone"]
+    cited = {"XX-001": tests, "XX-002": ["tests/test_a.py::test_many", "tests/test_a.py::test_case_B01_x"],
+             "XX-003": ["tests/test_a.py::test_many"]}
+    assert cite.pick_tests(tests, cited) == [
+        "tests/test_a.py::test_case_B01_x",  # a public case, though it cites two rules
+        here + "test_cite_several_ids",  # cites one rule, in the module with two of its tests, defined first
+        here + "test_text_format_has_no_markdown",
+        "tests/test_b.py::test_alone",  # cites one rule, a module with one of its tests
+        "tests/test_a.py::test_many",  # cites three rules
+        "tests/test_gpu_x.py::test_one"]

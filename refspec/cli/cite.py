@@ -3,16 +3,21 @@
 For each ID it prints a block that reads well pasted into a GitHub review comment
 (``--format markdown``, the default) or a terminal (``--format text``):
 
-* the rule's one-line statement and its conformance level (what the level means for the review);
+* the rule's one-line title, then its **Rule.** paragraph as the spec page states it, word for word
+  (:func:`rule_paragraph`; ``--format text`` drops only the Markdown markup: backticks, ``**``), then
+  its conformance level (what the level means for the review);
 * the SGLang versions it matches and the pins ``python -m refspec conformance`` checks;
 * the upstream sources: permalinks at a release tag or commit, with a line, first; then the PRs
-  and commits that made or broke the rule (its history);
+  and commits that made or broke the rule (its history); two links that would print the same label
+  (one symbol cited at two lines) carry their line, ``forward_extend L1844@v0.5.23`` /
+  ``forward_extend L2034@v0.5.23`` (:func:`source_labels`);
 * the rule's page ``docs/spec/<page>.md#<id>`` as a full link: under ``--base-url URL`` (or
   ``$REFSPEC_DOCS_URL``), e.g. ``--base-url https://github.com/<owner>/refspec/blob/<tag>``, else
   under this repository's GitHub blob (``main``) when its URL is known, else repo-relative
   (:func:`refspec.harness.docs_links.docs_base`, as the conformance report links it);
-* the refspec test that shows it (the first ``@pytest.mark.spec`` test found by
-  ``docs/spec_index.py``; ``--tests`` lists them all) as a ``pytest`` command;
+* the refspec test that shows it as a ``pytest`` command: the first of the ``@pytest.mark.spec``
+  tests ``docs/spec_index.py`` finds, in :func:`pick_tests`'s order (a test about this rule alone
+  before one that checks it among others); ``--tests`` lists them all;
 * a review line to complete.
 
 Lookups: ``cite --list`` prints every ID with its level and title; ``--level kernel`` (alone or
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import posixpath
 import re
 import sys
 from functools import cache
@@ -89,14 +95,102 @@ def see_also(inv_id: str) -> list[str]:
     return [name for name, t in TOPICS.items() if inv_id in t.ids]
 
 
-def pick_tests(tests: list[str]) -> list[str]:
-    """The tests in showing order: public-case and non-GPU tests first (both keep their order)."""
-    return sorted(tests, key=lambda t: ("test_gpu_" in t, "case_B" not in t))
+@cache
+def citations() -> dict[str, list[str]]:
+    """``ID -> the node ids of the tests citing it`` (``docs/spec_index.py``'s index of this checkout)."""
+    return load_spec_index().build_index().tests
+
+
+def _def_line(node_id: str) -> int:
+    """The line of the test's ``def`` in its module (file order), or a large number if not found."""
+    path, _, name = node_id.partition("::")
+    func = name.split("::")[-1].split("[")[0]
+    text = _module_text(path)
+    m = re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(func)}\(", text, re.M)
+    return text.count("\n", 0, m.start()) + 1 if m else 1 << 30
+
+
+@cache
+def _module_text(path: str) -> str:
+    f = ROOT / path
+    return f.read_text(encoding="utf-8") if f.is_file() else ""
+
+
+def pick_tests(tests: list[str], cited: dict[str, list[str]] | None = None) -> list[str]:
+    """The tests of one rule in showing order: the first is the one ``Shown by`` names.
+
+    ``tests``: node ids citing the rule; ``cited``: ``ID -> node ids`` for every rule (default
+    :func:`citations`), to count how many rules each test cites.  The order, each key breaking the
+    previous one's ties:
+
+    1. tests that run without a GPU before ``test_gpu_*`` tests (the command runs where it is pasted);
+    2. public-case tests (``case_B..``, the documented failure scenarios) first;
+    3. fewer rules cited first: a test that cites this rule alone reproduces or exercises it; one
+       that cites it among others is an end-to-end check (a lossless loop) or a shared guard (the
+       reachability test that ML-011 and ML-012 both cite) and comes later;
+    4. the rule's home module first: modules ordered by how many of the rule's tests they hold
+       (most first), then by path;
+    5. file order within a module (the line of the test's ``def``).
+    """
+    cited = citations() if cited is None else cited
+    rules_of: dict[str, int] = {}
+    for ids in cited.values():
+        for t in ids:
+            rules_of[t] = rules_of.get(t, 0) + 1
+    per_module: dict[str, int] = {}
+    for t in tests:
+        per_module[t.partition("::")[0]] = per_module.get(t.partition("::")[0], 0) + 1
+
+    def key(t: str):
+        module = t.partition("::")[0]
+        return ("test_gpu_" in t, "case_B" not in t, rules_of.get(t, 1), -per_module[module], module, _def_line(t))
+
+    return sorted(tests, key=key)
+
+
+def source_labels(sources: tuple[Source, ...] | list[Source]) -> list[str]:
+    """Each source's label; labels that would repeat (one symbol cited at two lines) get the line.
+
+    ``path:symbol@version`` linked to ``#L1844`` becomes ``path:symbol L1844@version``; a label
+    without ``@`` gets `` L1844`` at its end.  Labels that stay equal (same line) are left as they are."""
+    labels = [s.label for s in sources]
+    out = []
+    for s in sources:
+        m = re.search(r"#L(\d+)(?:-L?\d+)?$", s.url)
+        if labels.count(s.label) > 1 and m:
+            head, at, version = s.label.rpartition("@")
+            out.append(f"{head} L{m.group(1)}@{version}" if at else f"{s.label} L{m.group(1)}")
+        else:
+            out.append(s.label)
+    return out
+
+
+def rule_paragraph(inv_id: str, base_url: str = "", markdown: bool = True) -> str:
+    """The ``**Rule.**`` paragraph of the ID's spec entry (``docs/spec/<page>.md``), word for word.
+
+    Its lines are joined with one space (a paragraph, as Markdown renders it).  Links relative to
+    ``docs/spec/`` become repo-relative (``docs/...``) or absolute under ``base_url``.  With
+    ``markdown=False`` the Markdown markup (backticks, ``**``) is dropped and a link ``[x](u)``
+    reads ``x <u>``; every word stays.  '' when the entry has no Rule paragraph."""
+    entry = spec_entries().get(inv_id, "")
+    para = next((p for p in re.split(r"\n[ \t]*\n", entry) if p.lstrip().startswith("**Rule.**")), "")
+    text = " ".join(line.strip() for line in para.strip().splitlines())
+
+    def target(m: re.Match) -> str:
+        url = m.group(2)
+        if not re.match(r"^[a-z]+:|^#", url):
+            path = posixpath.normpath(posixpath.join("docs/spec", url))
+            url = f"{base_url.rstrip('/')}/{path}" if base_url else path
+        return f"[{m.group(1)}]({url})" if markdown else f"{m.group(1)} <{url}>"
+
+    text = re.sub(r"\[([^\]]+)\]\(([^)\s]+)\)", target, text)
+    return text if markdown else text.replace("**", "").replace("`", "")
 
 
 def render(inv_id: str, tests: list[str], fmt: str = "markdown", base_url: str = "",
-           all_tests: bool = False) -> str:
-    """The block for one known ID (``tests``: node ids citing it), Markdown or plain text."""
+           all_tests: bool = False, cited: dict[str, list[str]] | None = None) -> str:
+    """The block for one known ID (``tests``: node ids citing it; ``cited``: every rule's, for
+    :func:`pick_tests`), Markdown or plain text."""
     r = RULES[inv_id]
     md = fmt == "markdown"
     code = (lambda s: f"`{s}`") if md else (lambda s: s)
@@ -104,7 +198,11 @@ def render(inv_id: str, tests: list[str], fmt: str = "markdown", base_url: str =
     head = (f"**{inv_id}** — {r.title}" if md else f"{inv_id} — {r.title}")
     level = f"*{r.level}*" if md else str(r.level)
     item = (lambda key, val: f"- **{key}:** {val}") if md else (lambda key, val: f"  {key}: {val}")
-    out = [head, "", item("Level", f"{level}: {r.level.meaning}.")]
+    out = [head, ""]
+    rule = rule_paragraph(inv_id, base_url, md)
+    if rule:
+        out += [rule, ""]
+    out.append(item("Level", f"{level}: {r.level.meaning}."))
     if r.level is Level.HARDENING:
         out.append(item("In SGLang", f"{r.upstream}."))
     elif r.upstream:
@@ -117,23 +215,24 @@ def render(inv_id: str, tests: list[str], fmt: str = "markdown", base_url: str =
     if r.conformance:
         out.append(item("Checked against upstream", f"{code('python -m refspec conformance')} at "
                         f"{', '.join(r.conformance)}"))
-    upstream = [s for s in r.sources if _is_permalink(s)]
-    history = [s for s in r.sources if not _is_permalink(s) and not s.url.startswith("docs/")]
-    pages = [s for s in r.sources if s.url.startswith("docs/")]
+    labelled = list(zip(source_labels(r.sources), r.sources))
+    upstream = [(lab, s) for lab, s in labelled if _is_permalink(s)]
+    history = [(lab, s) for lab, s in labelled if not _is_permalink(s) and not s.url.startswith("docs/")]
+    pages = [(lab, s) for lab, s in labelled if s.url.startswith("docs/")]
     if upstream:
-        out.append(item("Upstream", ", ".join(link(code(s.label), s.url) for s in upstream)))
+        out.append(item("Upstream", ", ".join(link(code(lab), s.url) for lab, s in upstream)))
     if history:
-        out.append(item("History", ", ".join(link(s.label, s.url) for s in history)))
+        out.append(item("History", ", ".join(link(lab, s.url) for lab, s in history)))
     page = spec_link(inv_id, base_url)
     out.append(item("Rule page", link(code(spec_link(inv_id)), page) if md else page))
     if pages:
-        out.append(item("Evidence", ", ".join(link(code(s.label), _url(s, base_url)) for s in pages)))
+        out.append(item("Evidence", ", ".join(link(code(lab), _url(s, base_url)) for lab, s in pages)))
     for topic in see_also(inv_id):
         t = TOPICS[topic]
         url = _docs_link(t.page[len("docs/"):], base_url)
         out.append(item("See also", f"the {topic} story ({t.summary}): {code(f'python -m refspec cite {topic}')}, "
                         f"{link(code(t.page), url) if md else url}"))
-    shown = pick_tests(tests)
+    shown = pick_tests(tests, cited)
     if shown:
         more = len(shown) - 1
         extra = f" (+{more} more: {code(f'python -m refspec cite {inv_id} --tests')})" if more and not all_tests else ""
@@ -237,10 +336,10 @@ def _main(argv) -> int:
             hint = f"; close matches: {', '.join(near)}" if near else "; 'python -m refspec cite --list' shows them all"
             raise CLIError(f"unknown invariant {token!r}{hint}")
         resolved.append(inv_id)
-    index = load_spec_index().build_index()
+    cited = citations()
     sep = "\n\n---\n\n" if args.format == "markdown" else "\n\n"
     base = docs_base(args.base_url)[0]  # absolute links: --base-url, else the repository's blob
-    print(sep.join(render(i, index.tests.get(i, []), args.format, base, args.tests) for i in resolved))
+    print(sep.join(render(i, cited.get(i, []), args.format, base, args.tests, cited) for i in resolved))
     return 0
 
 
