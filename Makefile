@@ -88,7 +88,7 @@ conformance: venv
 		tests/test_conformance_controls.py tests/test_conformance_mla.py
 
 # every release with the FA3 backend (0.4.4.post2 .. 0.5.23), one worker at a time; rewrites the
-# measured table of docs/versions.md (CPU-heavy: about 40 minutes on 2 cores; not part of CI)
+# measured table of docs/versions.md (CPU-heavy: 25 to 35 minutes on 2 shared cores, 2026-12-07; not part of CI)
 sweep: venv
 	$(PY) -m refspec conformance --sweep
 	$(PY) -m pytest -q -m releases tests/test_conformance_targets.py tests/test_conformance_sweep.py

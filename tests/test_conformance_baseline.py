@@ -84,6 +84,11 @@ def test_the_staged_phase_only_the_pr_has_is_new_and_same_and_the_run_passes(tre
     (row,) = changed(text)
     assert row.split() == ["new,", "same", "draft_extend_v2", "16", "replay-staged", "1", "same"]
     assert "  unchanged: 2 results" in text and "== OK: no new failure against the baseline" in text
+    # each side says how many results compared the kernel's real arguments (none here: canned results)
+    for side, tree, n in (("baseline", base, 2), ("under test", pr, 3)):
+        assert (f"== {side}: kernel arguments: sglang @ {tree}: 0 of {n} results compared the 0 "
+                f"flash_attn_with_kvcache calls") in text, text
+    assert text.count("no kernel call was recorded, so PA-013 is not checked here") == 2, text
     assert md.startswith("### refspec conformance: what this PR changes\n")
     assert "| new, same | draft_extend_v2 | 16 | replay-staged | 1 | same |" in md
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
 from refspec.conformance import cases, install, report
@@ -147,6 +148,43 @@ def test_the_draft_extend_v2_graph_is_unreachable_only_where_every_v2_worker_bui
     assert _workers(tmp_path / "b", **{WORKER_V2: NPU_ONLY, MULTI_V2: MULTI}) is None  # 0.5.7: the multi-layer one
     assert _workers(tmp_path / "c", **{WORKER_V2: ALLOWLIST}) is None  # `_is_npu or ...` may hold on CUDA
     assert _workers(tmp_path / "d") is None  # no worker found: the graphs are compared
+
+
+DE_RUNNER = "python/sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py"
+#: 0.5.3.post2's spec-v2 worker: no draft-extend graph of its own; it inherits the v1 worker's runner
+INHERITS = """
+class EAGLEWorkerV2(EAGLEWorker):
+    def forward_draft_extend_after_decode(self, batch):
+        forward_batch = draft_input.prepare_for_extend_to_fill_draft_kvcache(batch)
+        return self.draft_model_runner.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+"""
+#: the v1 draft-extend graph runner of 0.5.3.post2: it captures the draft extend as DRAFT_EXTEND
+V1_RUNNER = """
+class EAGLEDraftExtendCudaGraphRunner:
+    def capture_one_batch_size(self, bs, forward):
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND,
+            batch_size=bs,
+        )
+"""
+
+
+@pytest.mark.spec("CG-004")
+def test_a_v2_worker_without_a_draft_extend_graph_of_its_own_leaves_the_v2_graph_unreachable(tmp_path):
+    """0.5.3.post2 / .post3: the spec-v2 worker builds no draft-extend graph (its DRAFT_EXTEND_V2 forward
+    runs eagerly) and the v1 runner it inherits captures DRAFT_EXTEND, so FA3's DRAFT_EXTEND_V2 capture /
+    replay never run: not reachable upstream (they read as CG-004 upstream errors before).  A runner that
+    names DRAFT_EXTEND_V2, or no spec-v2 worker at all, keeps the graphs compared."""
+    why = _workers(tmp_path / "a", **{WORKER_V2: INHERITS, DE_RUNNER: V1_RUNNER})
+    line = next(i for i, x in enumerate(textwrap.dedent(V1_RUNNER).splitlines(), 1) if "ForwardMode.DRAFT_EXTEND," in x)
+    assert why == (f"sglang/srt/speculative/eagle_draft_extend_cuda_graph_runner.py:{line} (the draft-extend CUDA "
+                   f"graph runner the spec-v2 worker builds) captures and replays with "
+                   f"forward_mode=ForwardMode.DRAFT_EXTEND and no runner names DRAFT_EXTEND_V2: the backend's "
+                   f"DRAFT_EXTEND_V2 graph hooks never run (its DRAFT_EXTEND v1 graph rows are compared)")
+    v2_runner = V1_RUNNER + "        mode = ForwardMode.DRAFT_EXTEND_V2\n"
+    assert _workers(tmp_path / "b", **{WORKER_V2: INHERITS, DE_RUNNER: v2_runner}) is None
+    assert _workers(tmp_path / "c", **{DE_RUNNER: V1_RUNNER}) is None  # no spec-v2 worker: compared
+    assert _workers(tmp_path / "d", **{WORKER_V2: INHERITS}) is None  # no runner found: compared
 
 
 def test_an_unreachable_draft_extend_v2_graph_keeps_the_eager_part_and_names_the_graphs():

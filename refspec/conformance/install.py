@@ -363,7 +363,10 @@ def draft_extend_graph_unreachable(site: str) -> str | None:
     hooks never run on CUDA: their rows are not reachable upstream.  Where a build may run on CUDA
     (0.5.7 on: the multi-layer worker builds one unconditionally; a backend allowlist, as at
     0.5.12.post1, counts as reachable), the runner it builds may still capture the draft extend in
-    the v1 mode (:func:`v1_mode_runners`, 0.5.4.post2).  None where no build is found (the
+    the v1 mode (:func:`v1_mode_runners`, 0.5.4.post2).  Where a spec-v2 worker exists but builds
+    none of its own (0.5.3.post2 / .post3: ``EAGLEWorkerV2(EAGLEWorker)`` inherits the v1 worker's
+    runner, which captures ``DRAFT_EXTEND``, and runs its DRAFT_EXTEND_V2 forward eagerly), the
+    runners' capture mode decides the same way.  None where no spec-v2 worker is found (the
     comparison then runs) or a CUDA runner captures DRAFT_EXTEND_V2."""
     builds, guards = 0, []
     for rel in V2_WORKERS:
@@ -379,8 +382,8 @@ def draft_extend_graph_unreachable(site: str) -> str | None:
                 builds += 1
                 if id(n) in npu_bodies:
                     guards.append((rel, npu_bodies[id(n)]))
-    if not builds:
-        return None
+    if not builds:  # no spec-v2 worker builds its own: the runners it inherits decide (0.5.3.post2)
+        return v1_mode_runners(site) if any(_read(site, rel) is not None for rel in V2_WORKERS) else None
     if not guards or len(guards) < builds:  # a build may run on CUDA: with which mode does its runner capture?
         return v1_mode_runners(site)
     rel, g = guards[0]

@@ -654,6 +654,7 @@ def kernel_lines(out, side: str = "") -> list[str]:
         trees = sum(r.mode.startswith("tree_") for r in mine)
         sched_said = (f"{sched} of them handed a scheduler_metadata, checked against the get_scheduler_metadata "
                       f"call that made it (PA-013)" if sched else
+                      "no kernel call was recorded, so PA-013 is not checked here" if not done else
                       "no call was handed a scheduler_metadata (this code computes none on these paths), so PA-013 "
                       "is not checked here")
         lines.append(f"== {side}kernel arguments: sglang {label}: {len(done)} of {len(mine)} results compared the "

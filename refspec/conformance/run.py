@@ -646,7 +646,7 @@ def render_review(rev: Review, verbose: bool = False) -> str:
                          + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else ""))
     for side, out in (("baseline: ", rev.baseline), ("under test: ", rev.test)):
         if not verbose:
-            parts += unreachable_lines(out, side) + mirror_lines(out, side)
+            parts += unreachable_lines(out, side) + mirror_lines(out, side) + report.kernel_lines(out, side)
     test, base = next(iter(rev.test.targets)), next(iter(rev.baseline.targets))
     parts.append(f"== changes: {report.change_summary(rev.changes, test, base)}")
     parts.append(report.changes_table(rev.changes, verbose, last=rev.not_on_baseline))

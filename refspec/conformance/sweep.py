@@ -47,22 +47,18 @@ TREE_PART_FIELDS = tuple(rules.TREE_PART)
 
 
 def fingerprint() -> str:
-    """SHA-256 (16 hex digits) of what can change a cell: the sweep grid, every module of this
-    package but this one and ``install`` (whose downloads and stamps cannot), and of ``install``
-    the shape detection (its functions' source and the tables they read)."""
+    """SHA-256 (16 hex digits) of what can change a cell: the sweep grid and every module of this
+    package but this one.  ``install`` is hashed whole: its shape detection calls helpers (the
+    reachability guards, the accept-length and draft ``out_cache_loc`` layouts) whose change moves
+    cells, and a list of them drifts (a reused entry would then be of other code)."""
     import hashlib
-    import inspect
 
     here = os.path.dirname(os.path.abspath(__file__))
     h = hashlib.sha256(repr((PAGE_SIZES, TOPKS, EDGES)).encode())
     for name in sorted(os.listdir(here)):
-        if name.endswith(".py") and name not in ("sweep.py", "install.py"):
+        if name.endswith(".py") and name != "sweep.py":
             with open(os.path.join(here, name), "rb") as f:
                 h.update(name.encode() + b"\0" + f.read())
-    for fn in (install.detect, install.methods, install._enum_members, install.toggles):
-        h.update(inspect.getsource(fn).encode())
-    h.update(repr((install.ADAPTERS, install.KERNEL_FILES, install.OWN_TREE_FILES, install.BASE_MODES,
-                   install.TREE_MODES, install.Shape.__dataclass_fields__.keys())).encode())
     return h.hexdigest()[:16]
 
 
