@@ -288,3 +288,19 @@ def test_a_capture_bound_to_a_private_buffer_that_the_047_replay_rebinds_is_cg_0
     assert all(fld == "kernel:cache_seqlens" for _, _, fld, _, _ in stale)
     assert ("mla_decode", "replay", "kernel:cache_seqlens", "CG-001", (FA, 2071)) in stale
     assert not any(f.rule in ("MD-003",) for r in out.rows for f in r.findings)
+
+
+@pytest.mark.spec("ML-002")
+def test_the_live_and_the_padded_rows_of_an_output_are_two_fields():
+    """``mla_forward.mla_diffs``: live rows differing (``mla:out``) and a graph's padded rows differing
+    (``mla:out[padded]``) are reported apart, so a fix of the live rows' cause (0.4.7.post1's expand
+    table) leaves the padded rows' slot-0 difference under its own field, as on the baseline.  Negative
+    control: equal outputs give no ``mla:out*`` diff."""
+    a = torch.zeros(4, 2, 8)
+    b = a.clone()
+    assert not [d for d in mla_forward.mla_diffs({"out": a}, {"out": b}, 3)]
+    b[1] += 1
+    b[3] += 2
+    ds = mla_forward.mla_diffs({"out": a}, {"out": b}, 3)
+    assert [(d.field, d.padded) for d in ds] == [("mla:out", False), ("mla:out[padded]", True)]
+    assert ds[0].ours.startswith("rows 1 of 4") and ds[1].ours.startswith("rows 3 of 4")

@@ -575,7 +575,8 @@ def _at(x) -> tuple[str, int] | None:
 
 def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[Diff]:
     """The ``mla:`` diffs: the output (``real``: the rows of real requests' tokens, the rest a
-    graph's padding; ``out_at`` the upstream line of the call that made it), the rows stored and
+    graph's padding, each part its own field: ``mla:out`` the live rows, ``mla:out[padded]`` the
+    padded ones; ``out_at`` the upstream line of the call that made it), the rows stored and
     slot 0 (at the line that called the store), the tail copy (at the line that called the move)."""
     out = []
     a, b = ours.get("out"), theirs.get("out")
@@ -584,9 +585,13 @@ def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[D
                         MISSING if b is None else str(list(b.shape))))
     else:
         bad = _rows_differ(a, b).nonzero().flatten().tolist()
-        if bad:
-            real_bad = [r for r in bad if real is None or r < real]
-            r = (real_bad or bad)[0]
+        real_bad = [r for r in bad if real is None or r < real]
+        # the live rows and a graph's padded rows apart: what a padded row reads (slot 0, ML-002) is its own
+        # field, so a fix of the live rows' cause leaves the padded rows' difference as it was, not renamed
+        for field, rows_ in (("mla:out", real_bad), ("mla:out[padded]", [r for r in bad if r not in real_bad])):
+            if not rows_:
+                continue
+            r = rows_[0]
             err = (a[r].double() - b[r].double()).abs().nan_to_num(math.inf).max().item()
             oracle = ours.get("oracle")
             vs = ""
@@ -595,11 +600,9 @@ def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[D
                 e_up = (b[r].double() - oracle[r].double()).abs().nan_to_num(math.inf).max().item()
                 vs = f"; against the MLA oracle: refspec {e_ours:.2g}, upstream {e_up:.3g}"
             nan = " (NaN: undefined, the kernel reads outside the pool)" if bool(b[r].isnan().any()) else ""
-            # only a graph's padded rows differing is its own field: what a padded row reads (slot 0, ML-002)
-            field = "mla:out" if real_bad else "mla:out[padded]"
-            out.append(Diff(field, f"rows {_rowlist(bad)} of {a.shape[0]}: refspec row {r} {_show(a[r, 0, :4])}",
-                            f"row {r} {_show(b[r, 0, :4])}{nan}, max |d| {err:.3g}{vs}", padded=not real_bad,
-                            at=_at(out_at)))
+            out.append(Diff(field, f"rows {_rowlist(rows_)} of {a.shape[0]}: refspec row {r} {_show(a[r, 0, :4])}",
+                            f"row {r} {_show(b[r, 0, :4])}{nan}, max |d| {err:.3g}{vs}",
+                            padded=field == "mla:out[padded]", at=_at(out_at)))
     wa, wb = ours.get("written"), theirs.get("written")
     if wa is not None and wb is not None:
         sa, sb = wa["slots"].tolist(), wb["slots"].tolist()
