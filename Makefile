@@ -91,7 +91,8 @@ conformance: venv
 # measured table of docs/versions.md (CPU-heavy: 25 to 35 minutes on 2 shared cores, 2026-12-07; not part of CI)
 sweep: venv
 	$(PY) -m refspec conformance --sweep
-	$(PY) -m pytest -q -m releases tests/test_conformance_targets.py tests/test_conformance_sweep.py
+	$(PY) -m pytest -q -m releases tests/test_conformance_targets.py tests/test_conformance_sweep.py \
+		tests/test_conformance_mla.py
 
 # the rest of the lossless grids whose representative subset make test runs (marker full_grid):
 # the MLA target + MTP draft at every P x v1 / v2 / v2-overlap x eager / graph, chain and trees

@@ -46,6 +46,7 @@ import functools
 import math
 import os
 import re
+from dataclasses import replace
 
 import torch
 
@@ -574,7 +575,8 @@ def _at(x) -> tuple[str, int] | None:
 
 def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[Diff]:
     """The ``mla:`` diffs: the output (``real``: the rows of real requests' tokens, the rest a
-    graph's padding; ``out_at`` the upstream line of the call that made it), the rows stored and
+    graph's padding, each part its own field: ``mla:out`` the live rows, ``mla:out[padded]`` the
+    padded ones; ``out_at`` the upstream line of the call that made it), the rows stored and
     slot 0 (at the line that called the store), the tail copy (at the line that called the move)."""
     out = []
     a, b = ours.get("out"), theirs.get("out")
@@ -583,9 +585,13 @@ def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[D
                         MISSING if b is None else str(list(b.shape))))
     else:
         bad = _rows_differ(a, b).nonzero().flatten().tolist()
-        if bad:
-            real_bad = [r for r in bad if real is None or r < real]
-            r = (real_bad or bad)[0]
+        real_bad = [r for r in bad if real is None or r < real]
+        # the live rows and a graph's padded rows apart: what a padded row reads (slot 0, ML-002) is its own
+        # field, so a fix of the live rows' cause leaves the padded rows' difference as it was, not renamed
+        for field, rows_ in (("mla:out", real_bad), ("mla:out[padded]", [r for r in bad if r not in real_bad])):
+            if not rows_:
+                continue
+            r = rows_[0]
             err = (a[r].double() - b[r].double()).abs().nan_to_num(math.inf).max().item()
             oracle = ours.get("oracle")
             vs = ""
@@ -594,11 +600,9 @@ def mla_diffs(ours: dict, theirs: dict, real: int | None, out_at=None) -> list[D
                 e_up = (b[r].double() - oracle[r].double()).abs().nan_to_num(math.inf).max().item()
                 vs = f"; against the MLA oracle: refspec {e_ours:.2g}, upstream {e_up:.3g}"
             nan = " (NaN: undefined, the kernel reads outside the pool)" if bool(b[r].isnan().any()) else ""
-            # only a graph's padded rows differing is its own field: what a padded row reads (slot 0, ML-002)
-            field = "mla:out" if real_bad else "mla:out[padded]"
-            out.append(Diff(field, f"rows {_rowlist(bad)} of {a.shape[0]}: refspec row {r} {_show(a[r, 0, :4])}",
-                            f"row {r} {_show(b[r, 0, :4])}{nan}, max |d| {err:.3g}{vs}", padded=not real_bad,
-                            at=_at(out_at)))
+            out.append(Diff(field, f"rows {_rowlist(rows_)} of {a.shape[0]}: refspec row {r} {_show(a[r, 0, :4])}",
+                            f"row {r} {_show(b[r, 0, :4])}{nan}, max |d| {err:.3g}{vs}",
+                            padded=field == "mla:out[padded]", at=_at(out_at)))
     wa, wb = ours.get("written"), theirs.get("written")
     if wa is not None and wb is not None:
         sa, sb = wa["slots"].tolist(), wb["slots"].tolist()
@@ -671,11 +675,17 @@ def diffs(job: cases.Job, phase: str, ours: dict, theirs: dict, real_batch: int 
     else:
         raw = compare(ours, theirs, P, real=real_batch)
     seen = {(d.field, d.ours, d.theirs) for d in raw}
+    differing = {d.field for d in raw}
     for d in kernel_diffs(job.mode, ours[KERNEL], theirs.get(KERNEL, "no kernel calls came back"), P):
         part, _, arg = d.field.removeprefix("kernel:").rpartition(".")
         field = KERNEL_FIELD.get(arg)
-        if field is not None and ((f"{part}:" if part else "") + field, d.ours, d.theirs) in seen:
+        own = None if field is None else (f"{part}:" if part else "") + field
+        if own is not None and (own, d.ours, d.theirs) in seen:
             continue  # the same values as the metadata field's difference: one finding (the metadata's)
+        if own is not None and field != "max_seq_len_q" and own not in differing and phase.startswith("replay"):
+            # the metadata is right, the captured buffer the replayed call reads is not: CG-001, cited where the
+            # replay wrote the field (the line that rebinds it: at None, found in the replay's trace)
+            d = replace(d, stale=True, at=None)
         raw.append(d)
     if isinstance(theirs.get(MLA), dict):
         calls = theirs.get(KERNEL)
@@ -701,15 +711,19 @@ KERNEL_FIELD = {"cache_seqlens": "cache_seqlens_int32", "cu_seqlens_q": "cu_seql
                 "page_table[live]": "page_table[live]"}
 
 
-def rule_for(mode: str, phase: str, field: str | None, error: str | None = None, base_rule=None) -> str:
+def rule_for(mode: str, phase: str, field: str | None, error: str | None = None, base_rule=None,
+             stale: bool = False) -> str:
     """The rule of a difference of an MLA result: ``field`` (``mla:...``, ``kernel:[part.]arg``, a
     metadata field), or, ``field`` None, an upstream error (``error`` its text).  ``base_rule``:
     the base mode's mapping (``refspec.conformance.rules.rule_for``) for the metadata fields and
-    the kernel arguments read from them.
+    the kernel arguments read from them; ``stale`` (``Diff.stale``: a replayed call reads a
+    captured buffer the replay did not rewrite, its metadata field right) goes to it as the
+    kernel argument it is (CG-001, the MHA path's route).
 
     The view of the top-k > 1 verify *expand* call (its table holds token slots) is ML-011's;
-    the output is ML-005's (absorbed), ML-010's (the prefill) or ML-011's (the cascade); an error
-    of the tail copy's ``move_kv_cache`` ML-012's; any other upstream error the call's rule."""
+    the output is ML-005's (absorbed), ML-010's (the prefill) or ML-011's (the cascade) until
+    :func:`attribute` names its cause; an error of the tail copy's ``move_kv_cache`` ML-012's; any
+    other upstream error the call's rule."""
     base = base_mode(mode)
     tree = base in TREE
     if field is None:
@@ -729,8 +743,55 @@ def rule_for(mode: str, phase: str, field: str | None, error: str | None = None,
     if part == "expand" and base == "tree_verify" and arg in ("k_cache", "v_cache", "read"):
         return "ML-011"
     if arg in KERNEL_FIELD:
+        if stale:
+            return base_rule(base, phase, f"kernel:{arg}")
         return base_rule(base, phase, (f"{part}:" if part else "") + KERNEL_FIELD[arg])
     return FIELD_RULE.get(arg, "ML-005")
+
+
+#: the output's fields (:func:`mla_diffs`): what the forward computed, a consequence of the row's other fields
+OUT_FIELDS = ("mla:out", "mla:out[padded]")
+
+
+def attribute(row) -> None:
+    """Name each output finding (``mla:out`` / ``mla:out[padded]``) of an MLA ``row`` (a
+    :class:`refspec.conformance.report.Row` after ``report.find``) by the rule of its cause, where
+    the row shows one, and cite that finding's upstream line:
+
+    * padded rows only, with ``mla:slot0`` differing: ML-002 (a padded row's store wrote slot 0,
+      which the padded rows then read);
+    * else the first (``rules.by_cause``) rule of the row's other findings of the call or its
+      metadata -- a table or length (``expand:page_table[live]`` TR-018, ``cache_seqlens_int32``
+      MD-003, a stale replayed buffer CG-001, ...) or an argument (``k_cache`` ML-003, ...);
+    * else ``mla:slot0`` (ML-002);
+    * else the output's own rule (:func:`rule_for`), never ML-011 at P = 1 (the P-paged views
+      are the page-size-1 views there: ML-005, the ``qv`` call).
+
+    Upstream exceptions and adapter gaps are left as they are."""
+    from dataclasses import replace as _replace
+
+    from refspec.conformance import rules
+
+    if not is_mla(row.mode):
+        return
+    causes = [f for f in row.findings if f.field and f.field not in OUT_FIELDS and f.field != "mla:slot0" and
+              not f.field.startswith("mla:")]
+    slot0 = next((f for f in row.findings if f.field == "mla:slot0"), None)
+    first = None
+    if causes:
+        rank = rules.by_cause([f.rule for f in causes])[0]
+        first = next(f for f in causes if f.rule == rank)
+    out = []
+    for f in row.findings:
+        if f.field in OUT_FIELDS:
+            cause = slot0 if f.field == "mla:out[padded]" and slot0 is not None else first or slot0
+            if cause is not None:
+                f = _replace(f, rule=cause.rule, level=cause.level, where=cause.where, url=cause.url, how=cause.how,
+                             via=cause.via, via_url=cause.via_url)
+            elif f.rule == "ML-011" and row.page_size == 1:
+                f = _replace(f, rule="ML-005", level=rules.level("ML-005"))
+        out.append(f)
+    row.findings[:] = out
 
 
 # ---- the console ----

@@ -49,7 +49,7 @@ def rule_for(mode: str, phase: str, field: str | None, short_table: bool = False
         from refspec.conformance.mla_forward import rule_for as mla_rule
 
         return mla_rule(mode, phase, field, base_rule=lambda m, p, f: rule_for(m, p, f, short_table, out_of_pool,
-                                                                               stale))
+                                                                               stale), stale=stale)
     if (field or "").startswith("kernel:"):
         return kernel_rule(mode, phase, field[len("kernel:"):], short_table, out_of_pool, stale)
     if out_of_pool and base_field(field or "") == "page_table[live]":
@@ -328,6 +328,9 @@ def _writes(name: str, expand: bool) -> _Writes:
 
 def _field_pattern(field: str | None) -> _Writes | None:
     part, _, f = (field or "").rpartition(":")
+    if part == "kernel":  # a kernel argument read from a metadata field (``kernel:[part.]arg``): where that is written
+        part, _, arg = f.rpartition(".")
+        f = KERNEL_FIELD.get(arg, arg)
     name = FIELD_NAMES.get(f)
     return _writes(name, part == "expand") if name else None
 

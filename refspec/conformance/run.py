@@ -192,6 +192,7 @@ def rows_for(target, jobs: list[cases.Job], results: dict) -> list[report.Row]:
                     row.diffs.append(d if k is None else replace(d, documented=k.key))
             report.find(row, target if not isinstance(target, str) else None,
                         got.get(lines.EXECUTED) if isinstance(got, dict) else None)
+            mla_forward.attribute(row)  # an MLA output difference named by its cause (mla:slot0, a table, ...)
             if row.broken:  # a known upstream bug (by its signature, or at its pins): its rule names the row
                 b = known.bug(label, j.mode, phase, [d.field for d in row.undocumented], row.error,
                               known.below_bound(row.undocumented))

@@ -388,17 +388,33 @@ HOOKS = ("init_forward_metadata", "_apply_cuda_graph_metadata", "_init_full_cg_d
          "_set_decode_page_metadata", "stage_draft_extend_metadata")
 
 
+#: the checkout holding refspec: its own files are named relative to it in a result's text (never a local path)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _rel(name: str) -> str:
+    """An upstream file relative to the folder holding ``sglang/``; one of refspec's relative to the
+    checkout (``refspec/conformance/upstream_mla.py``); any other as it is."""
     i = name.rfind("/sglang/")
-    return name[i + 1:] if i >= 0 else name
+    if i >= 0:
+        return name[i + 1:]
+    if os.path.abspath(name).startswith(os.path.join(REPO, "refspec") + os.sep):
+        return os.path.relpath(os.path.abspath(name), REPO)
+    return name
+
+
+def _ours(name: str) -> bool:
+    return _rel(name).startswith("refspec" + os.sep)
 
 
 def _where(exc: BaseException) -> str:
     """``file:line`` of the innermost upstream frame, and ``(run from flashattention_backend.py:N)``
     when that frame is not itself the innermost backend hook (:data:`HOOKS`, or any
-    ``init_forward_metadata*``) that ran it: the hook's line."""
+    ``init_forward_metadata*``) that ran it: the hook's line.  With no upstream frame, the innermost
+    frame of refspec's own code (named relative to the checkout)."""
     tb = list(traceback.walk_tb(exc.__traceback__))
-    frames = [(f, n) for f, n in tb if "/sglang/" in f.f_code.co_filename] or tb
+    frames = [(f, n) for f, n in tb if "/sglang/" in f.f_code.co_filename] or \
+        [(f, n) for f, n in tb if _ours(f.f_code.co_filename)] or tb
     f, n = frames[-1]
     at = f"{_rel(f.f_code.co_filename)}:{n}"
     hook = next(((g, m) for g, m in reversed(frames) if _rel(g.f_code.co_filename) == FA and
@@ -411,8 +427,16 @@ def _where(exc: BaseException) -> str:
 def describe(exc: BaseException) -> str:
     """``Type at file:line: message`` of an upstream exception (the text a result row carries);
     ``Type at file:line (run from flashattention_backend.py:N): message`` when it was raised in a
-    helper or kernel the backend's metadata hook called (:func:`_where`)."""
-    return f"{type(exc).__name__} at {_where(exc)}: {exc}"
+    helper or kernel the backend's metadata hook called (:func:`_where`).  An exception no upstream
+    frame raised or ran into (refspec's adapter itself failing, e.g. an ``AttributeError`` on a
+    module of a release it does not lay out) is an adapter gap, worded so:
+    ``AdapterGap at refspec/conformance/x.py:N: refspec's adapter raised AttributeError: ...``
+    (``report.is_gap``; the path relative to the checkout)."""
+    where = _where(exc)
+    if where.startswith("refspec" + os.sep) and not isinstance(exc, AdapterGap) and \
+            type(exc).__name__ != "StubUsed":
+        return f"AdapterGap at {where}: refspec's adapter raised {type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__} at {where}: {exc}"
 
 
 class Adapter:

@@ -145,18 +145,26 @@ class MLAUpstream:
         except Exception as e:  # noqa: BLE001 -- said per job (an adapter gap)
             self.Pool, self.problem = None, f"the release's MLATokenToKVPool cannot be imported here: {uc.describe(e)}"
         self.v1 = self.v2 = None
+        #: why each of the two tail-copy entry points is not driven here (an import's own error text, or the
+        #: entry point the module lacks): said in the adapter gap of a job that needs the copy
+        self.why: dict[str, str] = {}
         try:  # the v1 EAGLE worker (0.5.12.post1): its draft preprocess calls the pool's move_kv_cache
             import sglang.srt.speculative.eagle_worker as ew
 
-            self.v1 = ew
-        except Exception:  # noqa: BLE001 -- absent from 0.5.14 on (spec v2 only)
-            pass
+            if hasattr(ew.EAGLEWorker, "_draft_preprocess_decode"):
+                self.v1 = ew
+            else:  # (0.4.x: the worker allocates the draft slots inline in draft(); no tail copy at P = 1)
+                self.why["v1"] = "its EAGLEWorker has no _draft_preprocess_decode"
+        except Exception as e:  # noqa: BLE001 -- absent from 0.5.14 on (spec v2 only)
+            self.why["v1"] = f"sglang.srt.speculative.eagle_worker cannot be imported: {uc.describe(e)}"
         try:  # the spec-v2 draft preparation (0.5.23): duplicate_prefix_tail_to_draft_branches -> move_kv_cache
             import sglang.srt.speculative.eagle_worker_common as ewc
 
             self.v2 = ewc if hasattr(ewc, "prepare_for_draft") else None
-        except Exception:  # noqa: BLE001 -- absent before spec v2's common module
-            pass
+            if self.v2 is None:
+                self.why["v2"] = "its eagle_worker_common has no prepare_for_draft"
+        except Exception as e:  # noqa: BLE001 -- absent before spec v2's common module
+            self.why["v2"] = f"sglang.srt.speculative.eagle_worker_common cannot be imported: {uc.describe(e)}"
 
     @contextlib.contextmanager
     def parallel(self):
@@ -190,7 +198,7 @@ class MLAUpstream:
         rows = m["pool0"]
         pool = uc.call(self.Pool, size=rows.shape[0] - P, page_size=P, dtype=rows.dtype, kv_lora_rank=m["R"],
                        qk_rope_head_dim=m["Dr"], layer_num=1, device="cpu", enable_memory_saver=False)
-        pool.get_key_buffer(0).copy_(rows)
+        _buffer(pool).copy_(rows)
         self.at = {}
         for name in ("set_mla_kv_buffer", "move_kv_cache"):  # where upstream calls them (the findings' lines)
             fn = getattr(pool, name, None)
@@ -258,7 +266,7 @@ class MLAUpstream:
         """One forward of upstream's backend ``be`` on ``fb`` with the inputs ``x``: ``(calls (the
         Call objects, their tensors kept), output [T, H, Dv], rows written)``; raises what upstream
         raises."""
-        buf = pool.get_key_buffer(0)
+        buf = _buffer(pool)
         before = buf.clone()
         recs = self.recorders()
         with lines.paused(), installed(self.up.fa, recs, objects=(be,)), self.parallel():
@@ -273,9 +281,12 @@ class MLAUpstream:
 
     def result(self, md_fields: dict, calls, out, rows, buf, extra: dict | None = None) -> dict:
         """One result's fields: the metadata, the kernel calls, the MLA part (the output, the rows
-        written and the line that stored them, ``extra``)."""
+        written and the line that stored them, ``extra``).  ``md_fields`` itself, completed in place:
+        the dict ``upstream_common.fields`` marked, by which the worker attaches the phase's executed
+        lines (:meth:`refspec.conformance.lines.Tracer.attach`; a copy would carry none)."""
         mla = dict({"out": out, "written": dict(rows, at=self.at.pop("set_mla_kv_buffer", None))}, **(extra or {}))
-        return dict(md_fields, **{uc.KERNEL: plain_calls(calls, buf), MLA: mla})
+        md_fields.update({uc.KERNEL: plain_calls(calls, buf), MLA: mla})
+        return md_fields
 
     # ---- the jobs ----
     def run(self, job: dict, sa) -> dict:
@@ -293,7 +304,7 @@ class MLAUpstream:
 
     def _phase(self, job, base, phase, steps, pool, layer, mha, out, captured=None, static=None):
         """The forwards of one phase (each draft step in turn, from the job's pool), into ``out``."""
-        buf = pool.get_key_buffer(0)
+        buf = _buffer(pool)
         buf.copy_(job["mla"]["pool0"])
         d = job[phase]
         for s, b in steps:
@@ -310,7 +321,8 @@ class MLAUpstream:
             except uc.AdapterGap:
                 raise
             except Exception as e:  # noqa: BLE001 -- the forward's own upstream error (the metadata stands)
-                out[(phase, s)] = dict(md, **{uc.KERNEL: uc.describe(e)})
+                md[uc.KERNEL] = uc.describe(e)  # (in place: the marked dict, its executed lines attached)
+                out[(phase, s)] = md
                 continue
             shown = calls
             if phase == "capture" and captured is not None:
@@ -351,6 +363,7 @@ class MLAUpstream:
             out.update({(ph, s): uc.describe(e) for ph in ("capture", "replay") for s, _ in steps})
             return out
         self._phase(job, base, "capture", steps, pool, layer, mha, out, captured, static)
+        self._into_static(job)
         try:
             self._hooks(be, multi, job, base, mr, "replay")
         except Exception as e:  # noqa: BLE001 -- the replay's own error
@@ -358,6 +371,17 @@ class MLAUpstream:
             return out
         self._phase(job, base, "replay", steps, pool, layer, mha, out, captured, static)
         return out
+
+    def _into_static(self, job: dict) -> None:
+        """Legacy hooks: the replay batch becomes the capture batch's own tensors with the replay's
+        values copied in (:func:`~refspec.conformance.upstream_common.into_static`), as SGLang's
+        ``cuda_graph_runner`` hands its static buffers (int32 ``seq_lens`` sliced ``[:bs]``, written in
+        place) to the replay hook; so a metadata field the capture bound to such a buffer (0.4.7's
+        ``cache_seqlens_int32 = seq_lens.to(torch.int32)``, an alias of the int32 buffer) is read
+        fresh by the replayed call, and only a field bound to a tensor of the hook's own that the
+        replay rebinds reads stale (CG-001).  Graph hooks re-run their in-graph part: no change."""
+        if self.up.hooks == "legacy":
+            job["replay"] = uc.into_static(job["capture"], job["replay"])
 
     def _hooks(self, be, multi: bool, job: dict, base: str, mr, phase: str) -> None:
         """The graph hooks of ``phase`` on the job's static batch, as the adapter's shape runs them."""
@@ -442,6 +466,8 @@ class MLAUpstream:
         bs, N = job["bs"], job["num_draft_tokens"]
         captured, static = {}, {}
         for phase in ("capture", "replay"):
+            if phase == "replay":
+                self._into_static(job)
             try:
                 if phase == "capture":
                     uc.call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=bs * (k * S if draft else N))
@@ -473,7 +499,7 @@ class MLAUpstream:
                                                        fb.out_cache_loc)
 
     def _tree_phase(self, job, base, phase, steps, pool, layer, out, captured=None, static=None, move=None):
-        buf = pool.get_key_buffer(0)
+        buf = _buffer(pool)
         if phase != "eager":  # the graph phases start from refspec's moved rows (the copy is no part of a graph)
             buf.copy_(job["mla"].get("pool_moved", job["mla"]["pool0"]))
         d = job[phase]
@@ -506,16 +532,21 @@ class MLAUpstream:
         """Upstream's own copy of each request's partial prefix tail page into its branches
         t >= 1 (TR-015, ML-012) on the real pool, before the draft forwards: ``{"slots", "rows"}``
         of the rows it wrote.  Raises what upstream raises (0.5.12.post1's v1 worker: the pool has
-        no ``move_kv_cache``, sglang#26982)."""
-        buf = pool.get_key_buffer(0)
+        no ``move_kv_cache``, sglang#26982).  A release with neither worker entry point (0.4.x, whose
+        worker allocates the draft slots inline) copies nothing where no prefix ends inside a page (at
+        P = 1 always: :func:`partial_tail`), and is an :class:`~refspec.conformance.upstream_common.AdapterGap`
+        (naming why each entry point is not driven) where one does."""
+        buf = _buffer(pool)
         before = buf.clone()
         if self.v2 is not None:
             self._prepare_v2(job, pool)
         elif self.v1 is not None:
             self._preprocess_v1(job, pool)
-        else:
-            raise uc.AdapterGap("neither the v1 EAGLE worker nor spec-v2's prepare_for_draft is importable here: "
-                                "refspec cannot run this release's tail copy")
+        elif partial_tail(job):
+            raise uc.AdapterGap("refspec cannot run this release's tail copy (a prefix ends inside a page): neither "
+                                "the v1 EAGLE worker's _draft_preprocess_decode nor spec-v2's prepare_for_draft is "
+                                f"driven here (v1: {self.why.get('v1')}; v2: {self.why.get('v2')})")
+        # (else no prefix ends inside a page -- always so at P = 1 --: there is no tail to copy, none is copied)
         return dict(written(before, buf), at=self.at.pop("move_kv_cache", None))
 
     def _prepare_v2(self, job: dict, pool) -> None:
@@ -592,3 +623,19 @@ def _step(d: dict, s: int | None, job: dict) -> dict:
     B, S1 = int(d["req_pool_indices"].numel()), job["num_steps"] - 1
     return dict(d, out_cache_loc=d["out_cache_loc"].view(B, S1)[:, s].contiguous(),
                 positions=d["positions"].view(B, S1)[:, s].contiguous())
+
+
+def _buffer(pool) -> torch.Tensor:
+    """The pool's layer-0 row buffer (``get_key_buffer(0)``: ``[slots, 1, R + Dr]``), read with line
+    tracing paused: the accessor's upstream lines are no phase's metadata lines (run between two
+    draft steps' marks they would stand for the second step's: :mod:`refspec.conformance.lines`)."""
+    with lines.paused():
+        return pool.get_key_buffer(0)
+
+
+def partial_tail(job: dict) -> bool:
+    """Whether a request's prefix of a top-k > 1 draft-decode job ends inside a page (``L % P != 0``,
+    ``L`` its ``seq_lens``): only then is there a tail page to copy into the branches (TR-015); never
+    at P = 1."""
+    P = job["page_size"]
+    return P > 1 and any(int(n) % P for n in job["eager"]["seq_lens_cpu"].tolist())
