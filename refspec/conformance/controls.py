@@ -56,10 +56,13 @@ class Control:
 
 
 def _grid(t: install.Target) -> list[cases.Job]:
-    """The whole default grid of ``t`` (what ``python -m refspec conformance`` runs on it): the
-    context-wall control holds only if the wall's rows are the sole failures on the buggy code
-    and a fix that reads the headroom (#35985) passes every row, no IndexError anywhere."""
-    return [j for j in select(t, cases.PAGE_SIZES, None, tree_cases.TOPKS) if not j.unreachable]
+    """The whole default MHA grid of ``t`` (what ``python -m refspec conformance`` runs on it, less
+    the ``mla_*`` modes, whose known bugs have controls of their own and fail on 0.5.23 with or
+    without #35985): the context-wall control holds only if the wall's rows are the sole failures
+    on the buggy code and a fix that reads the headroom (#35985) passes every row, no IndexError
+    anywhere."""
+    return [j for j in select(t, cases.PAGE_SIZES, None, tree_cases.TOPKS)
+            if not j.unreachable and not j.mode.startswith("mla_")]
 
 
 def _long_tree(t: install.Target) -> list[cases.Job]:
