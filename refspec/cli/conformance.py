@@ -15,9 +15,11 @@ target and makes them strict: the run passes only when exactly those show); 3 wh
 broken but refspec's adapter cannot drive some results (an adapter gap: no rule broken; refspec
 cannot drive this code yet); 2 on a usage error, on code whose API shape no adapter drives, and on
 a selection that compares nothing.  ``--baseline SPEC`` with one ``--sglang SPEC`` reviews a PR:
-both run on the same grid and only what changed is reported (new failures: exit 1; adapter gaps
-under test: 3; pre-existing ones, fixes, results only the code under test has, the unchanged
-count).  See docs/conformance.md.
+both run on the same grid and only what changed is reported (new failures, a failing row broken
+by a new (rule, field) included: exit 1; adapter gaps under test: 3; pre-existing ones, fixes and
+partial fixes, results only the code under test has, what is newly checked, the unchanged count).
+Every argument is checked before torch loads; with several targets each compares its own subset
+of ``--modes`` (``--modes mla``: every MLA mode the code has).  See docs/conformance.md.
 
 An instrument: a learner reading the reference can skip this module.
 """
