@@ -72,7 +72,7 @@ def review(trees, tmp_path, capsys, *more, swap=False):
 
 def changed(text: str) -> list[str]:
     """The changes table's rows (status first)."""
-    return [x for x in text.splitlines() if x.startswith(("new", "fixed", "only on"))]
+    return [x for x in text.splitlines() if x.startswith(("new", "fixed", "only on", "partly"))]
 
 
 def test_the_staged_phase_only_the_pr_has_is_new_and_same_and_the_run_passes(trees, tmp_path, capsys):
@@ -140,8 +140,25 @@ def test_failing_on_both_by_one_more_rule_is_a_new_failure(trees, tmp_path, caps
     planted[("base", VERIFY, "replay")] = dict(OURS, max_seq_len_q=5)
     planted[("pr", VERIFY, "replay")] = dict(OURS, max_seq_len_q=5,
                                              cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
-    rc, text, _ = review(trees, tmp_path, capsys)
-    assert rc == 1 and "1 new failure [MD-011, CG-006]" in text and "0 pre-existing" in text
+    rc, text, md = review(trees, tmp_path, capsys)
+    assert rc == 1 and "1 new failure [MD-011] (1 of them newly broken on a failing row)" in text
+    assert "0 pre-existing" in text
+    (row,) = [x for x in changed(text) if x.startswith("newly broken")]
+    assert "now also MD-011 (cache_seqlens_int32); DIFFERS: cache_seqlens_int32,max_seq_len_q [MD-011,CG-006]" in row
+    assert "| newly broken on a failing row | verify | 16 | replay | 1 | now also MD-011" in md
+
+
+def test_failing_on_both_by_one_rule_fewer_is_partly_fixed_and_passes(trees, tmp_path, capsys):
+    """The reverse of the test above: the (rule, field) set shrank, none added: not pre-existing, not a failure."""
+    _, _, planted = trees
+    planted[("base", VERIFY, "replay")] = dict(OURS, max_seq_len_q=5,
+                                               cache_seqlens_int32=torch.tensor([66, 24], dtype=torch.int32))
+    planted[("pr", VERIFY, "replay")] = dict(OURS, max_seq_len_q=5)
+    rc, text, md = review(trees, tmp_path, capsys)
+    assert rc == 0, text
+    assert "0 new failures, 0 fixed, 1 partly fixed [no longer MD-011 (cache_seqlens_int32)]" in text
+    assert "0 pre-existing" in text
+    assert "| partly fixed | verify | replay | no longer MD-011 (cache_seqlens_int32); still CG-006 |" in md
 
 
 def test_a_fix_is_reported_as_fixed(trees, tmp_path, capsys):

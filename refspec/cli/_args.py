@@ -63,10 +63,10 @@ def plain(text: str) -> str:
     return text.replace("``", "")
 
 
-def _items(text: str, what: str) -> list[str]:
+def _items(text: str, what: str, example: str = "1,4,16") -> list[str]:
     parts = [x.strip() for x in str(text).split(",")]
     if not parts or any(not x for x in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what} (e.g. 1,4,16)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what} (e.g. {example})")
     return parts
 
 
@@ -89,9 +89,10 @@ def int_list(least: int = 1, what: str = "ints") -> Callable[[str], list[int]]:
 
 
 def choice_list(choices: Sequence[str], what: str = "names") -> Callable[[str], list[str]]:
-    """An argparse ``type``: ``"a,b"`` -> ["a", "b"], each one of ``choices``."""
+    """An argparse ``type``: ``"a,b"`` -> ["a", "b"], each one of ``choices`` (an empty or malformed
+    list's error gives the first two choices as the example)."""
     def parse(text: str) -> list[str]:
-        out = _items(text, what)
+        out = _items(text, what, ",".join(choices[:2]))
         bad = [x for x in out if x not in choices]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad))}; choose from "

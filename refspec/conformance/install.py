@@ -88,6 +88,11 @@ class UnsupportedSpec(ValueError):
     """A SPEC that names nothing installable, or code whose API shape no adapter drives (one line)."""
 
 
+class LinkedRoot(UnsupportedSpec):
+    """An install refused: the default root (``<repo>/.conformance``) is a symlink to another folder
+    (another checkout's), and the root was not given explicitly (one line: where it points, what to pass)."""
+
+
 class PipError(RuntimeError):
     """pip failed: the message is one line (what failed and pip's last meaningful line); ``stderr``
     keeps pip's whole output."""
@@ -173,21 +178,44 @@ def default_root() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".conformance")
 
 
-def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None) -> bool:
+def linked_root(root: str | None) -> str | None:
+    """Where the default root points when ``root`` was not given (``--root``) and
+    ``<repo>/.conformance`` is a symlink (to another checkout's folder, say); else None.  An install
+    there would land in that other folder unseen: :func:`_ensure` refuses it (:class:`LinkedRoot`);
+    what is installed there already is reused."""
+    if root is not None:
+        return None
+    d = default_root()
+    return os.path.realpath(d) if os.path.islink(d) else None
+
+
+def _installed(target: str, reqs: tuple[str, ...], key: str | None = None) -> bool:
+    """Whether ``target``'s stamp lists ``reqs`` (or ``key``): :func:`_ensure` has nothing to install."""
+    stamp = os.path.join(target, STAMP)
+    if not os.path.exists(stamp):
+        return False
+    with open(stamp) as f:
+        return f.read() == (key if key is not None else "\n".join(reqs)) + "\n"
+
+
+def _ensure(target: str, reqs: tuple[str, ...], log, key: str | None = None, linked: str | None = None) -> bool:
     """Install ``reqs`` into ``target`` unless its stamp already lists them (or ``key``, e.g. a
-    wheel's content hash, when given); True if installed.
+    wheel's content hash, when given); True if installed.  ``linked`` (:func:`linked_root`): the
+    folder a symlinked default root points to, where nothing new is installed.
 
     Raises: PipError if pip fails (one line: pip's last meaningful line; ``.stderr`` all of it),
     RuntimeError if ``target`` exists without a stamp (not a directory this function created: it
-    is never removed).
+    is never removed), LinkedRoot if an install is needed and ``linked`` is set.
     """
     stamp = os.path.join(target, STAMP)
     want = (key if key is not None else "\n".join(reqs)) + "\n"
-    if os.path.exists(stamp):
-        with open(stamp) as f:
-            if f.read() == want:
-                return False
-    elif os.path.exists(target) and os.listdir(target):
+    if _installed(target, reqs, key):
+        return False
+    if linked is not None:
+        raise LinkedRoot(f"not installing {' '.join(reqs)} into {target}: {default_root()} is a symlink to "
+                         f"{linked} (another folder, e.g. another checkout's); pass --root {linked} to install "
+                         f"there on purpose, or --root DIR for a folder of this checkout's own")
+    if not os.path.exists(stamp) and os.path.exists(target) and os.listdir(target):
         raise RuntimeError(f"{target} exists and was not installed by refspec (no {STAMP}); not touching it: "
                            f"move it away or pass another --root")
     if os.path.exists(target):
@@ -592,14 +620,15 @@ def tree_site(path: str) -> str | None:
     return None
 
 
-def install_release(version: str, root: str, log=print) -> str:
-    """``<root>/sglang-<version>`` with that release installed (``--no-deps``); its path.
+def install_release(version: str, root: str, log=print, linked: str | None = None) -> str:
+    """``<root>/sglang-<version>`` with that release installed (``--no-deps``); its path
+    (``linked``: :func:`_ensure`).
 
-    Raises: UnsupportedSpec (one line) when the index has no such release; PipError for any other
-    pip failure."""
+    Raises: UnsupportedSpec (one line) when the index has no such release, LinkedRoot (one line)
+    when it is not installed yet and ``linked`` is set; PipError for any other pip failure."""
     d = os.path.join(root, f"sglang-{version}")
     try:
-        _ensure(d, (f"sglang=={version}",), log)
+        _ensure(d, (f"sglang=={version}",), log, linked=linked)
     except PipError as e:
         if re.search(r"No matching distribution found|Could not find a version that satisfies", e.stderr):
             raise UnsupportedSpec(f"sglang=={version} is not on the package index (pip download failed): "
@@ -616,9 +645,12 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
     Raises: UnsupportedSpec (one line) for a spec that is neither a release, a wheel file nor a
     source tree, for a release the package index does not have, for code that does not parse (the
     file and line) or that no adapter drives (the line names what is missing), and for a
-    ``revert_fix`` the code does not register (the line lists the names it has); PipError (a
-    RuntimeError, one line) if pip fails otherwise.
+    ``revert_fix`` the code does not register (the line lists the names it has); LinkedRoot (an
+    UnsupportedSpec) when ``root`` is not given, the default root is a symlink to another folder
+    and something is not installed there yet (:func:`linked_root`); PipError (a RuntimeError, one
+    line) if pip fails otherwise.
     """
+    linked = linked_root(root)
     root = root or default_root()
     spec = spec.strip()
     if not spec:
@@ -629,7 +661,7 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
             raise UnsupportedSpec(f"wheel file {spec} does not exist")
         digest = _file_hash(path)
         site = os.path.join(root, f"wheel-{digest[:16]}")
-        _ensure(site, (path,), log, key=f"sha256:{digest}")
+        _ensure(site, (path,), log, key=f"sha256:{digest}", linked=linked)
         version = _version_of(site)
         kind, label = "wheel", f"{os.path.basename(path)}"
     elif os.path.isdir(path):
@@ -644,7 +676,7 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
         if Version(spec) < Version(FIRST_FA3):
             raise UnsupportedSpec(f"sglang {spec!r} predates the FA3 backend (first in {FIRST_FA3}); the default "
                                   f"releases are {','.join(PINS)}")
-        site = install_release(spec, releases_root or root, log)
+        site = install_release(spec, releases_root or root, log, linked if releases_root is None else None)
         kind, label, version = "release", spec, spec
     else:
         raise UnsupportedSpec(f"--sglang {spec!r} is neither a release version (e.g. 0.5.14), a wheel file nor an "
@@ -664,6 +696,8 @@ def resolve(spec: str, root: str | None = None, log=print, revert_fix: str | Non
             raise UnsupportedSpec(f"sglang {label} registers no fix {revert_fix!r}; its fix toggles: "
                                   f"{', '.join(sorted(shape.toggles, key=int))}")
         revert_fix, label = name, f"{label} -fix {name}"
+    if linked is not None and not _installed(os.path.join(root, "deps"), DEPS):
+        _ensure(os.path.join(root, "deps"), DEPS, log, linked=linked)  # (raises LinkedRoot)
     return Target(spec, kind, label, site, [site, _deps(root, log)], shape, version, revert_fix)
 
 

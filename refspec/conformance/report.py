@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refspec.conformance import cases, install, rules
 from refspec.conformance.compare import KERNEL_ARGS as KERNEL_ARG_NAMES
@@ -200,8 +200,19 @@ def headlines(rows: list[Row], label: str) -> list[Headline]:
     return sorted(out, key=lambda h: h.bug is not None)
 
 
-def headline_line(h: Headline, label: str, i: int, n: int) -> str:
-    """``== FINDING 1 of 2: TR-014 (upstream behaviour) broken by sglang 0.4.7, when bs >= 2 ...``."""
+def broken_by(h: Headline, label: str, variant: str | None = None) -> str:
+    """Whose defect a headline's rule shows: ``broken by sglang 0.4.7``; with refspec's bug
+    ``variant`` switched on (a negative control) the planted variant's, upstream being the side that
+    holds (a known upstream bug's rule stays upstream's)."""
+    if variant and not h.bug:
+        return (f"broken by refspec's planted variant {variant} (a negative control; sglang {label} is the upstream "
+                f"side)")
+    return f"broken by sglang {label}"
+
+
+def headline_line(h: Headline, label: str, i: int, n: int, variant: str | None = None) -> str:
+    """``== FINDING 1 of 2: TR-014 (upstream behaviour) broken by sglang 0.4.7, when bs >= 2 ...``
+    (``variant``: refspec's bug variant switched on, :func:`broken_by`)."""
     f = h.finding
     at = f" at {f.where[0].rsplit('/', 1)[-1]}:{f.where[1]}" if f.where else ""
     via = f" (run from {f.via[0].rsplit('/', 1)[-1]}:{f.via[1]})" if f.via else ""
@@ -212,7 +223,7 @@ def headline_line(h: Headline, label: str, i: int, n: int) -> str:
     else:
         values = f"{f.field}: refspec {f.ours} | upstream {f.theirs}"
     bug = f"; {by_key(h.bug).marker}" if h.bug else ""
-    return (f"== FINDING {i} of {n}: {h.rule} ({h.level}) broken by sglang {label} in {_n(h.count, 'result')}, "
+    return (f"== FINDING {i} of {n}: {h.rule} ({h.level}) {broken_by(h, label, variant)} in {_n(h.count, 'result')}, "
             f"{h.condition}{bug}; smallest case {h.case()}: {values}; upstream line{at}{via}")
 
 
@@ -358,6 +369,9 @@ def markdown(out, command: str = "", base_url: str = "") -> str:
     lines = ["### refspec conformance", ""]
     if command:
         lines += [f"`{command}`", ""]
+    lines += variant_md(getattr(out, "variant", None))
+    lines += [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in skipped_lines(out)]
+    lines += [""] if getattr(out, "skipped", None) else []
     for label in dict.fromkeys(r.pin for r in out.rows):
         lines += _target_md(out.rows, label, base)
     lines += unreachable_md(out)
@@ -550,16 +564,23 @@ def known_table(used: set[str] | None = None) -> str:
 
 # -- a PR-scoped review (``--baseline SPEC``): what the code under test changes against a baseline --
 
-NEW_FAILURE = "new failure"  #: fails under test; passes on the baseline (or fails there by fewer rules)
+NEW_FAILURE = "new failure"  #: fails under test; passes on the baseline
+#: fails on both, and under test by a (rule, field) pair the baseline's row does not break (the set grew): a new
+#: failure, its new pairs named (the pairs it no longer breaks, if any, said too)
+NEWLY_BROKEN = "newly broken on a failing row"
 NEW_DIFFERS = "new, DIFFERS"  #: a result only the code under test has (a new phase, mode, case), failing
 NEW_SAME = "new, same"  #: a result only the code under test has, agreeing
 PRE_EXISTING = "pre-existing"  #: fails on both by the same rules and fields
 FIXED = "fixed"  #: fails on the baseline, passes under test
+#: fails on both, and under test by fewer (rule, field) pairs, none new (the set shrank): not a failure of this change
+PARTLY_FIXED = "partly fixed"
 UNCHANGED = "unchanged"  #: passes on both
 GONE = "only on the baseline"  #: a result the code under test no longer has (a mode or phase it dropped)
 GAP = "adapter gap"  #: refspec cannot drive the code under test here (no rule broken; not compared)
 #: the order the changes are listed in
-CHANGES = (NEW_FAILURE, NEW_DIFFERS, GAP, FIXED, NEW_SAME, GONE, PRE_EXISTING, UNCHANGED)
+CHANGES = (NEW_FAILURE, NEWLY_BROKEN, NEW_DIFFERS, GAP, FIXED, PARTLY_FIXED, NEW_SAME, GONE, PRE_EXISTING, UNCHANGED)
+#: the changes that fail a ``--baseline`` run (exit 1)
+FAILING = (NEW_FAILURE, NEWLY_BROKEN, NEW_DIFFERS)
 
 
 @dataclass(frozen=True)
@@ -573,7 +594,26 @@ class Change:
     @property
     def fails(self) -> bool:
         """A new failure (``--baseline``'s exit 1); one on a known upstream bug too, named as known."""
-        return self.status in (NEW_FAILURE, NEW_DIFFERS)
+        return self.status in FAILING
+
+    @property
+    def added(self) -> set[tuple[str, str | None]]:
+        """The (rule, field) pairs the row breaks under test and the baseline's row does not (:func:`broken`)."""
+        return broken(self.row) - (broken(self.base) if self.base is not None else set())
+
+    @property
+    def removed(self) -> set[tuple[str, str | None]]:
+        """The (rule, field) pairs the baseline's row breaks and the row under test no longer does."""
+        return (broken(self.base) if self.base is not None else set()) - broken(self.row)
+
+    @property
+    def shown(self) -> Row:
+        """The row as this change's findings list it: a :data:`NEWLY_BROKEN` row with only its new
+        (rule, field) pairs' findings (the others fail on the baseline too); any other row as it is."""
+        if self.status != NEWLY_BROKEN:
+            return self.row
+        added = self.added
+        return replace(self.row, findings=[f for f in self.row.findings if (f.rule, f.field) in added])
 
 
 def broken(row: Row) -> set[tuple[str, str | None]]:
@@ -584,8 +624,9 @@ def broken(row: Row) -> set[tuple[str, str | None]]:
 def changes(base_rows: list[Row], test_rows: list[Row]) -> list[Change]:
     """Match each result of the code under test with the baseline's by (job, phase, step), the job
     id naming mode, page size and case, and classify it (:data:`CHANGES`).  A row failing on
-    both is pre-existing only when it breaks no (rule, field) the baseline's row does not: a PR
-    that makes a failing row fail in one more way is a new failure.  A row refspec cannot drive
+    both is pre-existing only when it breaks the same (rule, field) pairs as the baseline's row: a
+    PR that makes a failing row fail in one more way is a new failure (:data:`NEWLY_BROKEN`), one
+    that removes some of its pairs and adds none partly fixes it (:data:`PARTLY_FIXED`).  A row refspec cannot drive
     under test (an adapter gap, no rule broken) is :data:`GAP`; a baseline row that was only a gap
     counts as no baseline result.  The rows are the existing comparison's
     (:func:`refspec.conformance.run.rows_for`), known upstream bugs included."""
@@ -604,10 +645,21 @@ def changes(base_rows: list[Row], test_rows: list[Row]) -> list[Change]:
         elif not r.broken:
             status = FIXED if b.broken else UNCHANGED
         else:
-            status = NEW_FAILURE if not b.broken or broken(r) - broken(b) else PRE_EXISTING
+            grew, shrank = broken(r) - broken(b), broken(b) - broken(r)
+            status = (NEW_FAILURE if not b.broken else NEWLY_BROKEN if grew else PARTLY_FIXED if shrank
+                      else PRE_EXISTING)
         out.append(Change(status, r, b))
     out += [Change(GONE, b, b) for key, b in base.items() if key not in seen]
     return out
+
+
+def pairs_text(pairs) -> str:
+    """``MD-003 (kernel:cache_seqlens), ML-005 (mla:out, mla:out[padded])``: (rule, field) pairs by
+    rule, cause first; a field None is ``upstream error``."""
+    by: dict[str, set[str]] = defaultdict(set)
+    for rid, fld in pairs:
+        by[rid].add(fld or "upstream error")
+    return ", ".join(f"{rid} ({', '.join(sorted(by[rid]))})" for rid in rules.by_cause(set(by)))
 
 
 def rule_ids(rows: list[Row]) -> str:
@@ -624,12 +676,16 @@ def change_counts(chs: list[Change]) -> dict[str, int]:
 def change_summary(chs: list[Change], test: str, baseline: str) -> str:
     """``sglang @ pr against the baseline sglang @ base: 3 new failures [MD-008], 0 fixed, ...``."""
     n = change_counts(chs)
-    fails = [c.row for c in chs if c.fails]
+    gone = pairs_text({p for c in chs if c.status == PARTLY_FIXED for p in c.removed})
+    fails = [c.shown for c in chs if c.fails]  # a newly broken row: its new pairs only
     known = [r for r in fails if r.bug]
     return (f"sglang {test} against the baseline sglang {baseline}: {_n(len(fails), 'new failure')}"
             + (f" [{rule_ids(fails)}]" if fails else "")
             + (f" ({len(known)} of them on known upstream bugs)" if known else "")
-            + f", {n[FIXED]} fixed, {_n(n[NEW_SAME] + n[NEW_DIFFERS], 'new result')} ({n[NEW_SAME]} same, "
+            + (f" ({n[NEWLY_BROKEN]} of them {NEWLY_BROKEN})" if n[NEWLY_BROKEN] else "")
+            + f", {n[FIXED]} fixed"
+            + (f", {n[PARTLY_FIXED]} partly fixed [no longer {gone}]" if n[PARTLY_FIXED] else "")
+            + f", {_n(n[NEW_SAME] + n[NEW_DIFFERS], 'new result')} ({n[NEW_SAME]} same, "
               f"{n[NEW_DIFFERS]} DIFFERS), {n[PRE_EXISTING]} pre-existing, {n[UNCHANGED]} unchanged"
             + (f", {n[GONE]} only on the baseline" if n[GONE] else "")
             + (f", {_n(n[GAP], 'adapter gap')} ({GAP_WORDS})" if n[GAP] else ""))
@@ -637,6 +693,41 @@ def change_summary(chs: list[Change], test: str, baseline: str) -> str:
 
 def _n(k: int, noun: str) -> str:
     return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
+def checked_lines(chs: list[Change]) -> list[str]:
+    """What the code under test's comparison checks that the baseline's did not, and the reverse, from
+    the rows' kernel counts (:func:`kernel_lines`): PA-013 (a kernel call handed a
+    ``scheduler_metadata``, checked against the ``get_scheduler_metadata`` call that made it) and the
+    kernel's real arguments, in how many results each is now / no longer checked.  A result's status
+    (:data:`CHANGES`) says whether it agrees; this says what a change in the code made comparable:
+    0.5.11's scheduler_metadata precompute agrees, yet its calls are checked by PA-013 only there."""
+    live = [c for c in chs if c.status != GONE]
+    lines = []
+
+    def new_in(rows: list[Change]) -> str:
+        k = sum(c.base is None for c in rows)
+        return f"; {k} of them new results" if k else ""
+
+    now = [c for c in live if c.row.sched_checked and (c.base is None or not c.base.sched_checked)]
+    if now:
+        calls = sum(c.row.sched_checked for c in now)
+        lines.append(f"PA-013 now checked in {_n(len(now), 'result')} (scheduler_metadata, new in this code: "
+                     f"{_n(calls, 'kernel call')} handed one, each checked against the get_scheduler_metadata call "
+                     f"that made it; the baseline's calls there were handed none{new_in(now)})")
+    gone = [c for c in live if c.base is not None and c.base.sched_checked and not c.row.sched_checked]
+    if gone:
+        lines.append(f"PA-013 no longer checked in {_n(len(gone), 'result')} (the baseline's kernel calls there were "
+                     f"handed a scheduler_metadata, this code's are not)")
+    now = [c for c in live if c.row.kernel_calls and (c.base is None or not c.base.kernel_calls)]
+    if now:
+        lines.append(f"kernel arguments now compared in {_n(len(now), 'result')} (the baseline's forward recorded "
+                     f"no kernel call there{new_in(now)})")
+    gone = [c for c in live if c.base is not None and c.base.kernel_calls and not c.row.kernel_calls]
+    if gone:
+        lines.append(f"kernel arguments no longer compared in {_n(len(gone), 'result')} (this code's forward "
+                     f"recorded no kernel call there; the baseline's did)")
+    return lines
 
 
 def kernel_lines(out, side: str = "") -> list[str]:
@@ -663,6 +754,27 @@ def kernel_lines(out, side: str = "") -> list[str]:
                      + (f"; not compared: {trees} top-k > 1 results (the cascade's two calls and merge are not "
                         f"recorded yet)" if trees else "")
                      + ("; idle runs no kernel" if any(r.mode == "idle" for r in mine) else ""))
+    return lines
+
+
+def variant_md(variant: str | None) -> list[str]:
+    """The report's note on refspec's bug ``variant`` switched on (``--variant``), or nothing."""
+    if not variant:
+        return []
+    return [f"refspec's bug variant `{variant}` was switched on (`--variant`, a negative control): the rules below "
+            f"not named as known upstream bugs are broken by refspec's planted defect, not by sglang.", ""]
+
+
+def skipped_lines(out, side: str = "") -> list[str]:
+    """One line per target that skips requested modes (``Outcome.skipped``: several targets, each
+    with its own subset of ``--modes``, or a group such as ``mla``): which, and why."""
+    lines = []
+    for label, skip in (getattr(out, "skipped", None) or {}).items():
+        by_why: dict[str, list[str]] = defaultdict(list)
+        for mode, why in skip.items():
+            by_why[why].append(mode)
+        lines += [f"== {side}not compared on sglang {label} (requested by --modes, which it lacks): "
+                  f"{', '.join(modes)}: {why}" for why, modes in by_why.items()]
     return lines
 
 
@@ -728,6 +840,12 @@ def _change_groups(chs: list[Change], verbose: bool = False, last: dict | None =
 def _change_cell(status: str, cs: list[Change]) -> str:
     if status in (FIXED, GONE):  # what the baseline showed
         return "baseline: " + _cell([c.base for c in cs])
+    if status == PARTLY_FIXED:  # the pairs gone, then what still fails (on the baseline too)
+        return f"no longer {pairs_text({p for c in cs for p in c.removed})}; still " + _cell([c.row for c in cs])
+    if status == NEWLY_BROKEN:  # the new pairs; the row failed on the baseline already
+        gone = {p for c in cs for p in c.removed}
+        return (f"now also {pairs_text({p for c in cs for p in c.added})}" +
+                (f", no longer {pairs_text(gone)}" if gone else "") + "; " + _cell([c.row for c in cs]))
     return _cell([c.row for c in cs])
 
 
@@ -760,7 +878,7 @@ def changes_table(chs: list[Change], verbose: bool = False, limit: int = 12, las
             lines.append(f"{status:<{s}}  {label:<{w}}  {P:>3}  {phase:<13} {len(cs):>5}  {_change_cell(status, cs)}")
     if not said:
         lines += absent_lines(last)
-    new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS)]
+    new = [c.shown for c in chs if c.fails]
     new.sort(key=lambda r: r.bug is not None)  # a known upstream bug never pushes a new finding out of the preview
     found = [finding_line(r, f) for r in new for f in r.findings]
     found += [finding_line(c.row, f) for c in chs if c.status == GAP for f in c.row.findings if f.rule == ADAPTER]
@@ -793,6 +911,11 @@ def collapsed_changes(groups: dict[tuple, list[Change]]) -> list[str]:
     for (status, _label, _P, phase), cs in groups.items():
         rows = [c.base if status in (FIXED, GONE) else c.row for c in cs]
         ids = ",".join(rules.by_cause({f.rule for r in rows for f in r.findings})) or "-"
+        if status in (PARTLY_FIXED, NEWLY_BROKEN):  # the pairs that changed, the others after them
+            moved = {p for c in cs for p in (c.removed if status == PARTLY_FIXED else c.added)}
+            ids = (f"{'no longer' if status == PARTLY_FIXED else 'now also'} {pairs_text(moved)}; still "
+                   + ",".join(rules.by_cause({f.rule for r in rows for f in r.findings
+                                              if (f.rule, f.field) not in moved})))
         merged[(status, cs[0].row.mode, phase, ids)].extend(cs)
     out = ["| change | mode | phase | rules | P | cases | steps | results |", "|---|---|---|---|---|---|---|---|"]
     for (status, mode, phase, ids), cs in merged.items():
@@ -816,10 +939,15 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     if command:
         lines += [f"`{command}`", ""]
     lines += [f"**{change_summary(chs, test, baseline)}**.", ""]
+    checked = checked_lines(chs)
+    lines += [f"Newly checked: {'; '.join(checked)}.", ""] if checked else []
+    lines += variant_md(getattr(rev.test, "variant", None))
+    said = skipped_lines(rev.test, "under test: ")
+    lines += [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in said] + ([""] if said else [])
     last = getattr(rev, "not_on_baseline", None)
     lines += [x + "." for x in absent_lines(last)] + ([""] if last else [])
     groups = _change_groups(chs, last=last)
-    top = {k: cs for k, cs in groups.items() if k[0] in (NEW_FAILURE, NEW_DIFFERS)}
+    top = {k: cs for k, cs in groups.items() if k[0] in FAILING}
     rest = {k: cs for k, cs in groups.items() if k not in top}
     if top:
         table = ["| change | mode | P | phase | results | result |", "|---|---|---|---|---|---|"]
@@ -831,7 +959,7 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
             lines += table + ["", "</details>", ""]
         else:
             lines += table + [""]
-    new = [c.row for c in chs if c.status in (NEW_FAILURE, NEW_DIFFERS) and c.row.findings]
+    new = [c.shown for c in chs if c.fails and c.shown.findings]
     if any(not r.bug for r in new):
         lines += ["New failures:", ""] + _rules_md(new, base)
     elif new:  # every new result is on a known upstream bug: still a broken rule, named as known (with its PR)
@@ -856,5 +984,8 @@ def review_markdown(rev, command: str = "", base_url: str = "") -> str:
     for out in (rev.test, rev.baseline):
         for label in dict.fromkeys(r.pin for r in out.rows):
             lines += _target_md(out.rows, label, base)
+        said = kernel_lines(out)
+        lines += [x.removeprefix("== ")[0].upper() + x.removeprefix("== ")[1:] + "." for x in said] + \
+            ([""] if said else [])
     lines += ["</details>", "", f"<sub>{how[0].upper()}{how[1:]}.</sub>"]
     return "\n".join(lines)

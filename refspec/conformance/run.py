@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refspec.conformance import cases, install, known, lines, mla_forward, report, rules, tree_cases
+from refspec.conformance import cases, install, known, lines, mla_forward, names, report, rules, tree_cases
 from refspec.conformance.compare import (KERNEL_ALIASES, SCHED_KEY, UNREAD, Diff, compare, compare_parts,
                                          kernel_diffs, unread_by)
 from refspec.conformance.report import mirror_lines, unreachable_lines
@@ -79,6 +79,10 @@ class Outcome:
     #: (target label, job id, why, job) of the jobs not compared: upstream's own code never builds that batch
     #: (its runner, or its guards refusing or rewriting the configuration)
     unreachable: list = field(default_factory=list)
+    #: target label -> {mode: why} of the requested modes (``--modes``) that target does not compare: a group's
+    #: (``--modes mla``) modes it lacks, and with several targets any it lacks (each takes its own subset)
+    skipped: dict = field(default_factory=dict)
+    variant: str | None = None  #: the refspec bug variant switched on (a negative control: the defect is refspec's)
 
     @property
     def ok(self) -> bool:
@@ -310,22 +314,21 @@ def targets(sglang, root: str | None = None, log=print, revert_fix: str | None =
 
 
 def select(target: install.Target, page_sizes, modes, topks, variant: str | None = None,
-           edges=None, mla_grid: str = "default") -> list[cases.Job]:
+           edges=None, mla_grid: str = "default", several: bool = False) -> list[cases.Job]:
     """The jobs of ``target``'s modes (restricted to ``modes`` if given) at ``page_sizes`` / ``topks``,
     and the edge jobs (the context wall, long chains, small tree batches) at ``edges`` (default:
     ``page_sizes``; the sweep adds the edges where the known upstream bugs show to a smaller grid).
     The MLA modes (``mla_*``, :mod:`refspec.conformance.mla_forward`) are the target's modes through
     the MLA forward path, on ``mla_grid`` (:func:`mla_forward.grid`: ``default``, ``full``, ``off``).
+    ``modes`` may hold groups (``mla``: :data:`names.GROUPS`); which of them ``target`` takes:
+    :func:`wanted` (``several``: one of several targets, which takes its own subset).
 
     Raises: NoCases naming what was asked for and what the code has, when a given mode is not
-    compared on this code, or a page size / top-k yields no case, or nothing is selected at all.
+    compared on this code (:func:`wanted`), or a page size / top-k yields no case, or nothing is
+    selected at all.
     """
     have = (*target.shape.modes, *mla_forward.modes_for(target))
-    if modes is not None:
-        lack = [m for m in modes if m not in have]
-        if lack:
-            raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
-                          f"{_why_not(target, [mla_forward.base_mode(m) for m in lack])})")
+    modes = wanted(target, modes, several)[0]
     pm = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
           (modes is not None and m in modes)]
     jobs = _jobs(target, page_sizes, pm, topks, variant, edges) + _mla_jobs(page_sizes, pm, variant, mla_grid)
@@ -350,6 +353,36 @@ def select(target: install.Target, page_sizes, modes, topks, variant: str | None
                           f"sizes {', '.join(map(str, page_sizes))} (top-k values: "
                           f"{', '.join(map(str, tree_cases.TOPKS))})")
     return jobs
+
+
+def wanted(target: install.Target, modes, several: bool = False) -> tuple[list[str] | None, dict[str, str]]:
+    """``(the modes target compares, {mode: why} of the requested ones it skips)`` for ``--modes``
+    ``modes`` (None: every mode it has, nothing skipped).  A group (``mla``, :data:`names.GROUPS`)
+    stands for those of its modes the code has; a mode named outright that the code lacks is a
+    usage error on one target, and skipped (said) when ``several`` targets each take their own
+    subset of the requested modes.
+
+    Raises: NoCases naming the code, the lacking modes and why (:func:`_why_not`) when a mode named
+    outright is lacking on one target, or when the target takes none of the requested modes."""
+    if modes is None:
+        return None, {}
+    have = (*target.shape.modes, *mla_forward.modes_for(target))
+    named = {m for m in modes if m not in names.GROUPS}
+    take, skip, lack = [], {}, []
+    for m in names.expand(modes):
+        if m in have:
+            take.append(m)
+        elif several or m not in named:
+            skip[m] = _why_not(target, [mla_forward.base_mode(m)]).lstrip("; ") or "not among its modes"
+        else:
+            lack.append(m)
+    if lack:
+        raise NoCases(f"sglang {target.label} is not compared on {', '.join(lack)} (its modes: {', '.join(have)}"
+                      f"{_why_not(target, [mla_forward.base_mode(m) for m in lack])})")
+    if not take:
+        raise NoCases(f"sglang {target.label} compares none of the requested modes {', '.join(modes)} (its modes: "
+                      f"{', '.join(have)}{_why_not(target, [mla_forward.base_mode(m) for m in skip])})")
+    return take, skip
 
 
 def _mla_jobs(page_sizes, modes, variant: str | None = None, mla_grid: str = "default") -> list[cases.Job]:
@@ -405,7 +438,9 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     target's mode list (None: all its shape has); ``topks`` the top-k values of the tree modes;
     ``revert_fix`` an upstream fix toggle reverted on every target; ``pins`` is the old name of
     ``sglang``; ``mla_grid`` the MLA forward path's grid (``default``, ``full``, ``off``:
-    :func:`mla_forward.grid`).
+    :func:`mla_forward.grid`).  With several targets each compares its own subset of ``modes``
+    (those it has; the others are ``Outcome.skipped``, said in the output); a group (``mla``)
+    takes the modes the code has on any number of targets (:func:`wanted`).
 
     ``cache`` (a dict kept by the caller) lets several runs share upstream's results for
     byte-identical inputs: a refspec variant that leaves the inputs unchanged costs no worker.
@@ -415,8 +450,13 @@ def run(sglang=install.PINS, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     t0 = time.perf_counter()
     tgts = targets(pins if pins is not None else sglang, root, log, revert_fix)
     seconds = {"install": round(time.perf_counter() - t0, 1)}
-    plans = [(t, select(t, page_sizes, modes, topks, variant, edges, mla_grid)) for t in tgts]  # every NoCases first
-    return _compare(plans, cache, seconds, t0)
+    several = len(tgts) > 1  # each target takes its own subset of the requested modes
+    plans = [(t, select(t, page_sizes, modes, topks, variant, edges, mla_grid, several))
+             for t in tgts]  # every NoCases first
+    out = _compare(plans, cache, seconds, t0)
+    out.skipped = {t.label: skip for t in tgts if (skip := wanted(t, modes, several)[1])}
+    out.variant = variant
+    return out
 
 
 def _compare(plans, cache: dict | None, seconds: dict, t0: float) -> Outcome:
@@ -491,11 +531,14 @@ def review(baseline, sglang, page_sizes=cases.PAGE_SIZES, modes=None, variant: s
     jobs = select(test, page_sizes, modes, topks, variant, mla_grid=mla_grid)
     have = (*base.shape.modes, *mla_forward.modes_for(base))
     on_base = [m for m in have if (modes is None and (mla_grid != "off" or not mla_forward.is_mla(m))) or
-               (modes is not None and m in modes)]
+               (modes is not None and m in names.expand(modes))]
     base_jobs = _jobs(base, page_sizes, on_base, topks, variant) + _mla_jobs(page_sizes, on_base, variant, mla_grid)
     t1 = time.perf_counter()
     base_out = _compare([(base, base_jobs)], cache, dict(seconds), t0)
     test_out = _compare([(test, jobs)], cache, dict(seconds), t1)
+    base_out.variant = test_out.variant = variant
+    skip = wanted(test, modes)[1]
+    test_out.skipped = {test.label: skip} if skip else {}
     return Review(base_out, test_out, report.changes(base_out.rows, test_out.rows), not_on_baseline(base, jobs))
 
 
@@ -515,7 +558,7 @@ def render(out: Outcome, verbose: bool = False, expect: dict[str, set[str]] | No
                      + (f", {s['gaps']} adapter gaps" if s["gaps"] else "") + " "
                      f"(worker: import {inf.get('import_s')} s, run {inf.get('run_s')} s{how})")
         hs = report.headlines(out.rows, label)
-        parts += [report.headline_line(h, label, i, len(hs)) for i, h in enumerate(hs, 1)]
+        parts += [report.headline_line(h, label, i, len(hs), out.variant) for i, h in enumerate(hs, 1)]
         if verbose:
             for k, v in inf.items():
                 if k.startswith(("replay kernels", "tree kernel")):
@@ -523,6 +566,7 @@ def render(out: Outcome, verbose: bool = False, expect: dict[str, set[str]] | No
         tab = report.table(out.rows, label, verbose, out.targets.get(label))
         if tab:
             parts.append(tab)
+    parts += report.skipped_lines(out)
     parts += unreachable_lines(out)
     parts += mirror_lines(out)
     parts += report.kernel_lines(out)
@@ -548,17 +592,11 @@ EXIT_OK, EXIT_FAIL, EXIT_GAP = 0, 1, 3
 
 
 def parse_expected(text: str) -> dict[str, set[str]]:
-    """``--expect-bugs LABEL:KEY[,LABEL:KEY...]`` -> ``{target label: {known bug key, ...}}``.
+    """``--expect-bugs LABEL:KEY[,LABEL:KEY...]`` -> ``{target label: {known bug key, ...}}``
+    (:func:`names.parse_expected` against :data:`known.BUGS`' keys).
 
     Raises: ValueError naming an item without ``:`` or a key :data:`known.BUGS` does not have."""
-    out: dict[str, set[str]] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        label, sep, key = item.rpartition(":")
-        if not sep or not label:
-            raise ValueError(f"{item!r}: expected LABEL:KEY (e.g. 0.5.23:context-wall-page-table)")
-        known.by_key(key)  # KeyError naming it
-        out.setdefault(label, set()).add(key)
-    return out
+    return names.parse_expected(text, {b.key for b in known.BUGS})
 
 
 def _n(k: int, noun: str) -> str:
@@ -619,7 +657,10 @@ def verdict(out: Outcome, expect: dict[str, set[str]] | None = None) -> tuple[in
         bugs = [r for r in failures if r.bug]
         named = ", ".join(sorted({known.by_key(b).marker for r in bugs for b in (r.bug, *r.also)}))
         lines.append(f"== FAIL: {_breaks(len(failures))} a rule [{_ids(failures)}]"
-                     + (f"; {len(bugs)} of them reproduce known upstream bugs ({named})" if bugs else ""))
+                     + (f"; {len(bugs)} of them reproduce known upstream bugs ({named})" if bugs else "")
+                     + (f"; refspec's bug variant {out.variant} is on (a negative control): the defect is refspec's "
+                        f"planted one, the run failing is the control working" if out.variant and len(bugs) <
+                        len(failures) else ""))
     elif gaps:
         code = EXIT_GAP
     if gaps:
@@ -647,9 +688,11 @@ def render_review(rev: Review, verbose: bool = False) -> str:
                          + (f" ({s['known_bug']} on known upstream bugs)" if s["known_bug"] else ""))
     for side, out in (("baseline: ", rev.baseline), ("under test: ", rev.test)):
         if not verbose:
-            parts += unreachable_lines(out, side) + mirror_lines(out, side) + report.kernel_lines(out, side)
+            parts += (report.skipped_lines(out, side) + unreachable_lines(out, side) + mirror_lines(out, side)
+                      + report.kernel_lines(out, side))
     test, base = next(iter(rev.test.targets)), next(iter(rev.baseline.targets))
     parts.append(f"== changes: {report.change_summary(rev.changes, test, base)}")
+    parts += [f"== newly checked: {x}" for x in report.checked_lines(rev.changes)]
     parts.append(report.changes_table(rev.changes, verbose, last=rev.not_on_baseline))
     bugs = {c.row.bug for c in rev.changes if c.row.bug and c.status != report.UNCHANGED}
     if bugs:
