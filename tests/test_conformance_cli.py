@@ -98,7 +98,7 @@ def test_a_report_file_that_cannot_be_created_is_refused_before_any_run(capsys, 
 
 
 def test_the_report_check_leaves_no_file_and_keeps_an_old_one(capsys, tmp_path):
-    new, old = tmp_path / "new.md", tmp_path / "old.md"
+    new, old = tmp_path / "review.md", tmp_path / "r.md"  # a fresh report, and one a last review left
     old.write_text("the last review\n")
     for path in (new, old):  # a later argument error stops the run after the --report check
         assert "--variant" in error(capsys, "--report", str(path), "--variant", "nope")
