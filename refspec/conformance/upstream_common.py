@@ -352,6 +352,27 @@ def fields(md) -> dict:
     return mark(out)
 
 
+def legacy_hook(be, phase: str, fb, bs: int, num_tokens: int, multi: bool) -> None:
+    """Run the legacy graph hook of ``phase`` (``init_forward_metadata_capture_cuda_graph`` or
+    ``init_forward_metadata_replay_cuda_graph``) on ``fb`` as SGLang's ``cuda_graph_runner`` calls it:
+    the multi-step draft backend takes ``(fb, bs)`` / ``(fb)``, the backend the keyword arguments its
+    signature names (:func:`call`; older releases take fewer)."""
+    if phase == "capture":
+        if multi:
+            be.init_forward_metadata_capture_cuda_graph(fb)
+        else:
+            call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=num_tokens,
+                 req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, encoder_lens=None,
+                 forward_mode=fb.forward_mode, spec_info=fb.spec_info)
+    elif multi:
+        be.init_forward_metadata_replay_cuda_graph(fb, bs)
+    else:
+        call(be.init_forward_metadata_replay_cuda_graph, bs=bs, req_pool_indices=fb.req_pool_indices,
+             seq_lens=fb.seq_lens, seq_lens_sum=fb.seq_lens_sum, encoder_lens=None,
+             forward_mode=fb.forward_mode, spec_info=fb.spec_info, seq_lens_cpu=fb.seq_lens_cpu,
+             out_cache_loc=fb.out_cache_loc)
+
+
 def call(fn, **kw):
     """Call ``fn`` with the arguments its signature names (older releases take fewer, e.g. no
     ``out_cache_loc``, or no ``is_draft_worker`` for ``KVIndexTranslator``): every parameter it

@@ -121,12 +121,7 @@ class Upstream(uc.Adapter):
         mode = job["mode"]
         uc.call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=job["capture"]["num_tokens"])  # (0.4.x: max_bs)
         cap = fb("capture")
-        if multi:
-            be.init_forward_metadata_capture_cuda_graph(cap)
-        else:
-            uc.call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
-                    req_pool_indices=cap.req_pool_indices, seq_lens=cap.seq_lens, encoder_lens=None,
-                    forward_mode=cap.forward_mode, spec_info=cap.spec_info)
+        uc.legacy_hook(be, "capture", cap, bs, job["capture"]["num_tokens"], multi)
         captured = {}
         for s, b in steps:
             out[("capture", s)] = _built(b, "capture")
@@ -135,13 +130,7 @@ class Upstream(uc.Adapter):
                 uc.attach(out[("capture", s)], captured[s])
         job["replay"] = uc.into_static(job["capture"], job["replay"])  # the runner's static buffers, rewritten
         rep = fb("replay")
-        if multi:
-            be.init_forward_metadata_replay_cuda_graph(rep, bs)
-        else:
-            uc.call(be.init_forward_metadata_replay_cuda_graph, bs=bs, req_pool_indices=rep.req_pool_indices,
-                    seq_lens=rep.seq_lens, seq_lens_sum=rep.seq_lens_sum, encoder_lens=None,
-                    forward_mode=rep.forward_mode, spec_info=rep.spec_info, seq_lens_cpu=rep.seq_lens_cpu,
-                    out_cache_loc=rep.out_cache_loc)
+        uc.legacy_hook(be, "replay", rep, bs, job["capture"]["num_tokens"], multi)
         for s, b in steps:
             out[("replay", s)] = _built(b, "replay")
             if s in captured and isinstance(out[("replay", s)], dict):

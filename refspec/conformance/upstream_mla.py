@@ -324,12 +324,16 @@ class MLAUpstream:
                 md[uc.KERNEL] = uc.describe(e)  # (in place: the marked dict, its executed lines attached)
                 out[(phase, s)] = md
                 continue
-            shown = calls
-            if phase == "capture" and captured is not None:
-                captured[s] = calls
-            if phase == "replay" and captured is not None and s in captured:
-                shown = self._replayed(captured[s], calls)
-            out[(phase, s)] = self.result(md, shown, o, w, buf)
+            out[(phase, s)] = self.result(md, self._shown(phase, s, calls, captured), o, w, buf)
+
+    def _shown(self, phase: str, step, calls, captured: dict | None):
+        """The kernel calls a result shows: a capture's are kept in ``captured`` (by draft step), a
+        replay shows the captured calls as the replay left them (:meth:`_replayed`), eager its own."""
+        if phase == "capture" and captured is not None:
+            captured[step] = calls
+        if phase == "replay" and captured is not None and step in captured:
+            return self._replayed(captured[step], calls)
+        return calls
 
     def _replayed(self, captured, fresh):
         """What a replayed graph hands the kernel (module doc)."""
@@ -395,19 +399,7 @@ class MLAUpstream:
             return
         if phase == "capture":
             uc.call(be.init_cuda_graph_state, max_bs=bs, max_num_tokens=job["capture"]["num_tokens"])
-            if multi:
-                be.init_forward_metadata_capture_cuda_graph(fb)
-            else:
-                uc.call(be.init_forward_metadata_capture_cuda_graph, bs=bs, num_tokens=job["capture"]["num_tokens"],
-                        req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens, encoder_lens=None,
-                        forward_mode=fb.forward_mode, spec_info=fb.spec_info)
-        elif multi:
-            be.init_forward_metadata_replay_cuda_graph(fb, bs)
-        else:
-            uc.call(be.init_forward_metadata_replay_cuda_graph, bs=bs, req_pool_indices=fb.req_pool_indices,
-                    seq_lens=fb.seq_lens, seq_lens_sum=fb.seq_lens_sum, encoder_lens=None,
-                    forward_mode=fb.forward_mode, spec_info=fb.spec_info, seq_lens_cpu=fb.seq_lens_cpu,
-                    out_cache_loc=fb.out_cache_loc)
+        uc.legacy_hook(be, phase, fb, bs, job["capture"]["num_tokens"], multi)
 
     # ---- top-k > 1: the cascade ----
     def tree_fb(self, base: str, d: dict, job: dict, mr, step: int | None = None):
@@ -520,13 +512,8 @@ class MLAUpstream:
             except Exception as e:  # noqa: BLE001 -- the forward's own upstream error (the metadata stands)
                 out[(phase, s)] = dict(parts, **{uc.KERNEL: uc.describe(e)})
                 continue
-            shown = calls
-            if phase == "capture" and captured is not None:
-                captured[s] = calls
-            if phase == "replay" and captured is not None and s in captured:
-                shown = self._replayed(captured[s], calls)
             extra = {"moved": move} if move is not None and s == steps[0][0] else None
-            out[(phase, s)] = self.result(parts, shown, o, w, buf, extra)
+            out[(phase, s)] = self.result(parts, self._shown(phase, s, calls, captured), o, w, buf, extra)
 
     def tail_copy(self, job: dict, pool, mr) -> dict:
         """Upstream's own copy of each request's partial prefix tail page into its branches
